@@ -1,0 +1,189 @@
+"""cupygpt's command line: verify, prepare, train, sample. Run any with --help."""
+import functools
+import json
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+
+import click
+
+from cupygpt import CupyGPTError
+from cupygpt.pipeline.transport import launched_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data")
+
+
+def entry(fn):
+    """Bad input ends in one line and exit 1; under mpiexec any failure ends every rank."""
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        try:
+            return fn(**kw)
+        except CupyGPTError as e:
+            click.echo(f"error: {e}", err=True)
+        except Exception:
+            traceback.print_exc()
+        if launched_ranks() > 1:
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Abort(1)
+        sys.exit(1)
+    return wrapper
+
+
+def pipeline_options(fn):
+    for opt in reversed([
+        click.option("--backend", default="auto", show_default=True,
+                     type=click.Choice(["auto", "cuda", "numpy"])),
+        click.option("--micro-batches", default=1, show_default=True,
+                     help="micro-batches per step (must divide -b)"),
+        click.option("--schedule", default="1f1b", show_default=True,
+                     type=click.Choice(["1f1b", "gpipe"])),
+        click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"),
+        click.option("--transport", default="auto", show_default=True,
+                     type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
+                     help="stage-to-stage transport under mpiexec (auto: nvshmem on GPU, mpi on CPU)"),
+        click.option("--peer-timeout", default=300.0, show_default=True,
+                     help="seconds to wait on another rank before failing"),
+        click.option("--tf32/--no-tf32", default=None,
+                     help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def session(o, tf32_default):
+    from cupygpt.session import Session
+    return Session(o.backend, o.transport, o.peer_timeout,
+                   tf32_default if o.tf32 is None else o.tf32)
+
+
+@click.group()
+def cli():
+    """GPT-2 training in llm.c's formats: NumPy on the CPU, CUDA kernels on the GPU,
+    pipeline-parallel under mpiexec."""
+
+
+@cli.command()
+@click.option("--model", required=True, help="llm.c model file")
+@click.option("--state", required=True, help="llm.c debug state file")
+@click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
+@click.option("--lr", default=1e-4, show_default=True)
+@click.option("--weight-decay", default=0.01, show_default=True)
+@click.option("--expected", default=None, help="JSON with a 'losses' list to check the steps")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@pipeline_options
+@entry
+def verify(**kw):
+    """Check logits, loss and every gradient against an llm.c debug state."""
+    import numpy as np
+    from cupygpt.verify import format_report, verify as run_verify
+    o = SimpleNamespace(**kw)
+    sess = session(o, tf32_default=False)
+    report = run_verify(sess, o.model, o.state, o.steps, o.lr, o.weight_decay, o.micro_batches,
+                        o.schedule, o.split, o.expected, getattr(np, o.dtype))
+    if sess.tr.rank == 0:
+        click.echo(json.dumps(report) if o.as_json else format_report(report))
+    ok = sess.tr.bcast(report["ok"] if sess.tr.rank == 0 else None)
+    sys.exit(0 if ok else 1)
+
+
+@cli.command()
+@click.argument("text", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", default=DATA, show_default=True, help="output directory")
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--name", default="tiny_shakespeare", show_default=True, help="shard name prefix")
+@entry
+def prepare(text, out, tokenizer, name):
+    """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
+    tinyshakespeare script does."""
+    from cupygpt.files import write_shard
+    from cupygpt.tokenizer import Tokenizer, tokenize_tinyshakespeare
+    train_tokens, val_tokens = tokenize_tinyshakespeare(
+        open(text, encoding="utf-8").read(), Tokenizer(tokenizer))
+    for split, toks in (("val", val_tokens), ("train", train_tokens)):
+        path = os.path.join(out, f"{name}_{split}.bin")
+        write_shard(path, toks)
+        click.echo(f"wrote {len(toks):,} tokens to {path}")
+
+
+@cli.command()
+@click.option("-i", "train_pattern", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
+              show_default=True, help="train shards (glob)")
+@click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
+              show_default=True, help="val shards (glob)")
+@click.option("-e", "init", default="tiny", show_default=True,
+              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48")
+@click.option("-o", "out", default="out", show_default=True, help="output directory")
+@click.option("-b", "batch", default=4, show_default=True, help="batch size B")
+@click.option("-t", "seq", default=64, show_default=True, help="sequence length T")
+@click.option("-l", "lr", default=1e-3, show_default=True, help="learning rate")
+@click.option("-u", "warmup", default=10, show_default=True, help="lr warm-up steps")
+@click.option("-q", "final_lr_frac", default=0.1, show_default=True,
+              help="final lr as a fraction of -l (cosine decay)")
+@click.option("-n", "steps", default=60, show_default=True, help="training steps")
+@click.option("-v", "val_every", default=20, show_default=True, help="val loss every N steps")
+@click.option("-m", "val_batches", default=4, show_default=True, help="val batches")
+@click.option("-s", "sample_every", default=0, show_default=True,
+              help="sample every N steps (always at the end)")
+@click.option("-g", "gen_tokens", default=48, show_default=True, help="tokens to generate")
+@click.option("--weight-decay", default=0.0, show_default=True)
+@click.option("--seed", default=1337, show_default=True)
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@pipeline_options
+@entry
+def train(**kw):
+    """Train GPT-2 llm.c-style; writes OUT/model.bin in llm.c's format."""
+    from cupygpt.train import train as run_train
+    o = SimpleNamespace(**kw)
+    o.sample_every = o.sample_every or o.steps
+    run_train(session(o, tf32_default=True), o)
+
+
+@cli.command()
+@click.option("--model", default=os.path.join("out", "model.bin"), show_default=True)
+@click.option("--prompt", default="", help="text to continue (default: start of text)")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--top-k", default=None, type=int)
+@click.option("--seed", default=1337, show_default=True)
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@pipeline_options
+@entry
+def sample(**kw):
+    """Generate text from an llm.c model file."""
+    import numpy as np
+    from cupygpt import CupyGPTError as Err
+    from cupygpt.files import read_model
+    from cupygpt.sample import generate
+    from cupygpt.tokenizer import Tokenizer
+    o = SimpleNamespace(**kw)
+    for name, v in (("--max-new-tokens", o.max_new_tokens), ("--temperature", o.temperature)):
+        if v < 0:
+            raise Err(f"{name} {v}: must not be negative")
+    if o.top_k is not None and o.top_k <= 0:
+        raise Err(f"--top-k {o.top_k}: must be positive")
+    sess = session(o, tf32_default=True)
+    cfg, params = read_model(o.model)
+    tok = Tokenizer(o.tokenizer)
+    tok.check_vocab(cfg.V)
+    prompt = [tok.eot] + tok.encode(o.prompt)
+    T = min(cfg.maxT, len(prompt) + o.max_new_tokens)
+    if len(prompt) >= cfg.maxT:
+        raise Err(f"--prompt: encodes to {len(prompt)} tokens (with the start token), the "
+                  f"model's context is {cfg.maxT}; shorten it")
+    run = sess.runner(cfg, params, 1, T)
+    if o.top_k is not None and o.top_k > cfg.V:
+        raise Err(f"--top-k {o.top_k}: larger than the vocab ({cfg.V})")
+    sess.log(o.prompt, rank=0) if o.prompt else None
+    emit = (lambda t: click.echo(tok.decode([t]), nl=False)) if sess.tr.rank == 0 else None
+    generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),
+             o.temperature, o.top_k, emit)
+    sess.log("")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,155 @@
+"""The reference backend: every op vectorized over B, T and C; float32 or float64."""
+import math
+
+import numpy as np
+
+name = "numpy"
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+LN_EPS = 1e-5
+
+
+# --- memory ------------------------------------------------------------------------------
+
+def zeros(n, dtype=np.float32):
+    return np.zeros(n, dtype=dtype)
+
+
+def from_host(a):
+    return np.array(a, copy=True)
+
+
+def to_host(a):
+    return np.asarray(a)
+
+
+def synchronize():
+    pass
+
+
+def _rows(a):
+    return a.reshape(-1, a.shape[-1])
+
+
+# --- forward -----------------------------------------------------------------------------
+
+def encoder_forward(out, inp, wte, wpe):
+    """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32."""
+    np.add(wte[inp], wpe[: inp.shape[1]], out=out)
+
+
+def layernorm_forward(out, mean, rstd, inp, w, b):
+    """out (B,T,C); mean, rstd (B,T) saved for backward."""
+    mean[...] = inp.mean(-1)
+    xc = inp - mean[..., None]
+    rstd[...] = 1.0 / np.sqrt((xc * xc).mean(-1) + LN_EPS)
+    np.multiply(xc * rstd[..., None], w, out=out)
+    out += b
+
+
+def matmul_forward(out, inp, w, bias):
+    """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T + bias (OC) or no bias."""
+    np.matmul(_rows(inp), w.T, out=_rows(out))
+    if bias is not None:
+        out += bias
+
+
+def attention_forward(out, preatt, att, qkv, NH):
+    """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) saved."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    q, k, v = (qkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    np.matmul(q, k.transpose(0, 1, 3, 2), out=preatt)
+    preatt *= 1.0 / math.sqrt(HS)
+    preatt[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    np.subtract(preatt, preatt.max(-1, keepdims=True), out=att)
+    np.exp(att, out=att)
+    att /= att.sum(-1, keepdims=True)
+    out.reshape(B, T, NH, HS)[...] = (att @ v).transpose(0, 2, 1, 3)
+
+
+def gelu_forward(out, inp):
+    """tanh approximation, as GPT-2."""
+    np.multiply(0.5 * inp, 1.0 + np.tanh(GELU_SCALE * (inp + 0.044715 * inp ** 3)), out=out)
+
+
+def residual_forward(out, a, b):
+    np.add(a, b, out=out)
+
+
+def classifier(logits, losses, targets, V, dloss=None):
+    """Softmax + cross-entropy over the first V of Vp logits; losses (B,T).
+
+    With dloss (the loss gradient each position gets, 1/(B*T) for a mean), logits are
+    overwritten in place by dlogits, zero over the padding V..Vp-1.
+    """
+    lg = logits[..., :V]
+    mx = lg.max(-1, keepdims=True)
+    e = np.exp(lg - mx)
+    s = e.sum(-1, keepdims=True)
+    tgt = targets[..., None]
+    losses[...] = (np.log(s) + mx - np.take_along_axis(lg, tgt, -1))[..., 0]
+    if dloss is not None:
+        e /= s
+        np.put_along_axis(e, tgt, np.take_along_axis(e, tgt, -1) - 1.0, -1)
+        np.multiply(e, dloss, out=lg)
+        logits[..., V:] = 0
+
+
+# --- backward ----------------------------------------------------------------------------
+
+def encoder_backward(dwte, dwpe, dout, inp):
+    """dwte[inp] += dout; dwpe[:T] += dout summed over B."""
+    np.add.at(dwte, inp.ravel(), _rows(dout))
+    dwpe[: inp.shape[1]] += dout.sum(0)
+
+
+def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
+    norm = (inp - mean[..., None]) * rstd[..., None]
+    dnorm = dout * w
+    dinp += (dnorm - dnorm.mean(-1, keepdims=True)
+             - norm * (dnorm * norm).mean(-1, keepdims=True)) * rstd[..., None]
+    dw += _rows(dout * norm).sum(0)
+    db += _rows(dout).sum(0)
+
+
+def matmul_backward(dinp, dw, db, dout, inp, w):
+    """dinp (B,T,C) = dout @ w; dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows."""
+    d2 = _rows(dout)
+    np.matmul(d2, w, out=_rows(dinp))
+    dw += d2.T @ _rows(inp)
+    if db is not None:
+        db += d2.sum(0)
+
+
+def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
+    """dqkv (B,T,3C) from dout (B,T,C); dpreatt, datt (B,NH,T,T) are scratch."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    q, k, v = (qkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    dq, dk, dv = (dqkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    do = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)
+    np.matmul(do, v.transpose(0, 1, 3, 2), out=datt)
+    dv[...] = att.transpose(0, 1, 3, 2) @ do
+    np.multiply(att, datt - (datt * att).sum(-1, keepdims=True), out=dpreatt)
+    dpreatt *= 1.0 / math.sqrt(HS)
+    dq[...] = dpreatt @ k
+    dk[...] = dpreatt.transpose(0, 1, 3, 2) @ q
+
+
+def gelu_backward(dinp, inp, dout):
+    t = np.tanh(GELU_SCALE * (inp + 0.044715 * inp ** 3))
+    local = 0.5 * (1.0 + t) + 0.5 * inp * (1.0 - t * t) * GELU_SCALE * (1.0 + 3 * 0.044715 * inp * inp)
+    np.multiply(local, dout, out=dinp)
+
+
+# --- optimizer ---------------------------------------------------------------------------
+
+def adamw(params, grads, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay."""
+    m *= beta1
+    m += (1.0 - beta1) * grads
+    v *= beta2
+    v += (1.0 - beta2) * grads * grads
+    mhat = m / (1.0 - beta1 ** t)
+    vhat = v / (1.0 - beta2 ** t)
+    params -= lr * (mhat / (np.sqrt(vhat) + eps) + weight_decay * params)

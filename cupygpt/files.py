@@ -1,0 +1,174 @@
+"""llm.c's file formats: model (20240326), debug state (20240327), token shards (20240520).
+
+Every reader checks magic, version and sizes and raises CupyGPTError naming the file.
+Every writer goes through atomic_write, so a crash never leaves a half-written file.
+"""
+import os
+import tempfile
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import CupyGPTError
+from .config import GPT2Config
+from .layout import param_layout
+
+UMASK = os.umask(0)
+os.umask(UMASK)
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+MODEL_MAGIC, STATE_MAGIC, SHARD_MAGIC, TOKENIZER_MAGIC = 20240326, 20240327, 20240520, 20240328
+
+
+@contextmanager
+def atomic_write(path):
+    """Yields a file object; the file appears under path only if the block completes."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~UMASK)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_header(path, magic, kind):
+    """Returns (header int32[256], open file positioned after it)."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise CupyGPTError(f"{path}: cannot open {kind} file ({e.strerror})") from None
+    raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        f.close()
+        raise CupyGPTError(f"{path}: truncated {kind} file ({len(raw)} bytes, the header "
+                           f"alone is {HEADER_BYTES})")
+    header = np.frombuffer(raw, dtype=np.int32)
+    if header[0] != magic:
+        f.close()
+        raise CupyGPTError(f"{path}: bad magic {header[0]} (a {kind} file has {magic}); "
+                           f"is this the right file?")
+    return header, f
+
+
+def expect_size(path, kind, expected_bytes):
+    actual = os.path.getsize(path)
+    if actual != expected_bytes:
+        raise CupyGPTError(f"{path}: {kind} file is {actual} bytes but its header implies "
+                           f"{expected_bytes} ({'truncated' if actual < expected_bytes else 'trailing data'})")
+
+
+def make_header(magic, version, *fields):
+    h = np.zeros(HEADER_INTS, dtype=np.int32)
+    h[:2 + len(fields)] = (magic, version) + fields
+    return h
+
+
+# --- model -------------------------------------------------------------------------------
+
+def read_model_header(path):
+    header, f = read_header(path, MODEL_MAGIC, "model")
+    f.close()
+    version = int(header[1])
+    if version not in (3, 5):
+        raise CupyGPTError(f"{path}: model version {version} is not supported (3 = fp32, "
+                           f"5 = bf16); re-export it with llm.c")
+    maxT, V, L, NH, C, Vp = (int(x) for x in header[2:8])
+    try:
+        cfg = GPT2Config(maxT=maxT, V=V, Vp=Vp, L=L, NH=NH, C=C)
+    except CupyGPTError as e:
+        raise CupyGPTError(f"{path}: header holds an invalid {e}") from None
+    itemsize = 4 if version == 3 else 2
+    expect_size(path, "model", HEADER_BYTES + param_layout(cfg).size * itemsize)
+    return cfg, version
+
+
+def read_model(path, out=None):
+    """(config, fp32 parameters of the whole model); one read into out when it is given."""
+    cfg, version = read_model_header(path)
+    n = param_layout(cfg).size
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        if version == 3:
+            params = np.empty(n, np.float32) if out is None else out
+            f.readinto(memoryview(params).cast("B"))
+        else:  # bf16 is the top half of an fp32
+            bf = np.fromfile(f, dtype=np.uint16, count=n)
+            params = (bf.astype(np.uint32) << 16).view(np.float32)
+            if out is not None:
+                out[...] = params
+                params = out
+    return cfg, params
+
+
+def write_model(path, cfg, params):
+    with atomic_write(path) as f:
+        f.write(make_header(MODEL_MAGIC, 3, cfg.maxT, cfg.V, cfg.L, cfg.NH, cfg.C,
+                            cfg.Vp).tobytes())
+        f.write(np.ascontiguousarray(params, dtype=np.float32).tobytes())
+
+
+# --- debug state -------------------------------------------------------------------------
+
+def read_state(path, cfg):
+    """llm.c's debug state: dict with x, y (B,T) int32, logits (B,T,V), loss, grads (flat)."""
+    header, f = read_header(path, STATE_MAGIC, "debug state")
+    f.close()
+    if header[1] != 2:
+        raise CupyGPTError(f"{path}: debug state version {header[1]} is not supported (2)")
+    B, T = int(header[2]), int(header[3])
+    if B <= 0 or T <= 0:
+        raise CupyGPTError(f"{path}: debug state header has B={B}, T={T}")
+    if T > cfg.maxT:
+        raise CupyGPTError(f"{path}: debug state T={T} exceeds the model's maxT={cfg.maxT}")
+    n = param_layout(cfg).size
+    expect_size(path, "debug state", HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.V + 1 + n))
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        x = np.fromfile(f, np.int32, B * T).reshape(B, T)
+        y = np.fromfile(f, np.int32, B * T).reshape(B, T)
+        logits = np.fromfile(f, np.float32, B * T * cfg.V).reshape(B, T, cfg.V)
+        loss = float(np.fromfile(f, np.float32, 1)[0])
+        grads = np.fromfile(f, np.float32, n)
+    for name, t in (("x", x), ("y", y)):
+        if t.min() < 0 or t.max() >= cfg.V:
+            raise CupyGPTError(f"{path}: debug state {name} holds token {t.max()} outside "
+                               f"the model's vocab 0..{cfg.V - 1}")
+    return dict(B=B, T=T, x=x, y=y, logits=logits, loss=loss, grads=grads)
+
+
+def write_state(path, x, y, logits, loss, grads):
+    B, T = x.shape
+    with atomic_write(path) as f:
+        f.write(make_header(STATE_MAGIC, 2, B, T).tobytes())
+        for a, dt in ((x, np.int32), (y, np.int32), (logits, np.float32),
+                      (np.array([loss]), np.float32), (grads, np.float32)):
+            f.write(np.ascontiguousarray(a, dtype=dt).tobytes())
+
+
+# --- token shards ------------------------------------------------------------------------
+
+def read_shard(path):
+    header, f = read_header(path, SHARD_MAGIC, "token shard")
+    f.close()
+    if header[1] != 1:
+        raise CupyGPTError(f"{path}: token shard version {header[1]} is not supported (1)")
+    ntok = int(header[2])
+    expect_size(path, "token shard", HEADER_BYTES + 2 * ntok)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def write_shard(path, tokens):
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
+        raise CupyGPTError(f"{path}: tokens must fit in uint16")
+    with atomic_write(path) as f:
+        f.write(make_header(SHARD_MAGIC, 1, tokens.size).tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())

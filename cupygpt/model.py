@@ -1,0 +1,137 @@
+"""GPT-2 as a stage: layers [l0, l1), with the embedding (first stage) and/or the head (last).
+
+The single-process model is the stage [0, L) with both. The model calls only the backend
+interface, so NumPy and CUDA run the same code; it never knows whether it is pipelined.
+Activations live in `slots` copies of one micro-batch's layout, so a pipeline stage keeps
+the micro-batches that are in flight.
+"""
+import numpy as np
+
+from .layout import activation_layout, copy_layer_range, param_layout, scratch_layout
+
+
+class Stage:
+    def __init__(self, cfg, be, B, T, l0=0, l1=None, embed=True, head=True, slots=1,
+                 dtype=np.float32):
+        self.cfg, self.be, self.B, self.T, self.dtype = cfg, be, B, T, dtype
+        self.l0, self.l1 = l0, cfg.L if l1 is None else l1
+        self.nl, self.embed, self.head = self.l1 - l0, embed, head
+        self.layout = param_layout(cfg, l0, self.l1, embed, head)
+        self.params = be.zeros(self.layout.size, dtype)
+        self.grads = be.zeros(self.layout.size, dtype)
+        self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
+        alay = activation_layout(cfg, B, T, self.nl, head)
+        self.acts_buf = be.zeros(alay.size * slots, dtype)
+        self.acts = [alay.views(self.acts_buf, i * alay.size) for i in range(slots)]
+        slay = scratch_layout(cfg, B, T)
+        self.scratch_buf = be.zeros(slay.size, dtype)
+        self.s = slay.views(self.scratch_buf)
+
+    def memory_bytes(self):
+        """Bytes of parameters, gradients and activations (+ scratch) this stage allocated."""
+        item = np.dtype(self.dtype).itemsize
+        return {"params": self.params.size * item, "grads": self.grads.size * item,
+                "activations": (self.acts_buf.size + self.scratch_buf.size) * item}
+
+    def load(self, full_params):
+        """Copy this stage's slice out of a whole model's host parameters (one upload)."""
+        host = np.empty(self.layout.size, self.dtype)
+        copy_layer_range(host, self.layout, full_params, param_layout(self.cfg), self.l0)
+        self.params[...] = self.be.from_host(host)
+
+    def export(self):
+        """This stage's parameters, on the host."""
+        return self.be.to_host(self.params).astype(np.float32)
+
+    def zero_grad(self):
+        self.grads.fill(0)
+
+    def input(self, slot=0):
+        """The stage input: written by the embedding, or by the previous stage."""
+        return self.acts[slot]["encoded"]
+
+    def output(self, slot=0):
+        return self.acts[slot]["residual3"][self.nl - 1]
+
+    def grad_io(self):
+        """The residual-stream gradient: arrives here from the next stage, leaves from here."""
+        return self.s["dresidual"]
+
+    def forward(self, slot=0, tokens=None, targets=None, dloss=None):
+        """tokens (B,T) on the device when embed; targets when head. With dloss the head
+        leaves dlogits in place of logits (fused classifier) ready for backward."""
+        be, p, a, NH = self.be, self.p, self.acts[slot], self.cfg.NH
+        if self.embed:
+            be.encoder_forward(a["encoded"], tokens, p["wte"], p["wpe"])
+        x = a["encoded"]
+        for l in range(self.nl):
+            be.layernorm_forward(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x,
+                                 p["ln1w"][l], p["ln1b"][l])
+            be.matmul_forward(a["qkv"][l], a["ln1"][l], p["qkvw"][l], p["qkvb"][l])
+            be.attention_forward(a["atty"][l], a["preatt"][l], a["att"][l], a["qkv"][l], NH)
+            be.matmul_forward(a["attproj"][l], a["atty"][l], p["attprojw"][l], p["attprojb"][l])
+            be.residual_forward(a["residual2"][l], x, a["attproj"][l])
+            be.layernorm_forward(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
+                                 a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
+            be.matmul_forward(a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])
+            be.gelu_forward(a["fch_gelu"][l], a["fch"][l])
+            be.matmul_forward(a["fcproj"][l], a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l])
+            be.residual_forward(a["residual3"][l], a["residual2"][l], a["fcproj"][l])
+            x = a["residual3"][l]
+        if self.head:
+            be.layernorm_forward(a["lnf"], a["lnf_mean"], a["lnf_rstd"], x, p["lnfw"], p["lnfb"])
+            be.matmul_forward(a["logits"], a["lnf"], p["wte"], None)
+            if targets is not None:
+                be.classifier(a["logits"], a["losses"], targets, self.cfg.V, dloss)
+
+    def loss_sum(self, slot=0):
+        """Sum of this slot's per-position losses, on the host in float64."""
+        return float(self.be.to_host(self.acts[slot]["losses"]).sum(dtype=np.float64))
+
+    def backward(self, slot=0, tokens=None):
+        """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
+        gradient of output(slot). Leaves the gradient of input(slot) in grad_io()."""
+        be, p, g, a, s = self.be, self.p, self.g, self.acts[slot], self.s
+        dres = s["dresidual"]
+        if self.head:
+            dres.fill(0)
+            be.matmul_backward(s["dbt_c"], g["wte"], None, a["logits"], a["lnf"], p["wte"])
+            be.layernorm_backward(dres, g["lnfw"], g["lnfb"], s["dbt_c"], self.output(slot),
+                                  p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
+        for l in reversed(range(self.nl)):
+            x = a["encoded"] if l == 0 else a["residual3"][l - 1]
+            be.matmul_backward(s["dbt_4c"], g["fcprojw"][l], g["fcprojb"][l], dres,
+                               a["fch_gelu"][l], p["fcprojw"][l])
+            be.gelu_backward(s["dbt_4c2"], a["fch"][l], s["dbt_4c"])
+            be.matmul_backward(s["dbt_c"], g["fcw"][l], g["fcb"][l], s["dbt_4c2"], a["ln2"][l],
+                               p["fcw"][l])
+            be.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], s["dbt_c"],
+                                  a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l],
+                                  a["ln2_rstd"][l])
+            be.matmul_backward(s["dbt_c"], g["attprojw"][l], g["attprojb"][l], dres,
+                               a["atty"][l], p["attprojw"][l])
+            be.attention_backward(s["dbt_3c"], s["dpreatt"], s["datt"], s["dbt_c"], a["qkv"][l],
+                                  a["att"][l], self.cfg.NH)
+            be.matmul_backward(s["dbt_c"], g["qkvw"][l], g["qkvb"][l], s["dbt_3c"], a["ln1"][l],
+                               p["qkvw"][l])
+            be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],
+                                  a["ln1_mean"][l], a["ln1_rstd"][l])
+        if self.embed:
+            be.encoder_backward(g["wte"], g["wpe"], dres, tokens)
+
+
+def init_params(cfg, seed):
+    """A fresh GPT-2 (host, fp32, whole model), deterministic in seed, llm.c's scheme:
+    N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), layernorm 1/0, biases 0."""
+    lay = param_layout(cfg)
+    params = np.zeros(lay.size, np.float32)
+    views = lay.views(params)
+    rng = np.random.default_rng(seed)
+    for name, view in views.items():
+        if name in ("ln1w", "ln2w", "lnfw"):
+            view[...] = 1
+        elif name.endswith("w") or name == "wpe":
+            std = 0.02 / np.sqrt(2 * cfg.L) if name in ("attprojw", "fcprojw") else 0.02
+            view[...] = rng.normal(0.0, std, view.shape)
+    views["wte"][cfg.V:] = 0
+    return params

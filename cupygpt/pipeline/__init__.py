@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, a runner that executes them, transports."""

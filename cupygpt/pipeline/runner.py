@@ -1,0 +1,124 @@
+"""The rank-conditional runner: executes this rank's action list over its stage.
+
+The single process is the pipeline of one stage (no sends, no receives), so `train`,
+`verify` and `sample` have one code path for every world size.
+"""
+import numpy as np
+
+from .. import CupyGPTError
+from ..model import Stage
+from ..optim import AdamW
+from .schedule import SCHEDULES, forward_only, slot_plan
+
+
+def plan_split(L, p, split=None):
+    """Layer counts per stage: `split` ("6,6") or even, earlier stages taking the remainder
+    (the last stage also carries the LM head)."""
+    if p > L:
+        raise CupyGPTError(f"-np {p}: more pipeline stages than the model's {L} layers; "
+                           f"use at most {L} ranks")
+    if split:
+        try:
+            counts = [int(s) for s in split.split(",")]
+        except ValueError:
+            raise CupyGPTError(f"--split {split}: not a comma-separated list of layer "
+                               f"counts, e.g. --split 6,6") from None
+        if len(counts) != p:
+            raise CupyGPTError(f"--split {split}: {len(counts)} stages but {p} ranks; "
+                               f"give one layer count per rank")
+        if sum(counts) != L or min(counts) < 1:
+            raise CupyGPTError(f"--split {split}: counts must be positive and sum to the "
+                               f"model's {L} layers")
+        return counts
+    return [L // p + (1 if r < L % p else 0) for r in range(p)]
+
+
+class Runner:
+    def __init__(self, cfg, be, transport, B, T, micro_batches=1, schedule="1f1b", split=None,
+                 dtype=np.float32, adamw=None):
+        p, r = transport.size, transport.rank
+        if micro_batches < 1 or B % micro_batches:
+            raise CupyGPTError(f"--micro-batches {micro_batches}: must divide the batch "
+                               f"size -b {B}")
+        if schedule not in SCHEDULES:
+            raise CupyGPTError(f"--schedule {schedule}: unknown; use {' or '.join(SCHEDULES)}")
+        counts = plan_split(cfg.L, p, split)
+        l0 = sum(counts[:r])
+        self.cfg, self.be, self.tr, self.B, self.T, self.M = cfg, be, transport, B, T, micro_batches
+        self.Bm, self.first, self.last = B // micro_batches, r == 0, r == p - 1
+        self.counts = counts
+        self.train_actions = SCHEDULES[schedule](p, micro_batches, r)
+        self.eval_actions = forward_only(p, micro_batches, r)
+        self.first_actions = forward_only(p, 1, r)
+        slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
+        self.stage = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
+                           head=self.last, slots=slots, dtype=dtype)
+        self.opt = AdamW(self.stage, adamw) if adamw is not None else None
+
+    def _run(self, actions, x, y, dloss, on_logits=None):
+        """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss
+        sum over the batch on the last stage (0 elsewhere)."""
+        st, tr, be, Bm = self.stage, self.tr, self.be, self.Bm
+        _, release = slot_plan(actions)
+        free, slot_of, tokens, loss = list(range(len(st.acts)))[::-1], {}, {}, 0.0
+        for i, a in enumerate(actions):
+            if a.mb is not None and a.mb not in slot_of:
+                slot_of[a.mb] = free.pop()
+            slot, mb = slot_of.get(a.mb), a.mb
+            if a.op == "fwd":
+                rows = slice(mb * Bm, (mb + 1) * Bm)
+                tokens[mb] = be.from_host(x[rows]) if self.first else None
+                targets = be.from_host(y[rows]) if self.last and y is not None else None
+                st.forward(slot, tokens[mb], targets, dloss)
+                if self.last and targets is not None:
+                    loss += st.loss_sum(slot)
+                if self.last and on_logits is not None:
+                    on_logits(mb, st.acts[slot]["logits"])
+            elif a.op == "bwd":
+                st.backward(slot, tokens.pop(mb))
+            elif a.op == "send_act":
+                tr.send("act", st.output(slot), tr.rank + 1, mb)
+            elif a.op == "recv_act":
+                tr.recv("act", st.input(slot), tr.rank - 1, mb)
+            elif a.op == "send_grad":
+                tr.send("grad", st.grad_io(), tr.rank - 1, mb)
+            elif a.op == "recv_grad":
+                tr.recv("grad", st.grad_io(), tr.rank + 1, mb)
+            elif a.op == "step":
+                self.sync_tied()
+            if i in release:
+                free.append(slot_of.pop(release[i]))
+        tr.finish_sends()
+        return loss
+
+    def sync_tied(self):
+        """GPT-2 ties the LM head to wte: the first and last stage sum their wte gradients."""
+        if self.tr.size > 1 and (self.first or self.last):
+            self.tr.sum_tied(self.stage.g["wte"], self.tr.size - 1 if self.first else 0)
+
+    def gradients(self, x, y):
+        """Forward and backward over the batch (gradients summed, the tied wte synced);
+        returns the mean loss on every rank."""
+        self.stage.zero_grad()
+        loss = self._run(self.train_actions, x, y, 1.0 / (self.B * self.T))
+        return self.tr.bcast(loss / (self.B * self.T), root=self.tr.size - 1)
+
+    def train_step(self, x, y, lr=None):
+        loss = self.gradients(x, y)
+        self.opt.step(lr)
+        return loss
+
+    def eval_loss(self, x, y, on_logits=None):
+        loss = self._run(self.eval_actions, x, y, None, on_logits)
+        return self.tr.bcast(loss / (self.B * self.T), root=self.tr.size - 1)
+
+    def forward_first(self, x, on_logits):
+        """Forward of the first micro-batch only (sampling reads one row of its logits)."""
+        self._run(self.first_actions, x, None, None, on_logits)
+
+    def gather_params(self):
+        """The whole model's host parameters on rank 0 (None elsewhere)."""
+        from ..layout import assemble
+        parts = self.tr.gather((self.stage.l0, self.stage.l1, self.stage.embed,
+                                self.stage.head, self.stage.export()))
+        return assemble(self.cfg, parts) if parts is not None and self.tr.rank == 0 else None

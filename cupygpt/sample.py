@@ -1,0 +1,45 @@
+"""Text generation through the runner (so it also works across pipeline stages)."""
+import numpy as np
+
+from . import CupyGPTError
+
+
+def next_token(logits, rng, temperature=1.0, top_k=None):
+    """Samples from logits (V,) on the host; temperature 0 is greedy."""
+    z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return int(z.argmax())
+    z = z / temperature
+    if top_k:
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+    p = np.exp(z - z.max())
+    return int(rng.choice(z.size, p=p / p.sum()))
+
+
+def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=None):
+    """Appends up to n tokens to prompt (ids), limited by the runner's T. Every rank returns
+    the same ids; on_token(id) is called on each rank as tokens arrive."""
+    T, V, tr = run.T, run.cfg.V, run.tr
+    if not prompt:
+        raise CupyGPTError("the prompt is empty: generation needs at least one token")
+    if len(prompt) >= T:
+        raise CupyGPTError(f"--prompt: encodes to {len(prompt)} tokens, leaving no room in "
+                           f"the model's context of {T}; shorten it")
+    tokens = np.full((run.Bm * run.M, T), fill, np.int32)
+    tokens[0, :len(prompt)] = prompt
+    out = list(prompt)
+    for t in range(len(prompt), min(len(prompt) + n, T)):
+        row = {}
+
+        def grab(mb, logits):
+            if mb == 0:
+                row["logits"] = run.be.to_host(logits[0, t - 1, :V])
+
+        run.forward_first(tokens, grab)
+        tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
+        tok = tr.bcast(tok, root=tr.size - 1)
+        tokens[0, t] = tok
+        out.append(tok)
+        if on_token:
+            on_token(tok)
+    return out

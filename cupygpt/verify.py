@@ -1,0 +1,103 @@
+"""llm.c's test_gpt2 as a command: logits, loss and every gradient against a debug state,
+then K AdamW steps on its batch. Under mpiexec each rank checks its own slice."""
+import json
+
+import numpy as np
+
+from .files import read_model, read_state
+from .layout import copy_layer_range, param_layout
+from .optim import AdamWConfig
+
+# Measured against llm.c's PyTorch fp32 reference (tests/fixtures, README "Tolerances").
+# A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
+TOLERANCES = {
+    "numpy": dict(logits=1e-5, loss=1e-5, grad_atol=1e-6, grad_rtol=1e-5, step_loss=1e-5),
+    "cuda": dict(logits=1e-4, loss=1e-5, grad_atol=1e-5, grad_rtol=1e-4, step_loss=1e-4),
+    "cuda-tf32": dict(logits=2e-2, loss=2e-3, grad_atol=1e-3, grad_rtol=5e-2, step_loss=2e-3),
+}
+
+
+def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule, split,
+           expected, dtype):
+    cfg, params = read_model(model)
+    st = read_state(state, cfg)
+    B, T, tr = st["B"], st["T"], sess.tr
+    run = sess.runner(cfg, params, B, T, micro_batches, schedule, split, dtype,
+                      AdamWConfig(lr=lr, weight_decay=weight_decay))
+    key = sess.be.name + ("-tf32" if sess.be.name == "cuda" and sess.be.tf32 else "")
+    tol = TOLERANCES[key]
+
+    logit_diff = [0.0]
+
+    def check_logits(mb, logits):
+        rows = slice(mb * run.Bm, (mb + 1) * run.Bm)
+        got = sess.be.to_host(logits)[..., :cfg.V]
+        logit_diff[0] = max(logit_diff[0], float(np.abs(got - st["logits"][rows]).max()))
+
+    fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
+    logit_diff = tr.bcast(logit_diff[0], root=tr.size - 1)
+    loss = run.gradients(st["x"], st["y"])
+
+    ref = np.empty(run.stage.layout.size, np.float32)
+    copy_layer_range(ref, run.stage.layout, st["grads"], param_layout(cfg), run.stage.l0)
+    refv, mine = run.stage.layout.views(ref), {}
+    for name, g in run.stage.g.items():
+        gh = sess.be.to_host(g)
+        mine[name] = (float(np.abs(gh - refv[name]).max()), float(np.abs(refv[name]).max()))
+    merged = {}
+    for part in tr.gather(mine) or []:
+        for name, (d, m) in part.items():
+            od, om = merged.get(name, (0.0, 0.0))
+            merged[name] = (max(d, od), max(m, om))
+
+    step_losses = [loss]
+    run.opt.step()
+    for _ in range(1, steps):
+        step_losses.append(run.train_step(st["x"], st["y"]))
+    if tr.rank != 0:
+        return True
+
+    grads = {n: {"max_abs_diff": d, "max_abs_ref": m,
+                 "tol": tol["grad_atol"] + tol["grad_rtol"] * m,
+                 "ok": d <= tol["grad_atol"] + tol["grad_rtol"] * m}
+             for n, (d, m) in ((n, merged[n]) for n in param_layout(cfg).names)}
+    report = {
+        "model": model, "state": state, "backend": key, "ranks": tr.size,
+        "schedule": schedule, "micro_batches": micro_batches, "B": B, "T": T,
+        "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],
+                   "ok": logit_diff <= tol["logits"]},
+        "loss": {"got": loss, "expected": st["loss"], "forward_only": fwd_loss,
+                 "abs_diff": abs(loss - st["loss"]),
+                 "ok": abs(loss - st["loss"]) <= tol["loss"] and abs(fwd_loss - loss) <= tol["loss"]},
+        "grads": grads, "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)],
+    }
+    ok = report["logits"]["ok"] and report["loss"]["ok"] and all(g["ok"] for g in grads.values())
+    if expected is not None:
+        exp = json.load(open(expected))["losses"]
+        for s in report["steps"]:
+            if s["step"] < len(exp):
+                s.update(expected=exp[s["step"]], abs_diff=abs(s["loss"] - exp[s["step"]]),
+                         ok=abs(s["loss"] - exp[s["step"]]) <= tol["step_loss"])
+                ok = ok and s["ok"]
+    report["ok"] = ok
+    return report
+
+
+def format_report(r):
+    mark = lambda ok: "OK" if ok else "FAIL"  # noqa: E731
+    lines = [f"verify {r['model']} against {r['state']} (backend {r['backend']}, "
+             f"{r['ranks']} rank(s), B={r['B']} T={r['T']})",
+             f"logits  max|diff| {r['logits']['max_abs_diff']:.3e}  tol {r['logits']['tol']:.0e}  "
+             f"{mark(r['logits']['ok'])}",
+             f"loss    {r['loss']['got']:.6f}  expected {r['loss']['expected']:.6f}  "
+             f"|diff| {r['loss']['abs_diff']:.3e}  {mark(r['loss']['ok'])}",
+             f"{'tensor':<10}{'max|diff|':>12}{'max|ref|':>12}{'tol':>12}"]
+    for n, g in r["grads"].items():
+        lines.append(f"{n:<10}{g['max_abs_diff']:>12.3e}{g['max_abs_ref']:>12.3e}"
+                     f"{g['tol']:>12.3e}  {mark(g['ok'])}")
+    for s in r["steps"]:
+        exp = (f"  expected {s['expected']:.6f}  |diff| {s['abs_diff']:.3e}  {mark(s['ok'])}"
+               if "expected" in s else "")
+        lines.append(f"step {s['step']}: loss {s['loss']:.6f}{exp}")
+    lines.append(f"verify: {'PASS' if r['ok'] else 'FAIL'}")
+    return "\n".join(lines)
