@@ -116,7 +116,7 @@ def copy_layer_range(dst, dst_layout, src, src_layout, l0):
 def assemble(cfg, parts):
     """The whole model's parameters from stages' (l0, l1, embed, head, host params)."""
     full_layout = param_layout(cfg)
-    full = np.zeros(full_layout.size, np.float32)
+    full = np.zeros(full_layout.size, parts[0][4].dtype)
     fv = full_layout.views(full)
     for l0, l1, embed, head, params in parts:
         lay = param_layout(cfg, l0, l1, embed, head)

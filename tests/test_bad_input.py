@@ -1,0 +1,112 @@
+"""Bad input: each case ends in ONE line naming the file or flag, exit 1, no traceback."""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cli, fixture, gpu_available
+
+MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
+TRAIN = os.path.join(ROOT, "data", "tiny_shakespeare_train.bin")
+
+
+def corrupt(tmp_path, src, name, edit):
+    raw = bytearray(open(src, "rb").read())
+    raw = edit(raw)
+    p = tmp_path / name
+    p.write_bytes(bytes(raw))
+    return str(p)
+
+
+def set_int(i, v):
+    def edit(raw):
+        raw[4 * i: 4 * i + 4] = np.int32(v).tobytes()
+        return raw
+    return edit
+
+
+def short_shard(tmp_path):
+    from cupygpt.files import write_shard
+    write_shard(tmp_path / "short.bin", np.arange(100))
+    return str(tmp_path / "short.bin")
+
+
+# (id, args builder(tmp_path) -> CLI args, text the one line must contain)
+CASES = [
+    ("model missing", lambda t: ["verify", "--model", t / "nope.bin", "--state", STATE],
+     "nope.bin: cannot open model file"),
+    ("model bad magic", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin", set_int(0, 7)),
+                                   "--state", STATE], "bad magic 7"),
+    ("model bad version", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin", set_int(1, 4)),
+                                     "--state", STATE], "model version 4 is not supported"),
+    ("model truncated", lambda t: ["verify", "--model",
+                                   corrupt(t, MODEL, "m.bin", lambda r: r[:5000]),
+                                   "--state", STATE], "(truncated)"),
+    ("model trailing", lambda t: ["verify", "--model",
+                                  corrupt(t, MODEL, "m.bin", lambda r: r + b"xxxx"),
+                                  "--state", STATE], "(trailing data)"),
+    ("model header only part", lambda t: ["verify", "--model",
+                                          corrupt(t, MODEL, "m.bin", lambda r: r[:100]),
+                                          "--state", STATE], "header alone is 1024"),
+    ("model bad header", lambda t: ["verify", "--model",
+                                    corrupt(t, MODEL, "m.bin", set_int(6, 0)),
+                                    "--state", STATE], "header holds an invalid"),
+    ("state bad magic", lambda t: ["verify", "--model", MODEL, "--state",
+                                   corrupt(t, STATE, "s.bin", set_int(0, 1))], "bad magic 1"),
+    ("state bad version", lambda t: ["verify", "--model", MODEL, "--state",
+                                     corrupt(t, STATE, "s.bin", set_int(1, 9))],
+     "debug state version 9"),
+    ("state T > maxT", lambda t: ["verify", "--model", MODEL, "--state",
+                                  corrupt(t, STATE, "s.bin", set_int(3, 65))], "exceeds the model's maxT"),
+    ("state truncated", lambda t: ["verify", "--model", MODEL, "--state",
+                                   corrupt(t, STATE, "s.bin", lambda r: r[:-8])], "(truncated)"),
+    ("state for another model", lambda t: ["verify", "--model", fixture("odd_model.bin"),
+                                           "--state", STATE], "debug state file is"),
+    ("shard missing", lambda t: ["train", "-i", t / "none_*.bin", "-n", "1"],
+     "no token shard matches"),
+    ("shard bad magic", lambda t: ["train", "-i", corrupt(t, TRAIN, "x.bin", set_int(0, 3)),
+                                   "-n", "1"], "bad magic 3"),
+    ("shard bad version", lambda t: ["train", "-i", corrupt(t, TRAIN, "x.bin", set_int(1, 2)),
+                                     "-n", "1"], "token shard version 2"),
+    ("shard truncated", lambda t: ["train", "-i", corrupt(t, TRAIN, "x.bin", lambda r: r[:-2]),
+                                   "-n", "1"], "(truncated)"),
+    ("shard too short", lambda t: ["train", "-i", short_shard(t), "-n", "1"],
+     "fewer than B*T+1 = 257"),
+    ("token >= V", lambda t: ["train", "-e", MODEL, "-t", "32", "-n", "1"],
+     "outside the model's vocab (V=300)"),
+    ("T > maxT", lambda t: ["train", "-e", MODEL, "-t", "65", "-n", "1"],
+     "-t 65: longer than the model's maxT=64"),
+    ("unknown preset", lambda t: ["train", "-e", "d13", "-n", "1"], "-e d13: not a model file"),
+    ("zero batch", lambda t: ["train", "-b", "0", "-n", "1"], "must be positive"),
+    ("micro-batches", lambda t: ["train", "-b", "4", "--micro-batches", "3", "-n", "1"],
+     "--micro-batches 3: must divide"),
+    ("tokenizer vocab", lambda t: ["sample", "--model", MODEL], "model's vocab is 300"),
+    ("tokenizer bad magic", lambda t: ["sample", "--model", MODEL, "--tokenizer",
+                                       corrupt(t, MODEL, "tok.bin", lambda r: r)],
+     "a tokenizer file has 20240328"),
+    ("tokenizer truncated", lambda t: ["sample", "--model", MODEL, "--tokenizer",
+                                       corrupt(t, os.path.join(ROOT, "data", "gpt2_tokenizer.bin"),
+                                               "tok.bin", lambda r: r[:5000])],
+     "truncated tokenizer"),
+    ("prompt too long", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
+                                   "--prompt", "word " * 40], "shorten it"),
+    ("negative tokens", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
+                                   "--max-new-tokens", "-1"], "must not be negative"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(tmp_path, case):
+    _, args, expect = case
+    res = cli(*args(tmp_path), "--backend", "numpy")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert expect in lines[0], lines[0]
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present here")
+def test_backend_cuda_without_gpu():
+    res = cli("train", "--backend", "cuda", "-n", "1")
+    assert res.returncode == 1 and res.stderr.startswith("error: --backend cuda: no GPU")

@@ -1,0 +1,112 @@
+"""Every NumPy op's backward against central finite differences, in float64."""
+import numpy as np
+import pytest
+
+from cupygpt.backends import numpy_backend as be
+
+rng = np.random.default_rng(0)
+B, T, C, NH, OC = 2, 5, 8, 2, 6
+
+
+def numgrad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    flat, gf = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gf[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def r(*shape):
+    return rng.normal(size=shape)
+
+
+def close(a, b):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_encoder():
+    wte, wpe, inp = r(10, C), r(T + 2, C), rng.integers(0, 10, (B, T)).astype(np.int32)
+    inp[0, 0] = inp[1, 0]  # a repeated token must accumulate
+    out, w = np.empty((B, T, C)), r(B, T, C)
+    f = lambda: (be.encoder_forward(out, inp, wte, wpe), (out * w).sum())[1]  # noqa: E731
+    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    be.encoder_backward(dwte, dwpe, w, inp)
+    close(dwte, numgrad(f, wte))
+    close(dwpe, numgrad(f, wpe))
+
+
+def test_layernorm():
+    inp, wt, b, w = r(B, T, C), r(C), r(C), r(B, T, C)
+    out, mean, rstd = np.empty((B, T, C)), np.empty((B, T)), np.empty((B, T))
+    f = lambda: (be.layernorm_forward(out, mean, rstd, inp, wt, b), (out * w).sum())[1]  # noqa: E731
+    f()
+    dinp, dw, db = np.ones_like(inp), np.zeros(C), np.zeros(C)  # dinp accumulates onto 1
+    be.layernorm_backward(dinp, dw, db, w, inp, wt, mean, rstd)
+    close(dinp - 1, numgrad(f, inp))
+    close(dw, numgrad(f, wt))
+    close(db, numgrad(f, b))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_matmul(bias):
+    inp, wt, b, w = r(B, T, C), r(OC, C), r(OC) if bias else None, r(B, T, OC)
+    out = np.empty((B, T, OC))
+    f = lambda: (be.matmul_forward(out, inp, wt, b), (out * w).sum())[1]  # noqa: E731
+    dinp, dw = np.full_like(inp, 7.0), np.zeros_like(wt)  # dinp is overwritten
+    db = np.zeros(OC) if bias else None
+    be.matmul_backward(dinp, dw, db, w, inp, wt)
+    close(dinp, numgrad(f, inp))
+    close(dw, numgrad(f, wt))
+    if bias:
+        close(db, numgrad(f, b))
+
+
+def test_attention():
+    qkv, w = r(B, T, 3 * C), r(B, T, C)
+    out, preatt, att = np.empty((B, T, C)), np.empty((B, NH, T, T)), np.empty((B, NH, T, T))
+    f = lambda: (be.attention_forward(out, preatt, att, qkv, NH), (out * w).sum())[1]  # noqa: E731
+    f()
+    assert np.allclose(np.triu(att, 1), 0), "attention must be causal"
+    np.testing.assert_allclose(att.sum(-1), 1.0)
+    dqkv = np.empty_like(qkv)
+    be.attention_backward(dqkv, np.empty_like(att), np.empty_like(att), w, qkv, att, NH)
+    close(dqkv, numgrad(f, qkv))
+
+
+def test_gelu():
+    inp, w, out = r(B, T, C) * 2, r(B, T, C), np.empty((B, T, C))
+    f = lambda: (be.gelu_forward(out, inp), (out * w).sum())[1]  # noqa: E731
+    dinp = np.empty_like(inp)
+    be.gelu_backward(dinp, inp, w)
+    close(dinp, numgrad(f, inp))
+
+
+def test_classifier_ignores_padding():
+    V, Vp = 7, 9
+    logits, tgt = r(B, T, Vp), rng.integers(0, V, (B, T)).astype(np.int32)
+    losses = np.empty((B, T))
+    f = lambda: (be.classifier(logits, losses, tgt, V), losses.sum())[1]  # noqa: E731
+    expect = numgrad(f, logits)
+    assert np.all(expect[..., V:] == 0), "padding logits must not affect the loss"
+    lg = logits.copy()
+    be.classifier(lg, losses, tgt, V, dloss=1.0)
+    close(lg, expect)
+    full = logits[..., :V]
+    ref = -np.take_along_axis(full - np.log(np.exp(full).sum(-1, keepdims=True)), tgt[..., None], -1)
+    close(losses, ref[..., 0])
+
+
+def test_adamw_matches_formula():
+    p, g = r(20), r(20)
+    m, v = r(20) * 0.1, np.abs(r(20)) * 0.1
+    exp_m, exp_v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+    exp_p = p - 0.01 * ((exp_m / (1 - 0.9 ** 3)) / (np.sqrt(exp_v / (1 - 0.999 ** 3)) + 1e-8) + 0.1 * p)
+    be.adamw(p, g, m, v, 3, 0.01, 0.9, 0.999, 1e-8, 0.1)
+    close(p, exp_p)
+    close(m, exp_m)

@@ -1,0 +1,45 @@
+"""`verify` (llm.c's test_gpt2) against PyTorch-made files of several shapes."""
+import json
+
+import pytest
+
+from conftest import cli, fixture
+
+# (model, state, expected losses): llm.c's own reference, odd T with 16 heads, GPT-2's vocab
+FILES = [("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json"),
+         ("odd_model.bin", "odd_debug_state.bin", "odd_expected.json"),
+         ("gpt2v_model.bin", "gpt2v_debug_state.bin", "gpt2v_expected.json"),
+         ("gpt2v_model_bf16.bin", "gpt2v_debug_state.bin", "gpt2v_expected.json")]
+
+
+def run_verify(model, state, expected, *extra, ranks=None):
+    res = cli("verify", "--model", fixture(model), "--state", fixture(state), "--expected",
+              fixture(expected), "--json", "--backend", "numpy", *extra, ranks=ranks)
+    assert res.returncode in (0, 1), res.stderr
+    return res, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
+def test_verify_passes(files):
+    res, r = run_verify(*files)
+    assert res.returncode == 0 and r["ok"], res.stdout
+    assert r["logits"]["max_abs_diff"] < 1e-5
+    assert len(r["grads"]) == 16 and all(g["ok"] for g in r["grads"].values())
+    assert len(r["steps"]) == 10 and all(s["ok"] for s in r["steps"])
+    assert r["steps"][9]["loss"] < r["steps"][0]["loss"]
+
+
+def test_verify_fails_on_a_wrong_state(tmp_path):
+    """A state whose gradient is off must fail (exit 1): verify can say no."""
+    import numpy as np
+    from cupygpt.files import read_model, read_state, write_state
+    cfg, _ = read_model(fixture("tiny_model.bin"))
+    st = read_state(fixture("tiny_debug_state.bin"), cfg)
+    st["grads"][1000] += 1e-3
+    write_state(tmp_path / "s.bin", st["x"], st["y"], st["logits"], st["loss"], st["grads"])
+    res = cli("verify", "--model", fixture("tiny_model.bin"), "--state", tmp_path / "s.bin",
+              "--steps", "1", "--backend", "numpy")
+    assert res.returncode == 1
+    assert "wte" in [ln.split()[0] for ln in res.stdout.splitlines() if ln.endswith("FAIL")]
+    assert res.stdout.strip().endswith("verify: FAIL")
+    assert np.isfinite(st["loss"])
