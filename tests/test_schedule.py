@@ -35,9 +35,9 @@ def test_activation_slots():
 
 
 def test_simulator_finds_a_deadlock():
-    def backwards_first(p, m, r):  # the last stage waits for a gradient nobody sends
+    def backwards_first(p, m, r):  # stage 0 waits for a gradient before sending anything
         acts = SCHEDULES["gpipe"](p, m, r)
-        return sorted(acts, key=lambda a: a.op != "recv_grad") if r == p - 1 else acts
+        return sorted(acts, key=lambda a: a.op != "recv_grad") if r == 0 else acts
 
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(3, 2, backwards_first)
