@@ -102,8 +102,14 @@ def prepare(text, out, tokenizer, name):
     tinyshakespeare script does."""
     from cupygpt.files import write_shard
     from cupygpt.tokenizer import Tokenizer, tokenize_tinyshakespeare
-    train_tokens, val_tokens = tokenize_tinyshakespeare(
-        open(text, encoding="utf-8").read(), Tokenizer(tokenizer))
+    try:
+        body = open(text, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    tok = Tokenizer(tokenizer)
+    with click.progressbar(length=body.count("\n\n") + 1, label="tokenizing",
+                           file=sys.stderr) as bar:
+        train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
         path = os.path.join(out, f"{name}_{split}.bin")
         write_shard(path, toks)
@@ -133,12 +139,24 @@ def prepare(text, out, tokenizer, name):
 @click.option("--weight-decay", default=0.0, show_default=True)
 @click.option("--seed", default=1337, show_default=True)
 @click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--checkpoint-every", default=0, show_default=True,
+              help="write OUT/ckpt_STEP every K steps and at the end (0: never)")
+@click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
+@click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
+@click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
 @pipeline_options
 @entry
 def train(**kw):
     """Train GPT-2 llm.c-style; writes OUT/model.bin in llm.c's format."""
     from cupygpt.train import train as run_train
     o = SimpleNamespace(**kw)
+    for flag, v in (("-n", o.steps), ("-v", o.val_every), ("-m", o.val_batches),
+                    ("-s", o.sample_every), ("-g", o.gen_tokens), ("-u", o.warmup),
+                    ("--checkpoint-every", o.checkpoint_every)):
+        if v < 0:
+            raise CupyGPTError(f"{flag} {v}: must not be negative")
+    if o.keep < 1:
+        raise CupyGPTError(f"--keep {o.keep}: keep at least one checkpoint")
     o.sample_every = o.sample_every or o.steps
     run_train(session(o, tf32_default=True), o)
 
@@ -178,11 +196,29 @@ def sample(**kw):
     run = sess.runner(cfg, params, 1, T)
     if o.top_k is not None and o.top_k > cfg.V:
         raise Err(f"--top-k {o.top_k}: larger than the vocab ({cfg.V})")
+    rng = np.random.default_rng(o.seed)
+    if sys.stdout.isatty() and sess.tr.rank == 0:
+        with click.progressbar(length=T - len(prompt), label="generating",
+                               file=sys.stderr) as bar:
+            ids = generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature,
+                           o.top_k, lambda t: bar.update(1))
+        sess.log(o.prompt + tok.decode(ids[len(prompt):]))
+        return
     sess.log(o.prompt, rank=0) if o.prompt else None
     emit = (lambda t: click.echo(tok.decode([t]), nl=False)) if sess.tr.rank == 0 else None
-    generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),
-             o.temperature, o.top_k, emit)
+    generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k, emit)
     sess.log("")
+
+
+@cli.command()
+@click.argument("log", type=click.Path())
+@click.option("--out", default="loss.png", show_default=True, help="PNG to write")
+@entry
+def plot(log, out):
+    """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
+    from cupygpt.plot import plot as run_plot
+    n_train, n_val = run_plot(log, out)
+    click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,6 @@ class Session:
         st = run.stage
         mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in st.memory_bytes().items())
         opt = f", optimizer {2 * st.params.nbytes / 2**20:.1f} MiB" if run.opt else ""
-        self.log(f"stage {self.tr.rank}: layers {st.l0}..{st.l1 - 1}"
+        self.log(f"stage {self.tr.rank} (pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
                  f"{' +embedding' if st.embed else ''}{' +head' if st.head else ''}: {mem}{opt}",
                  every_rank=True)

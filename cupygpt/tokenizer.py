@@ -54,12 +54,14 @@ class Tokenizer:
                                f"model's vocab is {V}; use the model's own tokenizer")
 
 
-def tokenize_tinyshakespeare(text, tok, val_tokens=32768):
+def tokenize_tinyshakespeare(text, tok, val_tokens=32768, progress=None):
     """llm.c's preparation: EOT before each "\\n\\n"-separated section; first val_tokens are val."""
     sections = text.split("\n\n")
     out = []
     for i, s in enumerate(sections):
         out.append(tok.eot)
         out.extend(tok.encode(s + "\n\n" if i != len(sections) - 1 else s))
+        if progress and i % 256 == 255:
+            progress(256)
     out = np.array(out, dtype=np.uint16)
     return out[val_tokens:], out[:val_tokens]

@@ -1,9 +1,15 @@
-"""llm.c's training loop: val every -v steps, sample every -s, a step line per step."""
+"""llm.c's training loop: val every -v steps, sample every -s, a step line per step; plus
+checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, Ctrl-C)."""
+import json
+import math
 import os
+import signal
 import time
 
 import numpy as np
 
+from . import CupyGPTError
+from . import checkpoint
 from .data import DataLoader
 from .files import write_model
 from .optim import AdamWConfig, lr_at
@@ -23,45 +29,122 @@ def open_tokenizer(path, cfg, log):
     return tok
 
 
+def injected_fault():
+    """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK."""
+    spec = os.environ.get("CUPYGPT_FAULT", "")
+    return tuple(int(x) for x in spec.split(":")[1:]) if spec.startswith("raise:") else None
+
+
+class Interrupt:
+    """Ctrl-C sets a flag; the loop stops at the next step boundary, on every rank."""
+
+    def __init__(self):
+        self.hit = False
+        self.old = signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, *_):
+        self.hit = True
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.old)
+
+
 def train(sess, o):
     log, tr = sess.log, sess.tr
-    cfg, params = load_model(o.init, o.seed)
+    resume = checkpoint.resolve(o.resume) if o.resume else None
+    if resume:
+        cfg, params = load_model(os.path.join(resume, "model.bin"), o.seed)
+    else:
+        cfg, params = load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq, o.micro_batches, o.schedule, o.split,
                       adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay))
     train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "-i")
     val_data = DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "-j") if o.val_pattern else None
     tok = open_tokenizer(o.tokenizer, cfg, log)
-    sess.describe(cfg, run, [("init", o.init), ("B, T", f"{o.batch}, {o.seq}"),
+    rng, start = np.random.default_rng(o.seed), 0
+    if resume:
+        meta = checkpoint.restore(run, resume)
+        start = meta["step"]
+        train_data.set_state(meta["train_loader"])
+        rng.bit_generator.state = meta["rng"]
+        if start > o.steps:
+            raise CupyGPTError(f"-n {o.steps}: the checkpoint is already at step {start}; "
+                               f"-n is the total step count")
+    sess.describe(cfg, run, [("init", resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
                              ("micro_batches", o.micro_batches), ("schedule", o.schedule),
                              ("stages (layers)", ",".join(map(str, run.counts))),
-                             ("train shards", len(train_data.files))])
-    rng = np.random.default_rng(o.seed)
-    losses = []
-    for step in range(o.steps + 1):
-        last = step == o.steps
-        if val_data and o.val_every and (step % o.val_every == 0 or last):
-            val_data.reset()
-            vl = np.mean([run.eval_loss(*val_data.next_batch()) for _ in range(o.val_batches)])
-            log(f"val loss {vl:.6f}")
-        if o.gen_tokens and o.sample_every and ((step > 0 and step % o.sample_every == 0) or last):
-            eot = tok.eot if tok else 0
-            ids = generate(run, [eot], o.gen_tokens, eot, rng)
-            text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
-            log(f"generating:\n---\n{text}\n---")
-        if last:
-            break
-        x, y = train_data.next_batch()
-        t0 = time.perf_counter()
-        lr = lr_at(step, o.lr, o.warmup, o.steps, o.final_lr_frac)
-        loss = run.train_step(x, y, lr)
-        sess.be.synchronize()
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} ({dt * 1e3:.2f} ms, "
-            f"{o.batch * o.seq / dt:.0f} tok/s)", rank=0)
+                             ("train shards", len(train_data.files)),
+                             ("start step", start)])
+    os.makedirs(o.out, exist_ok=True)
+    logf = open(o.log_file or os.path.join(o.out, "log.jsonl"), "a") if tr.rank == 0 else None
+    ckpt, stop, fault = resume, Interrupt(), injected_fault()
+
+    def save(step):
+        nonlocal ckpt
+        if tr.any(not sess.be.all_finite(run.stage.params)):
+            raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
+                               f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower -l")
+        ckpt = checkpoint.save(run, o.out, step, {"train_loader": train_data.state(),
+                                                  "rng": rng.bit_generator.state}, o.keep)
+        log(f"checkpoint {ckpt}")
+
+    try:
+        for step in range(start, o.steps + 1):
+            last, rec = step == o.steps, {"step": step}
+            if val_data and o.val_every and (step % o.val_every == 0 or last):
+                val_data.reset()
+                rec["val_loss"] = float(np.mean([run.eval_loss(*val_data.next_batch())
+                                                 for _ in range(o.val_batches)]))
+                log(f"val loss {rec['val_loss']:.6f}")
+            if o.gen_tokens and o.sample_every and ((step > 0 and step % o.sample_every == 0)
+                                                    or last):
+                eot = tok.eot if tok else 0
+                ids = generate(run, [eot], o.gen_tokens, eot, rng)
+                text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
+                log(f"generating:\n---\n{text}\n---")
+            if last:
+                if logf and len(rec) > 1:
+                    logf.write(json.dumps(rec) + "\n")
+                break
+            x, y = train_data.next_batch()
+            lr = lr_at(step, o.lr, o.warmup, o.steps, o.final_lr_frac)
+            t0 = time.perf_counter()
+            loss = run.train_step(x, y, lr)
+            sess.be.synchronize()
+            dt = time.perf_counter() - t0
+            if fault == (step + 1, tr.rank):
+                raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
+            if not math.isfinite(loss):
+                if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != resume:
+                    ckpt = checkpoint.demote(tr, o.out, ckpt)  # its parameters gave this loss
+                raise CupyGPTError(
+                    f"step {step + 1}: train loss is {loss} (computed on rank {tr.size - 1}, "
+                    f"the last stage); stopping. " + (
+                        f"Last good checkpoint: {ckpt}; lower -l and --resume from it"
+                        if ckpt else "No checkpoint yet; lower -l"))
+            rec.update(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
+                       tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
+            log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} "
+                f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
+            if logf:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+            interrupted = tr.any(stop.hit)
+            if (o.checkpoint_every and (step + 1) % o.checkpoint_every == 0) or \
+                    (interrupted and o.checkpoint_every):
+                save(step + 1)
+            if interrupted:
+                log(f"interrupted after step {step + 1}" +
+                    (f"; resume with --resume {o.out}" if ckpt else ""))
+                raise SystemExit(130)
+    finally:
+        stop.restore()
+        if logf:
+            logf.close()
+    if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
+        save(o.steps)
     full = run.gather_params()
     if tr.rank == 0:
         path = os.path.join(o.out, "model.bin")
         write_model(path, cfg, full)
         log(f"wrote {path}")
-    return losses

@@ -4,6 +4,8 @@ import math
 import numpy as np
 
 name = "numpy"
+# Overflow shows up as a non-finite loss, which the training loop reports in one line.
+np.seterr(over="ignore", invalid="ignore")
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 LN_EPS = 1e-5
 
@@ -24,6 +26,21 @@ def to_host(a):
 
 def synchronize():
     pass
+
+
+def memory_in_use():
+    """Peak resident memory of this process, bytes."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def all_finite(a):
+    return bool(np.isfinite(a).all())
+
+
+def memory_free():
+    """Free device memory, bytes; None where memory is the host's."""
+    return None
 
 
 def _rows(a):

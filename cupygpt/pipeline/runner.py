@@ -6,6 +6,7 @@ The single process is the pipeline of one stage (no sends, no receives), so `tra
 import numpy as np
 
 from .. import CupyGPTError
+from ..layout import activation_layout, param_layout, scratch_layout
 from ..model import Stage
 from ..optim import AdamW
 from .schedule import SCHEDULES, forward_only, slot_plan
@@ -51,9 +52,24 @@ class Runner:
         self.eval_actions = forward_only(p, micro_batches, r)
         self.first_actions = forward_only(p, 1, r)
         slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
+        need = self.bytes_needed(l0, counts[r], slots, dtype, adamw is not None)
+        free = be.memory_free()
+        if free is not None and need > free:
+            raise CupyGPTError(
+                f"rank {r}: out of GPU memory at start: this stage needs {need / 2**30:.2f} GiB "
+                f"(parameters, gradients, AdamW state, activations for {slots} micro-batch(es) "
+                f"of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is free; lower -b or -t, use "
+                f"more --micro-batches, or more pipeline stages")
         self.stage = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
                            head=self.last, slots=slots, dtype=dtype)
         self.opt = AdamW(self.stage, adamw) if adamw is not None else None
+
+    def bytes_needed(self, l0, nl, slots, dtype, with_adamw):
+        cfg, first, last = self.cfg, self.first, self.last
+        n = param_layout(cfg, l0, l0 + nl, first, last).size * (4 if with_adamw else 2)
+        n += activation_layout(cfg, self.Bm, self.T, nl, last).size * slots
+        n += scratch_layout(cfg, self.Bm, self.T).size
+        return n * np.dtype(dtype).itemsize
 
     def _run(self, actions, x, y, dloss, on_logits=None):
         """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss

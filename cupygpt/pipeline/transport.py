@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import CupyGPTError
 
-TAGS = {"act": 11, "grad": 12, "tied": 13}
+TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 
 
 def launched_ranks():
@@ -35,6 +35,10 @@ class Local:
 
     def barrier(self):
         pass
+
+    def any(self, flag):
+        """True on every rank when flag is true on any."""
+        return bool(flag)
 
     def finish_sends(self):
         pass
@@ -64,6 +68,23 @@ class Mpi(Local):
 
     def abort(self):
         self.comm.Abort(1)
+
+    def any(self, flag):
+        """Through rank 0, point to point, so a timeout names the rank that went quiet."""
+        buf = np.array([int(flag)], np.int32)
+        if self.rank == 0:
+            for r in range(1, self.size):
+                got = np.zeros(1, np.int32)
+                self.wait(self.comm.Irecv(got, source=r, tag=TAGS["ctl"]),
+                          f"rank {r} to finish the step")
+                buf |= got
+            reqs = [self.comm.Isend(buf, dest=r, tag=TAGS["ctl"]) for r in range(1, self.size)]
+            for r, req in enumerate(reqs, 1):
+                self.wait(req, f"rank {r} to take the step's verdict")
+        else:
+            self.wait(self.comm.Isend(buf, dest=0, tag=TAGS["ctl"]), "rank 0 to finish the step")
+            self.wait(self.comm.Irecv(buf, source=0, tag=TAGS["ctl"]), "rank 0's verdict")
+        return bool(buf[0])
 
     def wait(self, req, what):
         """Waits on an MPI request, polling so a lost peer becomes an error, not a hang."""

@@ -1,0 +1,134 @@
+"""Checkpoints: OUT/ckpt_STEP/ holds model.bin (llm.c's format, the whole model) and one
+rankNNN.npz per pipeline rank (its parameter slice, AdamW m and v, and the run's state).
+
+A checkpoint is written under ckpt_STEP.partial/ and renamed when every rank has written
+its files, then OUT/latest names it; a crash at any moment leaves the previous one intact.
+"""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+
+from . import CupyGPTError
+from .files import atomic_write, write_model
+
+LATEST = "latest"
+NAME = re.compile(r"ckpt_\d{8}$")
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def identity(run):
+    """What a resume must match: the model's shape and how it is cut and batched."""
+    return {"config": run.cfg.__dict__, "ranks": run.tr.size, "split": run.counts,
+            "B": run.B, "T": run.T, "micro_batches": run.M}
+
+
+def save(run, out, step, state, keep=2):
+    """Collective over all ranks. state: JSON-able run state of this rank (loader, RNG...).
+    Returns the checkpoint's directory."""
+    tr, rank = run.tr, run.tr.rank
+    final = os.path.join(out, f"ckpt_{step:08d}")
+    tmp = final + ".partial"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    tr.barrier()
+    full = run.gather_params()
+    if rank == 0:
+        write_model(os.path.join(tmp, "model.bin"), run.cfg, full)
+    st, opt = run.stage, run.opt
+    meta = {**identity(run), "rank": rank, "step": step, "adam_t": opt.t, **state}
+    with atomic_write(os.path.join(tmp, f"rank{rank:03d}.npz")) as f:
+        np.savez(f, params=st.be.to_host(st.params), m=st.be.to_host(opt.m),
+                 v=st.be.to_host(opt.v), meta=np.array(json.dumps(meta)))
+    tr.barrier()
+    if rank == 0:
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(out)
+        _point_latest(out, os.path.basename(final))
+        old = [d for d in _listed(out) if d != os.path.basename(final)]
+        for d in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    tr.barrier()
+    return final
+
+
+def _listed(out):
+    return sorted(d for d in os.listdir(out) if NAME.match(d))
+
+
+def _point_latest(out, name):
+    with atomic_write(os.path.join(out, LATEST)) as f:
+        f.write(name.encode())
+
+
+def demote(tr, out, path):
+    """The checkpoint at path holds the parameters that gave a non-finite loss: rename it
+    to .nan, point latest at the one before it, and return that one (or None)."""
+    prev = None
+    if tr.rank == 0:
+        os.replace(path, path + ".nan")
+        rest = _listed(out)
+        prev = os.path.join(out, rest[-1]) if rest else None
+        if prev:
+            _point_latest(out, rest[-1])
+        elif os.path.exists(os.path.join(out, LATEST)):
+            os.unlink(os.path.join(out, LATEST))
+    return tr.bcast(prev)
+
+
+def resolve(path):
+    """--resume takes a checkpoint directory or a run's -o directory (its latest one)."""
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        path = os.path.join(path, open(latest).read().strip())
+    if not os.path.isdir(path):
+        raise CupyGPTError(f"--resume {path}: no such checkpoint directory")
+    return path
+
+
+def load_meta(path, rank):
+    f = os.path.join(path, f"rank{rank:03d}.npz")
+    if not os.path.isfile(f):
+        raise CupyGPTError(f"--resume {path}: no {os.path.basename(f)}; was this checkpoint "
+                           f"written by a run with fewer ranks?")
+    try:
+        with np.load(f) as z:
+            return json.loads(str(z["meta"])), f
+    except (OSError, ValueError, KeyError) as e:
+        raise CupyGPTError(f"{f}: unreadable checkpoint file ({e})") from None
+
+
+def check_matches(path, meta, run):
+    want = identity(run)
+    diff = [f"{k}: checkpoint {meta.get(k)} vs now {v}" for k, v in want.items()
+            if meta.get(k) != v]
+    if diff:
+        raise CupyGPTError(f"--resume {path}: does not match this run ({'; '.join(diff)}); "
+                           f"use the checkpoint's settings")
+
+
+def restore(run, path):
+    """Loads this rank's slice and optimizer state; returns its saved meta."""
+    meta, f = load_meta(path, run.tr.rank)
+    check_matches(path, meta, run)
+    st, opt, be = run.stage, run.opt, run.be
+    with np.load(f) as z:
+        for name, dst in (("params", st.params), ("m", opt.m), ("v", opt.v)):
+            if z[name].shape != dst.shape:
+                raise CupyGPTError(f"{f}: {name} has {z[name].size} values, the stage "
+                                   f"{dst.size}; the file does not belong to this split")
+            dst[...] = be.from_host(z[name].astype(st.dtype))
+    opt.t = meta["adam_t"]
+    return meta

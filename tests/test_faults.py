@@ -1,0 +1,148 @@
+"""Faults: NaN, a rank raising, a rank killed, a hung peer, Ctrl-C; resume exactness."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, cli, mpiexec
+
+TRAIN = ["train", "-b", "4", "-t", "32", "-v", "0", "-g", "0"]
+
+
+def log_losses(path):
+    return {r["step"]: r["train_loss"] for r in map(json.loads, open(path)) if "train_loss" in r}
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_resume_is_bit_identical(tmp_path, ranks):
+    full, part = tmp_path / "full", tmp_path / "part"
+    a = cli(*TRAIN, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full, ranks=ranks)
+    assert a.returncode == 0, a.stderr
+    assert sorted(os.listdir(full / "ckpt_00000004")) == (
+        ["model.bin"] + [f"rank{r:03d}.npz" for r in range(ranks or 1)])
+    b = cli(*TRAIN, "-n", "8", "--resume", full / "ckpt_00000004", "-o", part, ranks=ranks)
+    assert b.returncode == 0, b.stderr
+    la, lb = log_losses(full / "log.jsonl"), log_losses(part / "log.jsonl")
+    assert sorted(lb) == [5, 6, 7, 8]
+    assert all(la[s] == lb[s] for s in lb), (la, lb)  # bit-identical, not approx
+    assert (full / "model.bin").read_bytes() == (part / "model.bin").read_bytes()
+
+
+def test_resume_mismatch_is_refused(tmp_path):
+    a = cli(*TRAIN, "-n", "2", "--checkpoint-every", "2", "-o", tmp_path)
+    assert a.returncode == 0, a.stderr
+    for extra, what in ((["-t", "16"], "T: checkpoint 32 vs now 16"),
+                        (["-b", "2"], "B: checkpoint 4 vs now 2")):
+        res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, *extra, "-o", tmp_path / "x")
+        assert res.returncode == 1 and what in res.stderr and len(res.stderr.splitlines()) == 1
+    res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "x", ranks=2)
+    assert res.returncode != 0 and "ranks: checkpoint 1 vs now 2" in res.stderr
+
+
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_nan_loss_stops_keeping_the_last_good_checkpoint(tmp_path, ranks):
+    good = cli(*TRAIN, "-n", "2", "--checkpoint-every", "2", "-o", tmp_path, ranks=ranks)
+    assert good.returncode == 0, good.stderr
+    bad = cli(*TRAIN, "-n", "8", "-l", "1e38", "-u", "0", "--checkpoint-every", "1",
+              "--resume", tmp_path, "-o", tmp_path, ranks=ranks)
+    assert bad.returncode != 0
+    err = bad.stderr
+    assert ("train loss is nan" in err or "train loss is inf" in err
+            or "parameters are no longer finite" in err), err
+    if "train loss" in err:
+        assert f"(computed on rank {(ranks or 1) - 1}, the last stage)" in err
+    assert "Last good checkpoint:" in err and "ckpt_00000002" in err
+    assert open(tmp_path / "latest").read() == "ckpt_00000002"
+    again = cli(*TRAIN, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "r", ranks=ranks)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_rank_raising_ends_every_rank(tmp_path):
+    t0 = time.monotonic()
+    res = cli(*TRAIN, "-n", "50", "-o", tmp_path, ranks=2, env={"CUPYGPT_FAULT": "raise:3:1"},
+              timeout=60)
+    assert res.returncode != 0 and time.monotonic() - t0 < 30
+    assert "injected fault on rank 1 at step 3" in res.stderr
+
+
+def start(tmp_path, *extra):
+    cmd = [mpiexec(), "-n", "2", sys.executable, os.path.join(ROOT, "cli.py"), *TRAIN, "-n", "10000",
+           "-o", str(tmp_path), *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=ROOT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    while not any("step    2/" in ln for ln in lines):
+        line = p.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    p.stdout_head = "".join(lines)
+    return p
+
+
+def rank_pids(tag, rank):
+    """PIDs of our cli.py processes (their command line holds tag) of one MPI rank."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if tag.encode() in cmd and b"cli.py" in cmd and f"PMI_RANK={rank}".encode() in env:
+            pids.append(int(pid))
+    return pids
+
+
+def finish(p, within):
+    t0 = time.monotonic()
+    out = p.communicate(timeout=within)[0]
+    return out, time.monotonic() - t0
+
+
+def test_killed_rank_ends_the_run(tmp_path):
+    """MPICH's launcher reports the lost process by PID; each rank's start line maps its
+    PID to its rank, so the lost rank is named."""
+    p = start(tmp_path)
+    victims = rank_pids(str(tmp_path), 1)
+    assert len(victims) == 1
+    os.kill(victims[0], signal.SIGKILL)
+    out, took = finish(p, 30)
+    assert p.returncode != 0 and took < 30
+    assert f"PID {victims[0]} RUNNING" in out, out[-2000:]
+    assert f"[pe1] stage 1 (pid {victims[0]})" in p.stdout_head
+    assert not rank_pids(str(tmp_path), 0) and not rank_pids(str(tmp_path), 1), "no rank left"
+
+
+def test_hung_peer_times_out_naming_what_it_waited_for(tmp_path):
+    p = start(tmp_path, "--peer-timeout", "3")
+    frozen = rank_pids(str(tmp_path), 0)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        out, took = finish(p, 30)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert p.returncode != 0 and took < 30
+    line = next((ln for ln in out.splitlines() if "timed out after 3s" in ln), "")
+    assert line.startswith("error: rank 1: timed out after 3s waiting for"), out[-2000:]
+    assert "rank 0" in line.split("waiting for")[1], line
+
+
+def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path):
+    p = start(tmp_path, "--checkpoint-every", "1000")
+    os.killpg(p.pid, signal.SIGINT)
+    out, took = finish(p, 60)
+    assert p.returncode == 130, out[-2000:]
+    assert "interrupted after step" in out and "resume with --resume" in out
+    step = int(out.split("interrupted after step ")[1].split(";")[0])
+    assert open(tmp_path / "latest").read() == f"ckpt_{step:08d}"
+    assert sorted(os.listdir(tmp_path / f"ckpt_{step:08d}")) == ["model.bin", "rank000.npz",
+                                                                  "rank001.npz"]
