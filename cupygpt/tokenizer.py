@@ -61,7 +61,7 @@ def tokenize_tinyshakespeare(text, tok, val_tokens=32768, progress=None):
     for i, s in enumerate(sections):
         out.append(tok.eot)
         out.extend(tok.encode(s + "\n\n" if i != len(sections) - 1 else s))
-        if progress and i % 256 == 255:
-            progress(256)
+        if progress:
+            progress(1)
     out = np.array(out, dtype=np.uint16)
     return out[val_tokens:], out[:val_tokens]

@@ -90,12 +90,14 @@ def train(sess, o):
 
     try:
         for step in range(start, o.steps + 1):
-            last, rec = step == o.steps, {"step": step}
+            last = step == o.steps
             if val_data and o.val_every and (step % o.val_every == 0 or last):
                 val_data.reset()
-                rec["val_loss"] = float(np.mean([run.eval_loss(*val_data.next_batch())
-                                                 for _ in range(o.val_batches)]))
-                log(f"val loss {rec['val_loss']:.6f}")
+                vl = float(np.mean([run.eval_loss(*val_data.next_batch())
+                                    for _ in range(o.val_batches)]))
+                log(f"val loss {vl:.6f}")
+                if logf:
+                    logf.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
             if o.gen_tokens and o.sample_every and ((step > 0 and step % o.sample_every == 0)
                                                     or last):
                 eot = tok.eot if tok else 0
@@ -103,8 +105,6 @@ def train(sess, o):
                 text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
                 log(f"generating:\n---\n{text}\n---")
             if last:
-                if logf and len(rec) > 1:
-                    logf.write(json.dumps(rec) + "\n")
                 break
             x, y = train_data.next_batch()
             lr = lr_at(step, o.lr, o.warmup, o.steps, o.final_lr_frac)
@@ -122,7 +122,7 @@ def train(sess, o):
                     f"the last stage); stopping. " + (
                         f"Last good checkpoint: {ckpt}; lower -l and --resume from it"
                         if ckpt else "No checkpoint yet; lower -l"))
-            rec.update(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
+            rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
                        tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
             log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} "
                 f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")

@@ -1,0 +1,72 @@
+"""What people see: the JSON log, the plot, progress bars on a terminal, rank prefixes."""
+import json
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, cli
+
+
+def test_log_plot_and_checkpoint_model(tmp_path):
+    res = cli("train", "-n", "6", "-v", "3", "-g", "0", "--checkpoint-every", "3", "-o", tmp_path)
+    assert res.returncode == 0, res.stderr
+    recs = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    steps = [r for r in recs if "train_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        assert {"step", "train_loss", "lr", "ms", "tok_s", "mem_bytes"} <= set(r)
+        assert r["ms"] > 0 and r["tok_s"] > 0 and r["mem_bytes"] > 0
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 3, 6]
+    from cupygpt.files import read_model
+    cfg, params = read_model(tmp_path / "ckpt_00000006" / "model.bin")
+    assert (tmp_path / "ckpt_00000006" / "model.bin").read_bytes() == \
+        (tmp_path / "model.bin").read_bytes()
+    pytest.importorskip("matplotlib")
+    out = cli("plot", tmp_path / "log.jsonl", "--out", tmp_path / "loss.png")
+    assert out.returncode == 0 and "6 train, 3 val points" in out.stdout, out.stderr
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_plot_bad_log(tmp_path):
+    (tmp_path / "x.jsonl").write_text("not json\n")
+    res = cli("plot", tmp_path / "x.jsonl", "--out", tmp_path / "x.png")
+    assert res.returncode == 1 and res.stderr.startswith("error: ")
+    assert "not a JSON-lines train log" in res.stderr and not (tmp_path / "x.png").exists()
+
+
+def on_terminal(*args):
+    """Runs cli.py with stdout and stderr on a pseudo-terminal; returns what it showed."""
+    main, sub = pty.openpty()
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *map(str, args)],
+                         stdout=sub, stderr=sub, cwd=ROOT, env={**os.environ, "COLUMNS": "100"})
+    os.close(sub)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    p.wait(timeout=120)
+    return p.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_on_a_terminal(tmp_path):
+    rc, shown = on_terminal("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"),
+                            "--out", tmp_path)
+    assert rc == 0 and "tokenizing" in shown and "100%" in shown and "#" in shown
+    rc, shown = on_terminal("sample", "--model", os.path.join(ROOT, "tests", "fixtures",
+                                                              "gpt2v_model.bin"),
+                            "--max-new-tokens", "8")
+    assert rc == 0 and "generating" in shown and "100%" in shown
+
+
+def test_plain_lines_when_not_a_terminal(tmp_path):
+    res = cli("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", tmp_path)
+    assert res.returncode == 0 and "#" not in res.stderr and "%" not in res.stderr
