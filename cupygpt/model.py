@@ -7,12 +7,16 @@ the micro-batches that are in flight.
 """
 import numpy as np
 
+from . import CupyGPTError
 from .layout import activation_layout, copy_layer_range, param_layout, scratch_layout
 
 
 class Stage:
     def __init__(self, cfg, be, B, T, l0=0, l1=None, embed=True, head=True, slots=1,
                  dtype=np.float32):
+        if np.dtype(dtype) not in be.DTYPES:
+            raise CupyGPTError(f"--dtype {np.dtype(dtype).name}: the {be.name} backend supports "
+                               f"{', '.join(np.dtype(d).name for d in be.DTYPES)}")
         self.cfg, self.be, self.B, self.T, self.dtype = cfg, be, B, T, dtype
         self.l0, self.l1 = l0, cfg.L if l1 is None else l1
         self.nl, self.embed, self.head = self.l1 - l0, embed, head
@@ -83,10 +87,6 @@ class Stage:
             be.matmul_forward(a["logits"], a["lnf"], p["wte"], None)
             if targets is not None:
                 be.classifier(a["logits"], a["losses"], targets, self.cfg.V, dloss)
-
-    def loss_sum(self, slot=0):
-        """Sum of this slot's per-position losses, on the host in float64."""
-        return float(self.be.to_host(self.acts[slot]["losses"]).sum(dtype=np.float64))
 
     def backward(self, slot=0, tokens=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the

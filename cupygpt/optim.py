@@ -21,6 +21,10 @@ class AdamW:
 
     def step(self, lr=None):
         self.t += 1
+        self.launch(lr)
+
+    def launch(self, lr=None):
+        """The update for step t (a captured CUDA graph replays this without bumping t)."""
         hp = self.hp
         self.stage.be.adamw(self.stage.params, self.stage.grads, self.m, self.v, self.t,
                             hp.lr if lr is None else lr, hp.beta1, hp.beta2, hp.eps,

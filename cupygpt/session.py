@@ -33,12 +33,13 @@ class Session:
         self.backend_note = why
 
     def runner(self, cfg, params, B, T, micro_batches=1, schedule="1f1b", split=None,
-               dtype=np.float32, adamw=None):
+               dtype=np.float32, adamw=None, graphs=False):
         if B <= 0 or T <= 0:
             raise CupyGPTError(f"-b {B} -t {T}: batch size and sequence length must be positive")
         if T > cfg.maxT:
             raise CupyGPTError(f"-t {T}: longer than the model's maxT={cfg.maxT}; lower -t")
-        run = Runner(cfg, self.be, self.tr, B, T, micro_batches, schedule, split, dtype, adamw)
+        run = Runner(cfg, self.be, self.tr, B, T, micro_batches, schedule, split, dtype, adamw,
+                     graphs)
         run.stage.load(params)
         return run
 

@@ -4,6 +4,7 @@ import math
 import numpy as np
 
 name = "numpy"
+DTYPES = (np.float32, np.float64)
 # Overflow shows up as a non-finite loss, which the training loop reports in one line.
 np.seterr(over="ignore", invalid="ignore")
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -22,6 +23,10 @@ def from_host(a):
 
 def to_host(a):
     return np.asarray(a)
+
+
+def upload(dst, host):
+    dst[...] = host
 
 
 def synchronize():
@@ -110,6 +115,11 @@ def classifier(logits, losses, targets, V, dloss=None):
         np.put_along_axis(e, tgt, np.take_along_axis(e, tgt, -1) - 1.0, -1)
         np.multiply(e, dloss, out=lg)
         logits[..., V:] = 0
+
+
+def loss_accumulate(acc, losses):
+    """acc (1,) float64 += sum of losses."""
+    acc += losses.sum(dtype=np.float64)
 
 
 # --- backward ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def plan_split(L, p, split=None):
 
 class Runner:
     def __init__(self, cfg, be, transport, B, T, micro_batches=1, schedule="1f1b", split=None,
-                 dtype=np.float32, adamw=None):
+                 dtype=np.float32, adamw=None, graphs=False):
         p, r = transport.size, transport.rank
         if micro_batches < 1 or B % micro_batches:
             raise CupyGPTError(f"--micro-batches {micro_batches}: must divide the batch "
@@ -63,6 +63,12 @@ class Runner:
         self.stage = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
                            head=self.last, slots=slots, dtype=dtype)
         self.opt = AdamW(self.stage, adamw) if adamw is not None else None
+        self.x_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.first else None
+        self.y_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.last else None
+        self.loss_acc = be.zeros(1, np.float64)
+        # CUDA graphs: one process, CUDA, asked for (a pipeline's transport waits on peers)
+        self.graphs = graphs and be.name == "cuda" and p == 1
+        self.graph, self.steps_done = None, 0
 
     def bytes_needed(self, l0, nl, slots, dtype, with_adamw):
         cfg, first, last = self.cfg, self.first, self.last
@@ -74,24 +80,40 @@ class Runner:
     def _run(self, actions, x, y, dloss, on_logits=None):
         """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss
         sum over the batch on the last stage (0 elsewhere)."""
+        self._feed(x, y)
+        self._execute(actions, dloss, y is not None, on_logits)
+        return self._loss()
+
+    def _feed(self, x, y):
+        if self.first:
+            self.be.upload(self.x_dev, x)
+        if self.last and y is not None:
+            self.be.upload(self.y_dev, y)
+
+    def _loss(self):
+        return float(self.be.to_host(self.loss_acc)[0]) if self.last else 0.0
+
+    def _execute(self, actions, dloss, with_targets, on_logits=None):
+        """The device side of _run: no host transfers but the transport's, so a
+        single-stage step can be captured as a CUDA graph."""
         st, tr, be, Bm = self.stage, self.tr, self.be, self.Bm
         _, release = slot_plan(actions)
-        free, slot_of, tokens, loss = list(range(len(st.acts)))[::-1], {}, {}, 0.0
+        free, slot_of = list(range(len(st.acts)))[::-1], {}
+        self.loss_acc.fill(0)
         for i, a in enumerate(actions):
             if a.mb is not None and a.mb not in slot_of:
                 slot_of[a.mb] = free.pop()
             slot, mb = slot_of.get(a.mb), a.mb
+            rows = slice(mb * Bm, (mb + 1) * Bm) if mb is not None else None
             if a.op == "fwd":
-                rows = slice(mb * Bm, (mb + 1) * Bm)
-                tokens[mb] = be.from_host(x[rows]) if self.first else None
-                targets = be.from_host(y[rows]) if self.last and y is not None else None
-                st.forward(slot, tokens[mb], targets, dloss)
-                if self.last and targets is not None:
-                    loss += st.loss_sum(slot)
+                targets = self.y_dev[rows] if self.last and with_targets else None
+                st.forward(slot, self.x_dev[rows] if self.first else None, targets, dloss)
+                if targets is not None:
+                    be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
                 if self.last and on_logits is not None:
                     on_logits(mb, st.acts[slot]["logits"])
             elif a.op == "bwd":
-                st.backward(slot, tokens.pop(mb))
+                st.backward(slot, self.x_dev[rows] if self.first else None)
             elif a.op == "send_act":
                 tr.send("act", st.output(slot), tr.rank + 1, mb)
             elif a.op == "recv_act":
@@ -105,7 +127,6 @@ class Runner:
             if i in release:
                 free.append(slot_of.pop(release[i]))
         tr.finish_sends()
-        return loss
 
     def sync_tied(self):
         """GPT-2 ties the LM head to wte: the first and last stage sum their wte gradients."""
@@ -120,9 +141,30 @@ class Runner:
         return self.tr.bcast(loss / (self.B * self.T), root=self.tr.size - 1)
 
     def train_step(self, x, y, lr=None):
-        loss = self.gradients(x, y)
-        self.opt.step(lr)
-        return loss
+        if not self.graphs or self.steps_done == 0:  # the first step allocates workspaces
+            loss = self.gradients(x, y)
+            self.opt.step(lr)
+            self.steps_done += 1
+            return loss
+        return self._graph_step(x, y, lr)
+
+    def _graph_step(self, x, y, lr):
+        """One step as a replayed CUDA graph (captured on the first call): zero the
+        gradients, forward and backward over the micro-batches, AdamW."""
+        be, opt, hp = self.be, self.opt, self.opt.hp
+        lr = hp.lr if lr is None else lr
+        self._feed(x, y)
+        opt.t += 1
+        be.adamw_schedule(opt.t, lr, hp.beta1, hp.beta2)
+        if self.graph is None:
+            def body():
+                self.stage.zero_grad()
+                self._execute(self.train_actions, 1.0 / (self.B * self.T), True)
+                opt.launch(lr)
+            self.graph = be.capture(body)
+        be.replay(self.graph)
+        self.steps_done += 1
+        return self._loss() / (self.B * self.T)
 
     def eval_loss(self, x, y, on_logits=None):
         loss = self._run(self.eval_actions, x, y, None, on_logits)

@@ -1,0 +1,270 @@
+"""The CUDA backend: the NumPy reference's interface over CuPy arrays, with our kernels
+(kernels_cu/, cupy.RawModule) and cuBLAS matmuls. fp32 only; TF32 is a cuBLAS math mode.
+
+Attention keeps q, k, v and its other temporaries in backend workspaces (reused by every
+layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
+allocates after the first step, so a whole step can be captured as a CUDA graph.
+"""
+import math
+import re
+
+import cupy as cp
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from .. import CupyGPTError
+from ..kernels import OPTIONS, sources
+
+name = "cuda"
+DTYPES = (np.float32,)
+tf32 = False
+EW = 256          # EW_THREADS in common.cuh
+ROW_WARPS = 8     # ROW_WARPS in common.cuh
+_modules, _functions, _workspace = {}, {}, {}
+_ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
+
+
+def configure(tf32=False):
+    """TF32 tensor-core matmuls on (training) or off (verify), on CuPy's cuBLAS handle;
+    all work goes to one non-blocking stream (the legacy default stream cannot be captured)."""
+    globals()["tf32"] = bool(tf32)
+    cp.cuda.Stream(non_blocking=True).use()
+    h = cp.cuda.device.get_cublas_handle()
+    cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.setMathMode(h, cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 else cublas.CUBLAS_DEFAULT_MATH)
+
+
+def _k(fn):
+    """A kernel by name, compiling its .cu file on first use (CuPy caches it on disk)."""
+    if not _functions:
+        for path in sources():
+            for kernel in re.findall(r'extern "C" __global__ void (\w+)\(', open(path).read()):
+                _functions[kernel] = path
+    f = _functions[fn]
+    if isinstance(f, str):
+        if f not in _modules:
+            _modules[f] = cp.RawModule(code=open(f).read(), options=OPTIONS)
+        f = _functions[fn] = _modules[f].get_function(fn)
+    return f
+
+
+def _ew(fn, n, *args):
+    _k(fn)(((n + EW - 1) // EW,), (EW,), args)
+
+
+def _rows(fn, rows, *args):
+    _k(fn)(((rows + ROW_WARPS - 1) // ROW_WARPS,), (ROW_WARPS * 32,), args)
+
+
+def _ws(key, n, dtype=np.float32):
+    """A workspace buffer of at least n elements, kept for the process."""
+    buf = _workspace.get(key)
+    if buf is None or buf.size < n:
+        buf = _workspace[key] = cp.empty(n, dtype)
+    return buf[:n]
+
+
+def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0):
+    """Row-major C (M,N) = op(A) @ op(B) + beta * C, batched with element strides.
+
+    cuBLAS is column-major: a row-major matrix is its transpose there, so we ask for
+    C^T = op(B)^T op(A)^T, i.e. swap the operands and keep each one's transpose flag.
+    """
+    h = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(h, cp.cuda.get_current_stream().ptr)
+    cublas.sgemmStridedBatched(h, tb, ta, N, M, K, _ONE.ctypes.data, B.data.ptr, ldb, sB,
+                               A.data.ptr, lda, sA, (_ONE if beta else _ZERO).ctypes.data,
+                               C.data.ptr, ldc, sC, batch)
+
+
+N_, T_ = 0, 1  # cuBLAS operation flags: no transpose, transpose
+
+
+def _i(x):
+    return np.int32(x)
+
+
+# --- memory ------------------------------------------------------------------------------
+
+def zeros(n, dtype=np.float32):
+    try:
+        return cp.zeros(n, dtype)
+    except cp.cuda.memory.OutOfMemoryError:
+        free, total = cp.cuda.runtime.memGetInfo()
+        raise CupyGPTError(f"out of GPU memory allocating {n * np.dtype(dtype).itemsize / 2**30:.2f} "
+                           f"GiB ({free / 2**30:.2f} GiB free of {total / 2**30:.2f}); lower -b or "
+                           f"-t, or use more pipeline stages") from None
+
+
+def from_host(a):
+    return cp.asarray(a)
+
+
+def upload(dst, host):
+    """Copies a host array into an existing device array (no allocation)."""
+    dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
+
+
+def to_host(a):
+    return cp.asnumpy(a)
+
+
+def synchronize():
+    cp.cuda.get_current_stream().synchronize()
+
+
+def capture(fn):
+    """Records fn's launches on the current stream as a CUDA graph (nothing runs yet)."""
+    stream = cp.cuda.get_current_stream()
+    stream.begin_capture()
+    try:
+        fn()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def replay(graph):
+    graph.launch(cp.cuda.get_current_stream())
+
+
+def memory_in_use():
+    return cp.get_default_memory_pool().total_bytes()
+
+
+def memory_free():
+    return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+
+
+def all_finite(a):
+    return bool(cp.isfinite(a).all())
+
+
+# --- forward -----------------------------------------------------------------------------
+
+def encoder_forward(out, inp, wte, wpe):
+    B, T = inp.shape
+    C = wte.shape[1]
+    _ew("encoder_forward", B * T * C, out, inp, wte, wpe, _i(B), _i(T), _i(C))
+
+
+def layernorm_forward(out, mean, rstd, inp, w, b):
+    C = inp.shape[-1]
+    N = inp.size // C
+    _rows("layernorm_forward", N, out, mean, rstd, inp, w, b, _i(N), _i(C))
+
+
+def matmul_forward(out, inp, w, bias):
+    OC, C = w.shape
+    N = inp.size // C
+    _gemm(N_, T_, N, OC, C, inp, C, w, C, out, OC)
+    if bias is not None:
+        _ew("add_bias", N * OC, out, bias, np.int64(N * OC), _i(OC))
+
+
+def _qkv_split(qkv, NH):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    n = B * T * C
+    q, k, v = (_ws(key, n) for key in ("q", "k", "v"))
+    _ew("permute_qkv", n, q, k, v, qkv, _i(B), _i(T), _i(NH), _i(C // NH))
+    return B, T, C, C // NH, q, k, v
+
+
+def attention_forward(out, preatt, att, qkv, NH):
+    B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
+    BH = B * NH
+    _gemm(N_, T_, T, T, HS, q, HS, k, HS, preatt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T)
+    _rows("softmax_forward", BH * T, att, preatt, np.float32(1.0 / math.sqrt(HS)), _i(BH * T),
+          _i(T))
+    y = _ws("y", B * T * C)
+    _gemm(N_, N_, T, HS, T, att, T, v, HS, y, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
+    _ew("unpermute", B * T * C, out, y, _i(B), _i(T), _i(NH), _i(HS))
+
+
+def gelu_forward(out, inp):
+    _ew("gelu_forward", inp.size, out, inp, np.int64(inp.size))
+
+
+def residual_forward(out, a, b):
+    _ew("residual_forward", a.size, out, a, b, np.int64(a.size))
+
+
+def classifier(logits, losses, targets, V, dloss=None):
+    Vp = logits.shape[-1]
+    N = logits.size // Vp
+    _k("fused_classifier")((N,), (1024,), (logits, losses, targets, np.float32(dloss or 0.0),
+                                            _i(dloss is not None), _i(V), _i(Vp)))
+
+
+def loss_accumulate(acc, losses):
+    """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
+    _k("loss_accumulate")((1,), (1024,), (acc, losses, _i(losses.size)))
+
+
+# --- backward ----------------------------------------------------------------------------
+
+def _column_sum(out, inp, N, OC):
+    """out (OC) += column sums of inp (N, OC), deterministically in two stages."""
+    R = max(1, min(128, N // 64))
+    per = (N + R - 1) // R
+    partial = _ws("colsum", R * OC)
+    _k("column_sum_partial")(((OC + 31) // 32, R), (32, 8), (partial, inp, _i(N), _i(OC), _i(per)))
+    _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
+
+
+def encoder_backward(dwte, dwpe, dout, inp):
+    B, T = inp.shape
+    C = dwte.shape[1]
+    _ew("encoder_backward_wte", B * T * C, dwte, dout, inp, _i(B), _i(T), _i(C))
+    _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
+
+
+def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
+    C = inp.shape[-1]
+    N = inp.size // C
+    dnorm = _ws("dnorm", N * C)
+    _rows("layernorm_backward", N, dinp, dnorm, dout, inp, w, mean, rstd, _i(N), _i(C))
+    _column_sum(dw, dnorm, N, C)
+    _column_sum(db, dout, N, C)
+
+
+def matmul_backward(dinp, dw, db, dout, inp, w):
+    OC, C = w.shape
+    N = inp.size // C
+    _gemm(N_, N_, N, C, OC, dout, OC, w, C, dinp, C)
+    _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0)
+    if db is not None:
+        _column_sum(db, dout, N, OC)
+
+
+def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
+    B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
+    BH, n = B * NH, B * T * C
+    dy, dq, dk, dv = (_ws(key, n) for key in ("dy", "dq", "dk", "dv"))
+    _ew("unpermute_backward", n, dy, dout, _i(B), _i(T), _i(NH), _i(HS))
+    _gemm(N_, T_, T, T, HS, dy, HS, v, HS, datt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T)
+    _gemm(T_, N_, T, HS, T, att, T, dy, HS, dv, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
+    _rows("softmax_backward", BH * T, dpreatt, datt, att, np.float32(1.0 / math.sqrt(HS)),
+          _i(BH * T), _i(T))
+    _gemm(N_, N_, T, HS, T, dpreatt, T, k, HS, dq, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
+    _gemm(T_, N_, T, HS, T, dpreatt, T, q, HS, dk, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
+    _ew("permute_qkv_backward", n, dqkv, dq, dk, dv, _i(B), _i(T), _i(NH), _i(HS))
+
+
+def gelu_backward(dinp, inp, dout):
+    _ew("gelu_backward", inp.size, dinp, inp, dout, np.int64(inp.size))
+
+
+# --- optimizer ---------------------------------------------------------------------------
+
+def adamw_schedule(t, lr, beta1, beta2):
+    """Uploads {lr, 1 - beta1^t, 1 - beta2^t}; a captured step reads them on replay."""
+    upload(_ws("sched", 3), np.array([lr, 1.0 - beta1 ** t, 1.0 - beta2 ** t], np.float32))
+
+
+def adamw(params, grads, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    if not cp.cuda.get_current_stream().is_capturing():
+        adamw_schedule(t, lr, beta1, beta2)
+    _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),
+        np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay))

@@ -1,0 +1,75 @@
+// Causal self-attention pieces around cuBLAS's batched matmuls (done in Python):
+// qkv (B,T,3,NH,HS) -> q,k,v (B,NH,T,HS); preatt = q k^T; att = softmax(scale * preatt);
+// y = att v; y (B,NH,T,HS) -> out (B,T,NH,HS). Elementwise kernels: EW_THREADS per block
+// over B*NH*T*HS; softmax kernels: one warp per (b, h, t) row, ROW_WARPS per block.
+#include "common.cuh"
+
+extern "C" __global__ void permute_qkv(float* q, float* k, float* v, const float* qkv, int B,
+                                       int T, int NH, int HS) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)B * NH * T * HS) return;
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH), C = (long long)NH * HS;
+    long long src = b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
+    q[i] = qkv[src];
+    k[i] = qkv[src + C];
+    v[i] = qkv[src + 2 * C];
+}
+
+extern "C" __global__ void permute_qkv_backward(float* dqkv, const float* dq, const float* dk,
+                                                const float* dv, int B, int T, int NH, int HS) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)B * NH * T * HS) return;
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH), C = (long long)NH * HS;
+    long long dst = b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
+    dqkv[dst] = dq[i];
+    dqkv[dst + C] = dk[i];
+    dqkv[dst + 2 * C] = dv[i];
+}
+
+// y (B,NH,T,HS) -> out (B,T,NH,HS); backward is the same index map read the other way.
+extern "C" __global__ void unpermute(float* out, const float* y, int B, int T, int NH, int HS) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)B * NH * T * HS) return;
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH);
+    out[((b * T + t) * NH + h) * HS + d] = y[i];
+}
+
+extern "C" __global__ void unpermute_backward(float* dy, const float* dout, int B, int T, int NH,
+                                              int HS) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)B * NH * T * HS) return;
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH);
+    dy[i] = dout[((b * T + t) * NH + h) * HS + d];
+}
+
+// att[row, j] = softmax_j(scale * preatt[row, j]) for j <= t, 0 after (the causal mask).
+extern "C" __global__ void softmax_forward(float* att, const float* preatt, float scale,
+                                           int rows, int T) {
+    int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= rows) return;
+    int t = row % T;
+    const float* x = preatt + (long long)row * T;
+    float m = -INFINITY, s = 0.f;
+    for (int j = lane; j <= t; j += WARP) merge_max_sum(m, s, scale * x[j], 1.f);
+    warp_max_sum(m, s);
+    float* o = att + (long long)row * T;
+    for (int j = lane; j < T; j += WARP) o[j] = j <= t ? expf(scale * x[j] - m) / s : 0.f;
+}
+
+// dpreatt = scale * att * (datt - sum(att * datt)) over j <= t, 0 after.
+extern "C" __global__ void softmax_backward(float* dpreatt, const float* datt, const float* att,
+                                            float scale, int rows, int T) {
+    int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= rows) return;
+    int t = row % T;
+    long long base = (long long)row * T;
+    float s = 0.f;
+    for (int j = lane; j <= t; j += WARP) s += att[base + j] * datt[base + j];
+    s = warp_sum(s);
+    for (int j = lane; j < T; j += WARP)
+        dpreatt[base + j] = j <= t ? scale * att[base + j] * (datt[base + j] - s) : 0.f;
+}

@@ -1,0 +1,33 @@
+// Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC).
+// Two deterministic stages instead of atomics, so a step's gradients are reproducible.
+#include "common.cuh"
+#define COL_TILE 32  // columns per block (one per lane: coalesced rows)
+#define ROW_LANES 8  // threads down the rows per column
+
+// Stage 1. Launch: grid (ceil(OC/32), R), block (32, 8); chunk r sums rows
+// [r*rows_per_chunk, (r+1)*rows_per_chunk) into partial[r, c].
+extern "C" __global__ void column_sum_partial(float* partial, const float* in, int N, int OC,
+                                              int rows_per_chunk) {
+    __shared__ float acc[ROW_LANES][COL_TILE];
+    int c = blockIdx.x * COL_TILE + threadIdx.x;
+    int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float s = 0.f;
+    if (c < OC)
+        for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES) s += in[(long long)r * OC + c];
+    acc[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < OC) {
+        float t = 0.f;
+        for (int k = 0; k < ROW_LANES; k++) t += acc[k][threadIdx.x];
+        partial[(long long)blockIdx.y * OC + c] = t;
+    }
+}
+
+// Stage 2. Launch: EW_THREADS per block over OC columns; sums the R partials in order.
+extern "C" __global__ void column_sum_finish(float* out, const float* partial, int R, int OC) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    float s = 0.f;
+    for (int r = 0; r < R; r++) s += partial[(long long)r * OC + c];
+    out[c] += s;
+}
