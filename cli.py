@@ -144,6 +144,8 @@ def prepare(text, out, tokenizer, name):
 @click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
+@click.option("--graphs/--no-graphs", default=True, show_default=True,
+              help="replay each step as a CUDA graph (one process on a GPU)")
 @pipeline_options
 @entry
 def train(**kw):
@@ -159,6 +161,38 @@ def train(**kw):
         raise CupyGPTError(f"--keep {o.keep}: keep at least one checkpoint")
     o.sample_every = o.sample_every or o.steps
     run_train(session(o, tf32_default=True), o)
+
+
+@cli.command()
+@click.option("-e", "init", default="d12", show_default=True, help="preset to benchmark")
+@click.option("-b", "batch", default=4, show_default=True)
+@click.option("-t", "seq", default=1024, show_default=True)
+@click.option("--steps", default=20, show_default=True, help="timed steps (median reported)")
+@click.option("--warmup", default=3, show_default=True, help="untimed steps first")
+@click.option("--graphs/--no-graphs", default=True, show_default=True)
+@click.option("--profile", is_flag=True, help="add a per-op GPU time table (CUDA events)")
+@click.option("--out", default="bench.json", show_default=True, help="JSON to write")
+@click.option("--backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "cuda", "numpy"]))
+@click.option("--tf32/--no-tf32", default=True, show_default=True)
+@entry
+def bench(init, batch, seq, steps, warmup, graphs, profile, out, backend, tf32):
+    """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
+    from cupygpt.bench import bench as run_bench
+    from cupygpt.files import atomic_write
+    from cupygpt.session import Session
+    if min(batch, seq, steps) <= 0 or warmup < 0:
+        raise CupyGPTError("-b, -t and --steps must be positive, --warmup not negative")
+    sess = Session(backend, "auto", 300.0, tf32)
+    r = run_bench(sess, init, batch, seq, steps, warmup, graphs, profile,
+                  os.path.join(DATA, "tiny_shakespeare_train.bin"))
+    with atomic_write(out) as f:
+        f.write(json.dumps(r, indent=1).encode())
+    click.echo(f"{r['device']}: {init} B={batch} T={seq}: {r['ms_per_step_median']:.2f} ms/step, "
+               f"{r['tok_per_s']:.0f} tok/s" + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+               + f", host launch {100 * r['host_launch_fraction']:.1f}% of the step; wrote {out}")
+    for row in r.get("per_op", []):
+        click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
 
 
 @cli.command()

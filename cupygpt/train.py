@@ -57,7 +57,7 @@ def train(sess, o):
     else:
         cfg, params = load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq, o.micro_batches, o.schedule, o.split,
-                      adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay))
+                      adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay), graphs=o.graphs)
     train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "-i")
     val_data = DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "-j") if o.val_pattern else None
     tok = open_tokenizer(o.tokenizer, cfg, log)

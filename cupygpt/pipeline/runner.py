@@ -69,6 +69,8 @@ class Runner:
         # CUDA graphs: one process, CUDA, asked for (a pipeline's transport waits on peers)
         self.graphs = graphs and be.name == "cuda" and p == 1
         self.graph, self.steps_done = None, 0
+        io = (self.Bm, T, cfg.C)
+        transport.prepare({"act": (io, 2), "grad": (io, 2), "tied": ((cfg.Vp, cfg.C), 1)})
 
     def bytes_needed(self, l0, nl, slots, dtype, with_adamw):
         cfg, first, last = self.cfg, self.first, self.last
@@ -146,11 +148,13 @@ class Runner:
             self.opt.step(lr)
             self.steps_done += 1
             return loss
-        return self._graph_step(x, y, lr)
+        self.launch_graph_step(x, y, lr)
+        return self._loss() / (self.B * self.T)
 
-    def _graph_step(self, x, y, lr):
+    def launch_graph_step(self, x, y, lr=None):
         """One step as a replayed CUDA graph (captured on the first call): zero the
-        gradients, forward and backward over the micro-batches, AdamW."""
+        gradients, forward and backward over the micro-batches, AdamW. Returns once
+        launched, without waiting for the GPU."""
         be, opt, hp = self.be, self.opt, self.opt.hp
         lr = hp.lr if lr is None else lr
         self._feed(x, y)
@@ -164,7 +168,6 @@ class Runner:
             self.graph = be.capture(body)
         be.replay(self.graph)
         self.steps_done += 1
-        return self._loss() / (self.B * self.T)
 
     def eval_loss(self, x, y, on_logits=None):
         loss = self._run(self.eval_actions, x, y, None, on_logits)

@@ -36,6 +36,10 @@ class Local:
     def barrier(self):
         pass
 
+    def prepare(self, shapes):
+        """Called once by every rank with {kind: (shape, depth)}; GPU transports allocate
+        their buffers here (collectively)."""
+
     def any(self, flag):
         """True on every rank when flag is true on any."""
         return bool(flag)

@@ -1,0 +1,170 @@
+"""GPU: every CUDA kernel against the NumPy reference, verify on the reference files, CUDA
+graph replay, training on the shipped data. Skipped without a GPU (the CPU tests cover the
+same logic through the NumPy backend)."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import cli, fixture, requires_gpu
+from test_verify import FILES
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+# (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 25), HS 128
+SHAPES = [(2, 8, 48, 3), (3, 17, 100, 4), (1, 64, 256, 2)]
+RTOL, ATOL = 1e-4, 2e-5  # fp32 on both sides, TF32 off
+
+
+@pytest.fixture(scope="module")
+def cu():
+    from cupygpt.backends import cuda_backend
+    cuda_backend.configure(tf32=False)
+    return cuda_backend
+
+
+def pair(rng, shape, scale=1.0):
+    h = (rng.normal(size=shape) * scale).astype(np.float32)
+    import cupy as cp
+    return h, cp.asarray(h)
+
+
+def close(dev, host, rtol=RTOL, atol=ATOL):
+    import cupy as cp
+    np.testing.assert_allclose(cp.asnumpy(dev), host, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernels_match_numpy(cu, shape):
+    import cupy as cp
+    from cupygpt.backends import numpy_backend as npb
+    B, T, C, NH = shape
+    rng = np.random.default_rng(0)
+    V, Vp, OC = 300, 384, 3 * C
+    # encoder
+    wte, wte_d = pair(rng, (Vp, C))
+    wpe, wpe_d = pair(rng, (T + 3, C))
+    tok = rng.integers(0, V, (B, T)).astype(np.int32)
+    tok[0, :2] = 7  # repeated token: the atomic path
+    tok_d = cp.asarray(tok)
+    out, out_d = np.empty((B, T, C), np.float32), cp.empty((B, T, C), np.float32)
+    npb.encoder_forward(out, tok, wte, wpe)
+    cu.encoder_forward(out_d, tok_d, wte_d, wpe_d)
+    close(out_d, out)
+    dout, dout_d = pair(rng, (B, T, C))
+    g1, g2, g1d, g2d = np.zeros_like(wte), np.zeros_like(wpe), cp.zeros_like(wte_d), cp.zeros_like(wpe_d)
+    npb.encoder_backward(g1, g2, dout, tok)
+    cu.encoder_backward(g1d, g2d, dout_d, tok_d)
+    close(g1d, g1)
+    close(g2d, g2)
+    # layernorm
+    x, x_d = pair(rng, (B, T, C), 2.0)
+    w, w_d = pair(rng, (C,))
+    b, b_d = pair(rng, (C,))
+    m, r = np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    m_d, r_d = cp.empty((B, T), np.float32), cp.empty((B, T), np.float32)
+    npb.layernorm_forward(out, m, r, x, w, b)
+    cu.layernorm_forward(out_d, m_d, r_d, x_d, w_d, b_d)
+    close(out_d, out)
+    close(r_d, r)
+    di, dw, db = np.ones_like(x), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    di_d, dw_d, db_d = cp.ones_like(x_d), cp.zeros(C, np.float32), cp.zeros(C, np.float32)
+    npb.layernorm_backward(di, dw, db, dout, x, w, m, r)
+    cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
+    for d, h in ((di_d, di), (dw_d, dw), (db_d, db)):
+        close(d, h)
+    # matmul with and without bias
+    wm, wm_d = pair(rng, (OC, C), 0.1)
+    bias, bias_d = pair(rng, (OC,))
+    for bb, bb_d in ((bias, bias_d), (None, None)):
+        o, o_d = np.empty((B, T, OC), np.float32), cp.empty((B, T, OC), np.float32)
+        npb.matmul_forward(o, x, wm, bb)
+        cu.matmul_forward(o_d, x_d, wm_d, bb_d)
+        close(o_d, o)
+        do, do_d = pair(rng, (B, T, OC))
+        dx, dwm = np.empty_like(x), np.ones_like(wm)
+        dx_d, dwm_d = cp.empty_like(x_d), cp.ones_like(wm_d)
+        dbb = np.zeros(OC, np.float32) if bb is not None else None
+        dbb_d = cp.zeros(OC, np.float32) if bb is not None else None
+        npb.matmul_backward(dx, dwm, dbb, do, x, wm)
+        cu.matmul_backward(dx_d, dwm_d, dbb_d, do_d, x_d, wm_d)
+        close(dx_d, dx)
+        close(dwm_d, dwm)
+        if bb is not None:
+            close(dbb_d, dbb)
+    # attention
+    qkv, qkv_d = pair(rng, (B, T, 3 * C))
+    pre, att = np.empty((B, NH, T, T), np.float32), np.empty((B, NH, T, T), np.float32)
+    pre_d, att_d = cp.empty((B, NH, T, T), np.float32), cp.empty((B, NH, T, T), np.float32)
+    npb.attention_forward(out, pre, att, qkv, NH)
+    cu.attention_forward(out_d, pre_d, att_d, qkv_d, NH)
+    close(out_d, out)
+    close(att_d, att)
+    dq, dq_d = np.empty_like(qkv), cp.empty_like(qkv_d)
+    npb.attention_backward(dq, np.empty_like(pre), np.empty_like(att), dout, qkv, att, NH)
+    cu.attention_backward(dq_d, cp.empty_like(pre_d), cp.empty_like(att_d), dout_d, qkv_d, att_d, NH)
+    close(dq_d, dq)
+    # gelu, residual
+    npb.gelu_forward(out, x)
+    cu.gelu_forward(out_d, x_d)
+    close(out_d, out)
+    npb.gelu_backward(di, x, dout)
+    cu.gelu_backward(di_d, x_d, dout_d)
+    close(di_d, di)
+    npb.residual_forward(out, x, dout)
+    cu.residual_forward(out_d, x_d, dout_d)
+    close(out_d, out)
+    # classifier, forward only and fused backward
+    lg, lg_d = pair(rng, (B, T, Vp), 3.0)
+    tgt = rng.integers(0, V, (B, T)).astype(np.int32)
+    ls, ls_d = np.empty((B, T), np.float32), cp.empty((B, T), np.float32)
+    for dloss in (None, 1.0 / (B * T)):
+        h, d = lg.copy(), lg_d.copy()
+        npb.classifier(h, ls, tgt, V, dloss)
+        cu.classifier(d, ls_d, cp.asarray(tgt), V, dloss)
+        close(ls_d, ls)
+        close(d, h)
+    acc = cp.zeros(1, np.float64)
+    cu.loss_accumulate(acc, ls_d)
+    assert float(acc[0]) == pytest.approx(float(ls.sum(dtype=np.float64)), rel=1e-6)
+    # adamw
+    n = 1000
+    p, p_d = pair(rng, (n,))
+    g, g_d = pair(rng, (n,))
+    mm, vv = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    mm_d, vv_d = cp.zeros(n, np.float32), cp.zeros(n, np.float32)
+    for t in (1, 2):
+        npb.adamw(p, g, mm, vv, t, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        cu.adamw(p_d, g_d, mm_d, vv_d, t, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+    close(p_d, p, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
+def test_verify_cuda(files):
+    model, state, expected = files
+    res = cli("verify", "--model", fixture(model), "--state", fixture(state), "--expected",
+              fixture(expected), "--backend", "cuda", "--json")
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda", res.stdout + res.stderr
+
+
+def losses(text):
+    return [float(x) for x in re.findall(r"train loss (\d+\.\d+)", text)]
+
+
+def test_graph_replay_equals_eager(tmp_path):
+    args = ["train", "--backend", "cuda", "-b", "4", "-t", "64", "-n", "8", "-v", "0", "-g", "0",
+            "--no-tf32"]
+    eager = cli(*args, "--no-graphs", "-o", tmp_path / "a")
+    graph = cli(*args, "--graphs", "-o", tmp_path / "b")
+    assert eager.returncode == 0 and graph.returncode == 0, graph.stderr
+    assert losses(graph.stdout) == pytest.approx(losses(eager.stdout), rel=1e-5)
+
+
+def test_train_on_gpu_lowers_the_loss(tmp_path):
+    res = cli("train", "-n", "30", "-v", "10", "-g", "16", "-o", tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "backend cuda: a GPU is visible" in res.stdout
+    val = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
+    assert val[-1] < val[0] - 1.5

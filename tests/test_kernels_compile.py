@@ -1,0 +1,58 @@
+"""Every kernels_cu/*.cu compiles, with the backend's own options, for sm_80 and sm_90 —
+through NVRTC (what CuPy uses on the GPU) and through nvcc where it is installed. Runs
+without a GPU, so a broken kernel cannot land."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from cupygpt.kernels import KERNEL_DIR, OPTIONS, nvrtc_compile, sources
+
+ARCHS = ("compute_80", "compute_90")
+
+
+def have_nvrtc():
+    try:
+        nvrtc_compile(sources()[0], ARCHS[0])
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not have_nvrtc() and not os.environ.get("CI"),
+                    reason="NVRTC not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", sources(), ids=os.path.basename)
+def test_nvrtc_compiles(path, arch):
+    nvrtc_compile(path, arch)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+def test_nvcc_compiles(tmp_path, arch):
+    for path in sources():
+        res = subprocess.run(["nvcc", f"-arch={arch}", *OPTIONS, "-c", path, "-o",
+                              str(tmp_path / "k.o")], capture_output=True, text=True)
+        assert res.returncode == 0, f"{os.path.basename(path)}: {res.stderr}"
+
+
+def test_a_broken_kernel_is_caught(tmp_path):
+    if not have_nvrtc():
+        pytest.skip("NVRTC not installed")
+    bad = tmp_path / "bad.cu"
+    bad.write_text('#include "common.cuh"\nextern "C" __global__ void k(float* x) { x[0] = y; }\n')
+    with pytest.raises(RuntimeError, match="bad.cu"):
+        nvrtc_compile(str(bad), ARCHS[1])
+
+
+def test_every_backend_kernel_exists():
+    """Each kernel name the CUDA backend launches is defined in kernels_cu."""
+    import re
+    src = open(os.path.join(os.path.dirname(KERNEL_DIR), "cupygpt", "backends",
+                            "cuda_backend.py")).read()
+    used = set(re.findall(r'_(?:ew|rows|k)\("(\w+)"', src))
+    defined = set()
+    for path in sources():
+        defined |= set(re.findall(r'extern "C" __global__ void (\w+)\(', open(path).read()))
+    assert used and used <= defined, used - defined
