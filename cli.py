@@ -245,6 +245,22 @@ def sample(**kw):
 
 
 @cli.command()
+@click.option("--out", default="gpu_report", show_default=True, help="report directory")
+@entry
+def gpucheck(out):
+    """The GPU check: all GPU tests, the benchmarks and a pipeline run, in one report."""
+    from cupygpt.backends import gpu_available
+    from cupygpt.gpucheck import gpucheck as run_check
+    if not gpu_available():
+        raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
+                           "GPU machine after pip install -e '.[cuda13,test]'")
+    report, md = run_check(out)
+    click.echo(md)
+    t = report["tests"]
+    sys.exit(0 if t["failed"] == 0 and t["errors"] == 0 and t["rc"] in (0, 5) else 1)
+
+
+@cli.command()
 @click.argument("log", type=click.Path())
 @click.option("--out", default="loss.png", show_default=True, help="PNG to write")
 @entry

@@ -4,13 +4,25 @@
 // over B*NH*T*HS; softmax kernels: one warp per (b, h, t) row, ROW_WARPS per block.
 #include "common.cuh"
 
+// For i indexing (B,NH,T,HS): where that (b, h, t, d) sits in qkv (B,T,3,NH,HS), as q
+// (k is +C, v is +2C), and in (B,T,NH,HS).
+__device__ __forceinline__ long long qkv_offset(long long i, int T, int NH, int HS) {
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH), C = (long long)NH * HS;
+    return b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
+}
+
+__device__ __forceinline__ long long bthd_offset(long long i, int T, int NH, int HS) {
+    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
+    long long b = i / ((long long)HS * T * NH);
+    return ((b * T + t) * NH + h) * HS + d;
+}
+
 extern "C" __global__ void permute_qkv(float* q, float* k, float* v, const float* qkv, int B,
                                        int T, int NH, int HS) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)B * NH * T * HS) return;
-    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
-    long long b = i / ((long long)HS * T * NH), C = (long long)NH * HS;
-    long long src = b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
+    long long src = qkv_offset(i, T, NH, HS), C = (long long)NH * HS;
     q[i] = qkv[src];
     k[i] = qkv[src + C];
     v[i] = qkv[src + 2 * C];
@@ -20,9 +32,7 @@ extern "C" __global__ void permute_qkv_backward(float* dqkv, const float* dq, co
                                                 const float* dv, int B, int T, int NH, int HS) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)B * NH * T * HS) return;
-    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
-    long long b = i / ((long long)HS * T * NH), C = (long long)NH * HS;
-    long long dst = b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
+    long long dst = qkv_offset(i, T, NH, HS), C = (long long)NH * HS;
     dqkv[dst] = dq[i];
     dqkv[dst + C] = dk[i];
     dqkv[dst + 2 * C] = dv[i];
@@ -31,19 +41,13 @@ extern "C" __global__ void permute_qkv_backward(float* dqkv, const float* dq, co
 // y (B,NH,T,HS) -> out (B,T,NH,HS); backward is the same index map read the other way.
 extern "C" __global__ void unpermute(float* out, const float* y, int B, int T, int NH, int HS) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)B * NH * T * HS) return;
-    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
-    long long b = i / ((long long)HS * T * NH);
-    out[((b * T + t) * NH + h) * HS + d] = y[i];
+    if (i < (long long)B * NH * T * HS) out[bthd_offset(i, T, NH, HS)] = y[i];
 }
 
 extern "C" __global__ void unpermute_backward(float* dy, const float* dout, int B, int T, int NH,
                                               int HS) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)B * NH * T * HS) return;
-    int d = i % HS, t = (i / HS) % T, h = (i / ((long long)HS * T)) % NH;
-    long long b = i / ((long long)HS * T * NH);
-    dy[i] = dout[((b * T + t) * NH + h) * HS + d];
+    if (i < (long long)B * NH * T * HS) dy[i] = dout[bthd_offset(i, T, NH, HS)];
 }
 
 // att[row, j] = softmax_j(scale * preatt[row, j]) for j <= t, 0 after (the causal mask).

@@ -30,15 +30,15 @@ def test_three_stage_verify(schedule, micro):
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
 
 
-def step_losses(text):
-    return [float(x) for x in re.findall(r"train loss (\d+\.\d+)", text)]
+def step_losses(text, what="train loss"):
+    return [float(x) for x in re.findall(what + r" (\d+\.\d+)", text)]
 
 
 @pytest.mark.parametrize("ranks,extra", [(2, []), (2, ["--schedule", "gpipe"]),
                                          (3, ["--micro-batches", "2"]),
                                          (4, ["--split", "1,1,1,1", "--micro-batches", "4"])])
 def test_pipelined_train_equals_single_process(tmp_path, ranks, extra):
-    args = ["train", "-b", "4", "-t", "32", "-n", "4", "-v", "0", "-g", "0"]
+    args = ["train", "-b", "4", "-t", "32", "-n", "4", "-v", "2", "-m", "2", "-g", "8"]
     single = cli(*args, "-o", tmp_path / "a")
     piped = cli(*args, *extra, "-o", tmp_path / "b", ranks=ranks)
     assert single.returncode == 0 and piped.returncode == 0, piped.stderr
@@ -46,6 +46,9 @@ def test_pipelined_train_equals_single_process(tmp_path, ranks, extra):
     assert len(a) == len(b) == 4
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     assert piped.stdout.count("train loss") == 4, "step lines are printed once, not per rank"
+    va, vb = step_losses(single.stdout, "val loss"), step_losses(piped.stdout, "val loss")
+    assert len(va) == len(vb) == 3 and vb == pytest.approx(va, rel=1e-5)
+    assert piped.stdout.count("generating:") == 1, "the pipeline samples, one rank prints"
     assert "[pe1] stage 1" in piped.stdout
     from cupygpt.files import read_model
     cfg_a, pa = read_model(tmp_path / "a" / "model.bin")

@@ -1,0 +1,153 @@
+"""The GPU check: every GPU test, the benchmarks and a pipeline run, into one report
+(report.json + report.md). Each piece runs in its own process, so one failure is
+reported and the rest still runs."""
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, os.path.join(ROOT, "cli.py")]
+
+
+def sh(cmd, timeout):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after {timeout}s\n{e.stdout or ''}"
+
+
+def versions():
+    out = {"python": platform.python_version()}
+    for pkg in ("cupy-cuda13x", "cupy-cuda12x", "nvshmem4py-cu13", "nvshmem4py-cu12",
+                "cuda-bindings", "mpi4py", "numpy"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        import cupy as cp
+        props = cp.cuda.runtime.getDeviceProperties(0)
+        out.update(device=props["name"].decode(), gpus=cp.cuda.runtime.getDeviceCount(),
+                   driver=cp.cuda.runtime.driverGetVersion(),
+                   cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
+                   memory_gib=round(props["totalGlobalMem"] / 2**30, 1))
+    except Exception as e:  # reported, not fatal: the tests will say the rest
+        out["device_error"] = str(e)
+    mps = shutil.which("nvidia-cuda-mps-control")
+    out["mps"] = "running" if mps and sh(["pgrep", "-f", "nvidia-cuda-mps-server"], 10)[0] == 0 \
+        else ("available, not running" if mps else "not installed")
+    return out
+
+
+def run_tests(out):
+    xml = os.path.join(out, "gpu_tests.xml")
+    rc, log = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={xml}",
+                  "-p", "no:cacheprovider"], 1500)
+    with open(os.path.join(out, "gpu_tests.log"), "w") as f:
+        f.write(log)
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    try:
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite[0]
+        tests = int(suite.get("tests"))
+        counts.update(failed=int(suite.get("failures")), errors=int(suite.get("errors")),
+                      skipped=int(suite.get("skipped")))
+        counts["passed"] = tests - counts["failed"] - counts["errors"] - counts["skipped"]
+        counts["failures"] = [c.get("name") for c in suite.iter("testcase")
+                              if c.find("failure") is not None or c.find("error") is not None]
+    except (OSError, ET.ParseError, IndexError):
+        counts["errors"] = 1
+    counts["rc"] = rc
+    return counts
+
+
+def bench(out, name, *args, timeout=400):
+    path = os.path.join(out, f"bench_{name}.json")
+    rc, log = sh(CLI + ["bench", "--out", path, *args], timeout)
+    if rc != 0:
+        return {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {rc}"}
+    return json.load(open(path))
+
+
+def pipeline(out, ranks=2):
+    """Per-step time of the same run on one GPU and as a `ranks`-stage nvshmem pipeline."""
+    from .config import preset
+    res = {}
+    for label, pre in (("single", []), (f"nvshmem_{ranks}", ["mpiexec", "-n", str(ranks)])):
+        log = os.path.join(out, f"pipe_{label}.jsonl")
+        if os.path.exists(log):
+            os.unlink(log)
+        rc, text = sh(pre + CLI + ["train", "-e", "d12", "--backend", "cuda", "-b", "4", "-t",
+                                   "128", "-n", "20", "-v", "0", "-g", "0", "--no-graphs",
+                                   "--log-file", log, "-o", os.path.join(out, "pipe_" + label)]
+                      + (["--transport", "nvshmem"] if pre else []), 600)
+        if rc != 0:
+            res[label] = {"error": text.strip().splitlines()[-3:]}
+            continue
+        steps = [json.loads(x) for x in open(log)]
+        steps = [s for s in steps if "train_loss" in s]
+        res[label] = {"ms_per_step_median": statistics.median(s["ms"] for s in steps[3:]),
+                      "losses": [s["train_loss"] for s in steps]}
+    cfg = preset("d12")
+    res["bytes_per_handoff"] = 4 * 128 * cfg.C * 4  # one micro-batch's (B, T, C) fp32
+    if all("losses" in res.get(k, {}) for k in ("single", f"nvshmem_{ranks}")):
+        a, b = res["single"]["losses"], res[f"nvshmem_{ranks}"]["losses"]
+        res["max_rel_loss_diff"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    return res
+
+
+def gpucheck(out):
+    os.makedirs(out, exist_ok=True)
+    report = {"versions": versions(), "tests": run_tests(out)}
+    report["bench"] = {
+        "d12_T128_B4": bench(out, "d12_T128_B4", "-e", "d12", "-b", "4", "-t", "128"),
+        "d12_T1024_B4_profile": bench(out, "d12_T1024_B4", "-e", "d12", "-b", "4", "-t", "1024",
+                                      "--profile"),
+        "d12_T1024_B4_no_graphs": bench(out, "d12_T1024_B4_nog", "-e", "d12", "-b", "4", "-t",
+                                        "1024", "--no-graphs", "--steps", "10"),
+    }
+    for B in (8, 16, 32):
+        report["bench"][f"d12_T1024_B{B}"] = bench(out, f"d12_T1024_B{B}", "-e", "d12", "-b",
+                                                   str(B), "-t", "1024", "--steps", "10")
+    report["pipeline"] = pipeline(out)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = summary(report)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(md)
+    return report, md
+
+
+def summary(r):
+    v, t = r["versions"], r["tests"]
+    lines = [f"# GPU check: {v.get('device', '?')} ({v.get('gpus', '?')} GPU)",
+             "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "device"),
+             f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
+             f"{t['errors']} errors" + (f" ({', '.join(t.get('failures', []))})"
+                                       if t.get("failures") else ""),
+             "", "| bench | ms/step | tok/s | MFU | host launch | peak GiB |", "|---|---|---|---|---|---|"]
+    for name, b in r["bench"].items():
+        if "error" in b:
+            lines.append(f"| {name} | {b['error'][:60]} | | | | |")
+            continue
+        mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
+        lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | {mfu} | "
+                     f"{100 * b['host_launch_fraction']:.1f}% | "
+                     f"{b['peak_memory_bytes'] / 2**30:.2f} |")
+    prof = r["bench"].get("d12_T1024_B4_profile", {}).get("per_op")
+    if prof:
+        lines += ["", "| op (d12 B4 T1024, eager) | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |" for p in prof]
+    lines += ["", "pipeline (d12, B=4, T=128, 2 PEs on this GPU over nvshmem): " +
+              json.dumps({k: (v if not isinstance(v, dict) else
+                              {kk: vv for kk, vv in v.items() if kk != "losses"})
+                          for k, v in r["pipeline"].items()})]
+    return "\n".join(lines) + "\n"
