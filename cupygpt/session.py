@@ -26,9 +26,9 @@ class Session:
 
     def __init__(self, backend="auto", transport="auto", peer_timeout=300.0, tf32=None):
         self.be, why = get_backend(backend)
-        if self.be.name == "cuda":
-            self.be.configure(tf32=tf32)
         self.tr = make_transport(transport, self.be, peer_timeout)
+        if self.be.name == "cuda":  # after the transport: rank r takes GPU r % count
+            self.be.configure(tf32=tf32, device=self.tr.rank)
         self.log = Log(self.tr.rank, self.tr.size)
         self.backend_note = why
 

@@ -24,10 +24,12 @@ _modules, _functions, _workspace = {}, {}, {}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
-def configure(tf32=False):
-    """TF32 tensor-core matmuls on (training) or off (verify), on CuPy's cuBLAS handle;
-    all work goes to one non-blocking stream (the legacy default stream cannot be captured)."""
+def configure(tf32=False, device=0):
+    """Uses GPU device % count; TF32 tensor-core matmuls on (training) or off (verify), on
+    CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy default
+    stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
+    cp.cuda.Device(device % cp.cuda.runtime.getDeviceCount()).use()
     cp.cuda.Stream(non_blocking=True).use()
     h = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)

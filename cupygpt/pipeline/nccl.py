@@ -26,7 +26,7 @@ class Nccl(Mpi):
             raise CupyGPTError(f"--transport nccl: {self.size} ranks but {ndev} GPU(s); NCCL needs "
                                f"one GPU per rank and refuses two ranks on one GPU; use "
                                f"--transport nvshmem")
-        cp.cuda.Device(self.rank).use()
+        cp.cuda.Device(self.rank).use()  # before any NCCL call; Session.configure agrees
         self.cp, self.nccl = cp, nccl
         self.comms = {}
         p, r = self.size, self.rank
