@@ -9,26 +9,24 @@ from types import SimpleNamespace
 import click
 
 from cupygpt import CupyGPTError
-from cupygpt.pipeline.transport import launched_ranks
+from cupygpt.pipeline.transport import fail, launched_ranks, start_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data")
 
 
 def entry(fn):
-    """Bad input ends in one line and exit 1; under mpiexec any failure ends every rank."""
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank."""
     @functools.wraps(fn)
     def wrapper(**kw):
+        if launched_ranks() > 1:
+            start_mpi()
         try:
             return fn(**kw)
         except CupyGPTError as e:
-            click.echo(f"error: {e}", err=True)
+            fail(f"error: {e}")
         except Exception:
-            traceback.print_exc()
-        if launched_ranks() > 1:
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(1)
-        sys.exit(1)
+            fail(traceback.format_exc().rstrip())
     return wrapper
 
 

@@ -120,9 +120,10 @@ def check_matches(path, meta, run):
 
 
 def restore(run, path):
-    """Loads this rank's slice and optimizer state; returns its saved meta."""
+    """Loads this rank's slice and optimizer state; returns its saved meta. Every rank
+    first checks the run against rank 0's file, so all ranks report the same difference."""
+    check_matches(path, load_meta(path, 0)[0], run)
     meta, f = load_meta(path, run.tr.rank)
-    check_matches(path, meta, run)
     st, opt, be = run.stage, run.opt, run.be
     with np.load(f) as z:
         for name, dst in (("params", st.params), ("m", opt.m), ("v", opt.v)):

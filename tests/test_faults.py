@@ -132,7 +132,7 @@ def test_hung_peer_times_out_naming_what_it_waited_for(tmp_path):
                 pass
     assert p.returncode != 0 and took < 30
     line = next((ln for ln in out.splitlines() if "timed out after 3s" in ln), "")
-    assert line.startswith("error: rank 1: timed out after 3s waiting for"), out[-2000:]
+    assert line.startswith("[pe1] error: rank 1: timed out after 3s waiting for"), out[-2000:]
     assert "rank 0" in line.split("waiting for")[1], line
 
 
