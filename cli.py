@@ -205,41 +205,9 @@ def bench(init, batch, seq, steps, warmup, graphs, profile, out, backend, tf32):
 @entry
 def sample(**kw):
     """Generate text from an llm.c model file."""
-    import numpy as np
-    from cupygpt import CupyGPTError as Err
-    from cupygpt.files import read_model
-    from cupygpt.sample import generate
-    from cupygpt.tokenizer import Tokenizer
+    from cupygpt.sample import sample_text
     o = SimpleNamespace(**kw)
-    for name, v in (("--max-new-tokens", o.max_new_tokens), ("--temperature", o.temperature)):
-        if v < 0:
-            raise Err(f"{name} {v}: must not be negative")
-    if o.top_k is not None and o.top_k <= 0:
-        raise Err(f"--top-k {o.top_k}: must be positive")
-    sess = session(o, tf32_default=True)
-    cfg, params = read_model(o.model)
-    tok = Tokenizer(o.tokenizer)
-    tok.check_vocab(cfg.V)
-    prompt = [tok.eot] + tok.encode(o.prompt)
-    T = min(cfg.maxT, len(prompt) + o.max_new_tokens)
-    if len(prompt) >= cfg.maxT:
-        raise Err(f"--prompt: encodes to {len(prompt)} tokens (with the start token), the "
-                  f"model's context is {cfg.maxT}; shorten it")
-    run = sess.runner(cfg, params, 1, T)
-    if o.top_k is not None and o.top_k > cfg.V:
-        raise Err(f"--top-k {o.top_k}: larger than the vocab ({cfg.V})")
-    rng = np.random.default_rng(o.seed)
-    if sys.stdout.isatty() and sess.tr.rank == 0:
-        with click.progressbar(length=T - len(prompt), label="generating",
-                               file=sys.stderr) as bar:
-            ids = generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature,
-                           o.top_k, lambda t: bar.update(1))
-        sess.log(o.prompt + tok.decode(ids[len(prompt):]))
-        return
-    sess.log(o.prompt, rank=0) if o.prompt else None
-    emit = (lambda t: click.echo(tok.decode([t]), nl=False)) if sess.tr.rank == 0 else None
-    generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k, emit)
-    sess.log("")
+    sample_text(session(o, tf32_default=True), o, sys.stdout.isatty())
 
 
 @cli.command()

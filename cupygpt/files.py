@@ -90,10 +90,13 @@ def read_model_header(path):
     return cfg, version
 
 
-def read_model(path, out=None):
-    """(config, fp32 parameters of the whole model); one read into out when it is given."""
+def read_model(path, out=None, mmap=False):
+    """(config, fp32 parameters of the whole model); one read into out when it is given.
+    With mmap an fp32 file is mapped, not read: a pipeline stage touches only its slice."""
     cfg, version = read_model_header(path)
     n = param_layout(cfg).size
+    if mmap and version == 3 and out is None:
+        return cfg, np.memmap(path, dtype=np.float32, mode="r", offset=HEADER_BYTES, shape=(n,))
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         if version == 3:

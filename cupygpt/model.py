@@ -38,10 +38,15 @@ class Stage:
                 "activations": (self.acts_buf.size + self.scratch_buf.size) * item}
 
     def load(self, full_params):
-        """Copy this stage's slice out of a whole model's host parameters (one upload)."""
-        host = np.empty(self.layout.size, self.dtype)
-        copy_layer_range(host, self.layout, full_params, param_layout(self.cfg), self.l0)
-        self.params[...] = self.be.from_host(host)
+        """This stage's slice of a whole model's host parameters (array or memmap), in one
+        upload; the whole model goes straight from the file into the flat buffer."""
+        full = param_layout(self.cfg)
+        if self.layout == full:
+            host = full_params
+        else:
+            host = np.empty(self.layout.size, full_params.dtype)
+            copy_layer_range(host, self.layout, full_params, full, self.l0)
+        self.be.upload(self.params, host)
 
     def export(self):
         """This stage's parameters, on the host."""

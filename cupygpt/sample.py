@@ -1,7 +1,10 @@
 """Text generation through the runner (so it also works across pipeline stages)."""
+import click
 import numpy as np
 
 from . import CupyGPTError
+from .files import read_model
+from .tokenizer import Tokenizer
 
 
 def next_token(logits, rng, temperature=1.0, top_k=None):
@@ -43,3 +46,35 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
         if on_token:
             on_token(tok)
     return out
+
+
+def sample_text(sess, o, terminal):
+    """The `sample` command: on a terminal a progress bar, then the text; else the text
+    streamed token by token."""
+    for name, v in (("--max-new-tokens", o.max_new_tokens), ("--temperature", o.temperature)):
+        if v < 0:
+            raise CupyGPTError(f"{name} {v}: must not be negative")
+    cfg, params = read_model(o.model, mmap=True)
+    tok = Tokenizer(o.tokenizer)
+    tok.check_vocab(cfg.V)
+    if o.top_k is not None and not 0 < o.top_k <= cfg.V:
+        raise CupyGPTError(f"--top-k {o.top_k}: must be between 1 and the vocab size {cfg.V}")
+    prompt = [tok.eot] + tok.encode(o.prompt)
+    if len(prompt) >= cfg.maxT:
+        raise CupyGPTError(f"--prompt: encodes to {len(prompt)} tokens (with the start token), "
+                           f"the model's context is {cfg.maxT}; shorten it")
+    T = min(cfg.maxT, len(prompt) + max(o.max_new_tokens, 1))
+    run = sess.runner(cfg, params, 1, T)
+    rng, first = np.random.default_rng(o.seed), sess.tr.rank == 0
+    if terminal and first:
+        with click.progressbar(length=T - len(prompt), label="generating",
+                               file=click.get_text_stream("stderr")) as bar:
+            ids = generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k,
+                           lambda t: bar.update(1))
+        sess.log(o.prompt + tok.decode(ids[len(prompt):]))
+        return
+    if o.prompt:
+        sess.log(o.prompt)
+    emit = (lambda t: click.echo(tok.decode([t]), nl=False)) if first else None
+    generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k, emit)
+    sess.log("")

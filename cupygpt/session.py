@@ -16,7 +16,7 @@ from .pipeline.transport import make_transport
 def load_model(spec, seed):
     """-e: an llm.c model file (fp32 or bf16), or a preset name for a fresh model."""
     if os.path.exists(spec) or os.sep in spec or spec.endswith(".bin"):
-        return read_model(spec)
+        return read_model(spec, mmap=True)
     cfg = preset(spec)
     return cfg, init_params(cfg, seed)
 
@@ -40,7 +40,8 @@ class Session:
             raise CupyGPTError(f"-t {T}: longer than the model's maxT={cfg.maxT}; lower -t")
         run = Runner(cfg, self.be, self.tr, B, T, micro_batches, schedule, split, dtype, adamw,
                      graphs)
-        run.stage.load(params)
+        if params is not None:  # None: a resume fills the stage from its checkpoint
+            run.stage.load(params)
         return run
 
     def describe(self, cfg, run, extra=()):

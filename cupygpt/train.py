@@ -11,7 +11,7 @@ import numpy as np
 from . import CupyGPTError
 from . import checkpoint
 from .data import DataLoader
-from .files import write_model
+from .files import read_model_header, write_model
 from .optim import AdamWConfig, lr_at
 from .sample import generate
 from .session import load_model
@@ -52,8 +52,8 @@ class Interrupt:
 def train(sess, o):
     log, tr = sess.log, sess.tr
     resume = checkpoint.resolve(o.resume) if o.resume else None
-    if resume:
-        cfg, params = load_model(os.path.join(resume, "model.bin"), o.seed)
+    if resume:  # the shape from model.bin's header; the parameters from the rank files
+        cfg, params = read_model_header(os.path.join(resume, "model.bin"))[0], None
     else:
         cfg, params = load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq, o.micro_batches, o.schedule, o.split,
@@ -130,8 +130,7 @@ def train(sess, o):
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
             interrupted = tr.any(stop.hit)
-            if (o.checkpoint_every and (step + 1) % o.checkpoint_every == 0) or \
-                    (interrupted and o.checkpoint_every):
+            if o.checkpoint_every and ((step + 1) % o.checkpoint_every == 0 or interrupted):
                 save(step + 1)
             if interrupted:
                 log(f"interrupted after step {step + 1}" +

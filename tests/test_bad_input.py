@@ -101,6 +101,8 @@ CASES = [
                                    "--prompt", "word " * 40], "shorten it"),
     ("negative tokens", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
                                    "--max-new-tokens", "-1"], "must not be negative"),
+    ("top-k too big", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
+                                 "--top-k", "60000"], "--top-k 60000: must be between 1 and"),
 ]
 
 

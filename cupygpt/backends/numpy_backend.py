@@ -26,6 +26,7 @@ def to_host(a):
 
 
 def upload(dst, host):
+    """Copies host into the existing array dst (casting to its dtype)."""
     dst[...] = host
 
 

@@ -6,7 +6,7 @@ The single process is the pipeline of one stage (no sends, no receives), so `tra
 import numpy as np
 
 from .. import CupyGPTError
-from ..layout import activation_layout, param_layout, scratch_layout
+from ..layout import activation_layout, assemble, param_layout, scratch_layout
 from ..model import Stage
 from ..optim import AdamW
 from .schedule import SCHEDULES, forward_only, slot_plan
@@ -179,7 +179,6 @@ class Runner:
 
     def gather_params(self):
         """The whole model's host parameters on rank 0 (None elsewhere)."""
-        from ..layout import assemble
         parts = self.tr.gather((self.stage.l0, self.stage.l1, self.stage.embed,
                                 self.stage.head, self.stage.export()))
         return assemble(self.cfg, parts) if parts is not None and self.tr.rank == 0 else None
