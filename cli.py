@@ -211,6 +211,31 @@ def sample(**kw):
 
 
 @cli.command()
+@click.option("--stages", "-p", default=4, show_default=True)
+@click.option("--micro-batches", "-m", default=8, show_default=True)
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"]))
+@click.option("--backward-cost", default=2.0, show_default=True,
+              help="time of a backward relative to a forward")
+@entry
+def schedule(stages, micro_batches, schedule, backward_cost):
+    """Print each rank's actions and the simulated bubble of a pipeline schedule."""
+    from cupygpt.pipeline.schedule import SCHEDULES, simulate, slot_plan
+    if stages < 1 or micro_batches < 1:
+        raise CupyGPTError("--stages and --micro-batches must be positive")
+    fn = SCHEDULES[schedule]
+    short = {"fwd": "F", "bwd": "B", "recv_act": "ra", "send_act": "sa", "recv_grad": "rg",
+             "send_grad": "sg", "step": "step"}
+    for r in range(stages):
+        acts = fn(stages, micro_batches, r)
+        text = " ".join(short[a.op] + ("" if a.mb is None else str(a.mb)) for a in acts)
+        click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
+    sim = simulate(stages, micro_batches, fn, 1.0, backward_cost)
+    ideal = (stages - 1) / (micro_batches + stages - 1)
+    click.echo(f"bubble {sim['bubble']:.4f} (equal stages: (p-1)/(m+p-1) = {ideal:.4f}); "
+               f"makespan {sim['makespan']:g} forward-times; deadlock-free")
+
+
+@cli.command()
 @click.option("--out", default="gpu_report", show_default=True, help="report directory")
 @entry
 def gpucheck(out):

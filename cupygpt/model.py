@@ -137,6 +137,6 @@ def init_params(cfg, seed):
             view[...] = 1
         elif name.endswith("w") or name == "wpe":
             std = 0.02 / np.sqrt(2 * cfg.L) if name in ("attprojw", "fcprojw") else 0.02
-            view[...] = rng.normal(0.0, std, view.shape)
+            view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
     views["wte"][cfg.V:] = 0
     return params

@@ -168,3 +168,17 @@ def test_train_on_gpu_lowers_the_loss(tmp_path):
     assert "backend cuda: a GPU is visible" in res.stdout
     val = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
     assert val[-1] < val[0] - 1.5
+
+
+def test_resume_on_gpu_matches(tmp_path):
+    args = ["train", "--backend", "cuda", "-b", "4", "-t", "64", "-v", "0", "-g", "0", "-n", "8"]
+    full = cli(*args, "--checkpoint-every", "4", "-o", tmp_path / "a")
+    part = cli(*args, "--resume", tmp_path / "a" / "ckpt_00000004", "-o", tmp_path / "b")
+    assert full.returncode == 0 and part.returncode == 0, part.stderr
+    assert losses(part.stdout) == pytest.approx(losses(full.stdout)[4:], rel=1e-5)
+
+
+def test_out_of_memory_at_start_is_one_line():
+    res = cli("train", "--backend", "cuda", "-e", "d12", "-b", "512", "-t", "1024", "-n", "1")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "out of GPU memory at start" in res.stderr and "GiB is free" in res.stderr

@@ -53,3 +53,12 @@ def test_simulator_catches_out_of_order_messages():
 
     with pytest.raises(RuntimeError, match="expected act of micro-batch 1"):
         simulate(2, 2, swapped, capacity=2)
+
+
+def test_schedule_command():
+    from conftest import cli
+    res = cli("schedule", "-p", "3", "-m", "4")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "rank 0 (3 activation slots): F0 sa0 F1 sa1 F2 sa2 rg0 B0 F3 sa3 rg1 B1 rg2 B2 rg3 B3 step"
+    assert lines[-1].startswith("bubble 0.3333 (equal stages: (p-1)/(m+p-1) = 0.3333)")
