@@ -2,8 +2,6 @@
 import statistics
 import time
 
-import numpy as np
-
 from .config import preset
 from .data import DataLoader
 from .model import init_params

@@ -130,6 +130,6 @@ def restore(run, path):
             if z[name].shape != dst.shape:
                 raise CupyGPTError(f"{f}: {name} has {z[name].size} values, the stage "
                                    f"{dst.size}; the file does not belong to this split")
-            dst[...] = be.from_host(z[name].astype(st.dtype))
+            be.upload(dst, z[name])
     opt.t = meta["adam_t"]
     return meta

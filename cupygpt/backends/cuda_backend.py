@@ -98,10 +98,6 @@ def zeros(n, dtype=np.float32):
                            f"-t, or use more pipeline stages") from None
 
 
-def from_host(a):
-    return cp.asarray(a)
-
-
 def upload(dst, host):
     """Copies a host array into an existing device array (no allocation)."""
     dst.set(np.ascontiguousarray(host, dtype=dst.dtype))

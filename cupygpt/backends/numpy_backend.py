@@ -17,10 +17,6 @@ def zeros(n, dtype=np.float32):
     return np.zeros(n, dtype=dtype)
 
 
-def from_host(a):
-    return np.array(a, copy=True)
-
-
 def to_host(a):
     return np.asarray(a)
 

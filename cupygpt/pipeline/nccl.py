@@ -51,7 +51,7 @@ class Nccl(Mpi):
         return self.comms[(a, b, "fwd" if kind == "act" else "bwd")], 1 if peer == b else 0
 
     def send(self, kind, arr, peer, mb=None):
-        cp, compute = self.cp, self.cp.cuda.get_current_stream()
+        compute = self.cp.cuda.get_current_stream()
         i = self.n[kind] % DEPTH
         self.n[kind] += 1
         buf, done = self.ring[kind][i]

@@ -12,8 +12,6 @@ in finish_sends, which polls the stream against --peer-timeout.
 """
 import time
 
-import numpy as np
-
 from .. import CupyGPTError
 from .transport import Mpi
 
@@ -109,6 +107,3 @@ class Nvshmem(Mpi):
                                    f"for this step's transfers (a peer's data or ack); "
                                    f"is every rank alive?")
             time.sleep(1e-4)
-
-    def bytes_per_handoff(self, kind="act"):
-        return int(np.prod(self.chan[kind][0][0].shape)) * 4

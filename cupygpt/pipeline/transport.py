@@ -79,9 +79,6 @@ class Local:
     def finish_sends(self):
         pass
 
-    def abort(self):
-        pass
-
 
 class Mpi(Local):
     """mpi4py, host-staged: works with any backend, CI runs real pipelines with it."""
@@ -101,9 +98,6 @@ class Mpi(Local):
 
     def barrier(self):
         self.wait(self.comm.Ibarrier(), "the other ranks at a barrier")
-
-    def abort(self):
-        self.comm.Abort(1)
 
     def any(self, flag):
         """Through rank 0, point to point, so a timeout names the rank that went quiet."""
@@ -142,7 +136,7 @@ class Mpi(Local):
         self.wait(self.comm.Irecv(host, source=peer, tag=TAGS[kind]),
                   f"{'activation' if kind == 'act' else 'gradient'} of micro-batch {mb} "
                   f"from rank {peer}")
-        out[...] = self.be.from_host(host)
+        self.be.upload(out, host)
 
     def sum_tied(self, arr, peer):
         """arr becomes (first stage's + last stage's), bit-identical on both ranks."""
@@ -152,7 +146,7 @@ class Mpi(Local):
                                   source=peer, recvtag=TAGS["tied"])
         self.wait(req, f"the tied wte gradient from rank {peer}")
         first, last = (mine, theirs) if self.rank < peer else (theirs, mine)
-        arr[...] = self.be.from_host(first + last)
+        self.be.upload(arr, first + last)
 
     def finish_sends(self):
         for req, _ in self.pending:
