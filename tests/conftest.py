@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +18,6 @@ def fixture(name):
 
 def mpiexec():
     """The launcher installed with the mpich wheel (beside this Python), else PATH's."""
-    import shutil
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
@@ -36,3 +38,57 @@ def gpu_available():
 
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and CuPy")
+
+
+# --- cudasim: the CUDA backend on the CPU (tests/cudasim) ---------------------------------
+SIM = os.path.join(ROOT, "tests", "cudasim")
+
+
+def cudasim_missing():
+    """Why cudasim cannot run here, or None."""
+    if platform.machine() != "x86_64":
+        return "cudasim's fiber switch is written for x86-64"
+    if shutil.which("g++") is None:
+        return "cudasim compiles kernels_cu with g++, which is not installed"
+    return None
+
+
+# The CUDA backend's tests run on both: "sim" everywhere (in CI a missing g++ fails rather
+# than skips), "gpu" where there is one (and under `pytest -m gpu`, the GPU check).
+requires_sim = pytest.mark.skipif(bool(cudasim_missing()) and not os.environ.get("CI"),
+                                  reason=cudasim_missing() or "")
+DEVICES = [pytest.param("sim", marks=requires_sim),
+           pytest.param("gpu", marks=[pytest.mark.gpu, requires_gpu])]
+
+
+def device_env(device):
+    """The environment for a CLI run on device: cudasim's cupy first on PYTHONPATH."""
+    if device != "sim":
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (SIM, os.environ.get("PYTHONPATH")) if p)}
+
+
+def load_cudasim():
+    """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
+    real CuPy is left as it was."""
+    names = ("cupy", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs")
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        cp = _load("cupy", os.path.join(SIM, "cupy.py"))
+        cu = _load("cupygpt.backends.cuda_backend_on_cudasim",
+                   os.path.join(ROOT, "cupygpt", "backends", "cuda_backend.py"))
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return cp, cu
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -98,13 +98,20 @@ def zeros(n, dtype=np.float32):
                            f"-t, or use more pipeline stages") from None
 
 
+# Copies name the stream: before CuPy 14 a copy without one went through the legacy
+# default stream, which does not wait for work on our non-blocking stream.
+
 def upload(dst, host):
-    """Copies a host array into an existing device array (no allocation)."""
-    dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
+    """Copies a host array into an existing device array (no allocation), in stream order."""
+    dst.set(np.ascontiguousarray(host, dtype=dst.dtype), stream=cp.cuda.get_current_stream())
 
 
 def to_host(a):
-    return cp.asnumpy(a)
+    """A host copy of a, once the work queued before it has finished."""
+    stream = cp.cuda.get_current_stream()
+    out = a.get(stream=stream)
+    stream.synchronize()
+    return out
 
 
 def synchronize():
@@ -135,7 +142,7 @@ def memory_free():
 
 
 def all_finite(a):
-    return bool(cp.isfinite(a).all())
+    return bool(to_host(cp.isfinite(a).all()))
 
 
 # --- forward -----------------------------------------------------------------------------

@@ -1,0 +1,429 @@
+"""cudasim: the part of CuPy that cupygpt's CUDA backend uses, on the CPU.
+
+Put this folder first on PYTHONPATH and `import cupy` gets this module, so the real
+backend code runs unchanged: its kernels_cu sources compiled by g++ (sim.h, one fiber
+per CUDA thread), its cuBLAS calls done by NumPy from the very pointers, leading
+dimensions and strides it passes, its CUDA graphs recorded and replayed. It is strict
+where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
+
+- kernel arguments must have exactly the C parameter's type (np.int32 for int, a device
+  array of float32 for float*, ...), pointers must be C-contiguous device arrays;
+- launch shapes must be within CUDA's limits;
+- a gemm's leading dimensions are checked as cuBLAS does, and every matrix it touches
+  must lie inside one live device allocation;
+- `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
+- while a stream captures, allocating, copying to or from the host, synchronizing or
+  testing values is an error (as it is in CUDA), and a replayed graph reuses the
+  arguments it captured, pointers included, so a freed buffer is reported.
+TF32 math mode rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
+"""
+import bisect
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import weakref
+
+import numpy as np
+
+__version__ = "cudasim"
+HERE = os.path.dirname(os.path.abspath(__file__))
+GIB = 2**30
+MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
+
+
+# --- streams and graphs ------------------------------------------------------------------
+
+class Stream:
+    def __init__(self, null=False, non_blocking=False):
+        self.ptr = 0 if null else id(self)
+        self.recording = None
+
+    def use(self):
+        _state["stream"] = self
+        return self
+
+    def synchronize(self):
+        _not_capturing("stream synchronize")
+
+    def is_capturing(self):
+        return self.recording is not None
+
+    def begin_capture(self, mode=None):
+        if self.ptr == 0:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: the legacy default stream "
+                               "cannot be captured")
+        self.recording = []
+
+    def end_capture(self):
+        graph, self.recording = Graph(self.recording), None
+        return graph
+
+
+class Graph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        _not_capturing("graph launch")
+        for op in self.ops:
+            op()
+
+
+def _enqueue(op):
+    """Runs op now, or records it when the current stream is capturing."""
+    rec = _state["stream"].recording
+    if rec is None:
+        op()
+    else:
+        rec.append(op)
+
+
+def _not_capturing(what):
+    if _state["stream"].recording is not None:
+        raise RuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is "
+                           f"capturing a graph")
+
+
+def get_current_stream():
+    return _state["stream"]
+
+
+class Event:
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None):
+        _enqueue(lambda: setattr(self, "t", time.perf_counter()))
+
+    def synchronize(self):
+        _not_capturing("event synchronize")
+
+
+def get_elapsed_time(start, end):
+    return (end.t - start.t) * 1e3
+
+
+# --- memory ------------------------------------------------------------------------------
+
+_allocs = {}    # start address -> (end address, weakref to the owning array)
+_starts = []    # sorted keys of _allocs
+
+
+def _forget(start):
+    _allocs.pop(start, None)
+    i = bisect.bisect_left(_starts, start)
+    if i < len(_starts) and _starts[i] == start:
+        _starts.pop(i)
+
+
+def _owner(ptr, nbytes=1):
+    """The live allocation holding [ptr, ptr + nbytes), or None."""
+    i = bisect.bisect_right(_starts, ptr) - 1
+    if i < 0:
+        return None
+    start = _starts[i]
+    end, ref = _allocs[start]
+    return (start, end) if ptr + nbytes <= end and ref() is not None else None
+
+
+class ndarray(np.ndarray):
+    """A device array: NumPy memory that only kernels, gemms and copies may touch."""
+
+    def __array_finalize__(self, obj):
+        if self.base is not None or self.nbytes == 0:
+            return  # a view: its owner is registered
+        _not_capturing("device memory allocation")
+        if _in_use() + self.nbytes > MEMORY:
+            raise memory.OutOfMemoryError(self.nbytes, MEMORY - _in_use())
+        start = self.ctypes.data
+        _forget(start)
+        _allocs[start] = (start + self.nbytes, weakref.ref(self, lambda _, s=start: _forget(s)))
+        bisect.insort(_starts, start)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def set(self, host, stream=None):
+        _not_capturing("host-to-device copy")
+        if not isinstance(host, np.ndarray) or host.dtype != self.dtype:
+            raise TypeError(f"set: {type(host).__name__} {getattr(host, 'dtype', '')} into a "
+                            f"{self.dtype} array (CuPy wants the same dtype)")
+        if host.shape != self.shape or not self.flags.c_contiguous:
+            raise ValueError(f"set: shape {host.shape} into {self.shape} (or a strided array)")
+        np.copyto(self.view(np.ndarray), host)
+
+    def get(self, stream=None):
+        return asnumpy(self)
+
+    def fill(self, value):
+        _enqueue(lambda: np.ndarray.fill(self, value))
+
+    def all(self):
+        return asarray(np.ndarray.all(self.view(np.ndarray)))
+
+    def copy(self, order="C"):
+        out = _alloc(self.shape, self.dtype, None)
+        np.copyto(out.view(np.ndarray), self.view(np.ndarray))
+        return out
+
+
+def _in_use():
+    return sum(end - start for start, (end, ref) in _allocs.items() if ref() is not None)
+
+
+def _alloc(shape, dtype, value):
+    a = ndarray(shape, dtype)
+    if value is None:  # uninitialized: poison it
+        value = np.nan if np.dtype(dtype).kind == "f" else -1
+    np.ndarray.fill(a, value)
+    return a
+
+
+def empty(shape, dtype=np.float32):
+    return _alloc(shape, dtype, None)
+
+
+def zeros(shape, dtype=np.float32):
+    return _alloc(shape, dtype, 0)
+
+
+def empty_like(a):
+    return empty(a.shape, a.dtype)
+
+
+def zeros_like(a):
+    return zeros(a.shape, a.dtype)
+
+
+def ones_like(a):
+    return _alloc(a.shape, a.dtype, 1)
+
+
+def asarray(host, dtype=None):
+    host = np.ascontiguousarray(host, dtype)
+    out = empty(host.shape, host.dtype)
+    out.set(host)
+    return out
+
+
+def asnumpy(a):
+    _not_capturing("device-to-host copy")
+    return np.array(a.view(np.ndarray) if isinstance(a, ndarray) else a, copy=True)
+
+
+def isfinite(a):
+    return asarray(np.isfinite(asnumpy(a)))
+
+
+class _Pool:
+    def total_bytes(self):
+        return _in_use()
+
+    used_bytes = total_bytes
+
+    def free_bytes(self):
+        return 0
+
+
+def get_default_memory_pool():
+    return _POOL
+
+
+# --- kernels -----------------------------------------------------------------------------
+
+_C_SCALARS = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,
+              "float": np.float32, "double": np.float64}
+_C_POINTEES = {"int": np.int32, "float": np.float32, "double": np.float64}
+_CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
+           np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+
+
+def _signatures(code):
+    """{kernel: [(C type without const, parameter name)]} for each extern "C" kernel."""
+    out = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', code):
+        out[name] = []
+        for p in params.split(","):
+            ctype, pname = re.match(r"(.*?)\s*(\w+)$", " ".join(p.split())).groups()
+            out[name].append((" ".join(ctype.replace("const", "").replace("*", " *").split()),
+                              pname))
+    return out
+
+
+def _compile(code, options):
+    """The shared library for code, built once and cached on disk (like CuPy's cache)."""
+    sigs = _signatures(code)
+    wrappers = []
+    for name, params in sigs.items():
+        call = ", ".join(f"*({t.replace(' *', '*')}*)a[{i}]" for i, (t, _) in enumerate(params))
+        wrappers.append(f'extern "C" const char* cudasim_{name}(unsigned gx, unsigned gy, '
+                        f'unsigned gz, unsigned bx, unsigned by, unsigned bz, void** a) {{\n'
+                        f'    return sim::launch({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ '
+                        f'{name}({call}); }});\n}}\n')
+    src = code + '\n#include "sim_runtime.h"\n' + "".join(wrappers)
+    flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-x", "c++", "-include",
+             os.path.join(HERE, "sim.h"), f"-I{HERE}"] + [o for o in options if o.startswith("-I")]
+    key = hashlib.sha256("\0".join([src, *flags, open(os.path.join(HERE, "sim.h")).read(),
+                                    open(os.path.join(HERE, "sim_runtime.h")).read()]).encode())
+    cache = os.environ.get("CUDASIM_CACHE") or os.path.join(tempfile.gettempdir(),
+                                                            f"cudasim-{os.getuid()}")
+    os.makedirs(cache, exist_ok=True)
+    lib = os.path.join(cache, key.hexdigest()[:24] + ".so")
+    if not os.path.exists(lib):
+        tmp = f"{lib}.{os.getpid()}.tmp"
+        res = subprocess.run(["g++", *flags, "-", "-o", tmp], input=src, text=True,
+                             capture_output=True)
+        if res.returncode:
+            raise RuntimeError(f"cudasim: g++ failed:\n{res.stderr}")
+        os.replace(tmp, lib)
+    return ctypes.CDLL(lib), sigs
+
+
+class RawModule:
+    def __init__(self, code, options=()):
+        self.lib, self.sigs = _compile(code, options)
+
+    def get_function(self, name):
+        if name not in self.sigs:
+            raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: no kernel {name}")
+        fn = getattr(self.lib, f"cudasim_{name}")
+        fn.restype = ctypes.c_char_p
+        return _Kernel(name, fn, self.sigs[name])
+
+
+def _dims(d):
+    d = tuple(int(x) for x in (d if isinstance(d, tuple) else (d,)))
+    return d + (1,) * (3 - len(d))
+
+
+class _Kernel:
+    def __init__(self, name, fn, params):
+        self.name, self.fn, self.params = name, fn, params
+
+    def _arg(self, i, value):
+        ctype, pname = self.params[i]
+        where = f"kernel {self.name}, argument {i} ({ctype} {pname})"
+        if ctype.endswith("*"):
+            want = _C_POINTEES[ctype[:-1].strip()]
+            if not isinstance(value, ndarray) or value.dtype != want:
+                raise TypeError(f"{where}: needs a {np.dtype(want).name} device array, got "
+                                f"{type(value).__name__} {getattr(value, 'dtype', '')}")
+            if not value.flags.c_contiguous:
+                raise TypeError(f"{where}: a strided view; kernels index it as contiguous")
+            return ctypes.c_void_p(value.ctypes.data), value.nbytes
+        want = _C_SCALARS[ctype]
+        if type(value) is not want:
+            raise TypeError(f"{where}: needs np.{np.dtype(want).name}, got "
+                            f"{type(value).__name__} (CuPy would pass it with another size)")
+        return _CTYPES[want](value), None
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        (gx, gy, gz), (bx, by, bz) = _dims(grid), _dims(block)
+        if not (0 < bx <= 1024 and 0 < by <= 1024 and 0 < bz <= 64 and bx * by * bz <= 1024
+                and 0 < gx < 2**31 and 0 < gy < 65536 and 0 < gz < 65536):
+            raise RuntimeError(f"cudaErrorInvalidConfiguration: {self.name} grid "
+                               f"{(gx, gy, gz)} block {(bx, by, bz)}")
+        if len(args) != len(self.params):
+            raise TypeError(f"kernel {self.name}: {len(args)} arguments for "
+                            f"{len(self.params)} parameters")
+        held = [self._arg(i, a) for i, a in enumerate(args)]
+        argv = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h, _ in held])
+
+        def run():
+            for i, (h, nbytes) in enumerate(held):
+                if nbytes is not None and _owner(h.value, nbytes) is None:
+                    raise RuntimeError(f"kernel {self.name}, argument {i}: its buffer was "
+                                       f"freed (a graph replayed past a reallocation?)")
+            err = self.fn(gx, gy, gz, bx, by, bz, argv)
+            if err:
+                raise RuntimeError(f"kernel {self.name}: {err.decode()}")
+        _enqueue(run)
+
+
+# --- cuBLAS ------------------------------------------------------------------------------
+
+def _matrix(ptr, rows, cols, ld, stride, batch, what):
+    """The column-major rows x cols matrices (batched) at ptr, as a NumPy view."""
+    if ld < max(1, rows):
+        raise RuntimeError(f"CUBLAS_STATUS_INVALID_VALUE: ld{what}={ld} < {rows} rows")
+    extent = (batch - 1) * stride + (cols - 1) * ld + rows if rows and cols and batch else 0
+    if extent and _owner(ptr, extent * 4) is None:
+        raise RuntimeError(f"cuBLAS: matrix {what} ({batch}x{rows}x{cols}, ld {ld}, stride "
+                           f"{stride}) reaches outside the device allocation at {ptr:#x}")
+    flat = np.ctypeslib.as_array((ctypes.c_float * max(extent, 1)).from_address(ptr))
+    return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), (stride * 4, 4, ld * 4))
+
+
+def _tf32(a):
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + np.uint32(0xFFF) + ((u >> 13) & 1)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
+                           beta, C, ldc, sC, batch):
+    a_ = ctypes.c_float.from_address(alpha).value  # host pointer mode: read at call time
+    b_ = ctypes.c_float.from_address(beta).value
+    opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, sA, batch, "A")
+    opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, sB, batch, "B")
+    outC = _matrix(C, m, n, ldc, sC, batch, "C")
+    tf32 = _cublas_mode["math"] == cublas.CUBLAS_TF32_TENSOR_OP_MATH
+
+    def run():
+        x = opA if transa == 0 else opA.transpose(0, 2, 1)
+        y = opB if transb == 0 else opB.transpose(0, 2, 1)
+        x, y = (_tf32(x), _tf32(y)) if tf32 else (np.ascontiguousarray(x), np.ascontiguousarray(y))
+        r = np.float32(a_) * np.matmul(x, y)
+        outC[...] = r if b_ == 0 else r + np.float32(b_) * outC  # beta 0: C is not read
+    _enqueue(run)
+
+
+_cublas_mode = {"math": 0}
+cublas = types.SimpleNamespace(
+    CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0, CUBLAS_TF32_TENSOR_OP_MATH=3,
+    setPointerMode=lambda h, mode: None, setStream=lambda h, s: None,
+    setMathMode=lambda h, mode: _cublas_mode.update(math=mode),
+    sgemmStridedBatched=_sgemm_strided_batched)
+
+
+# --- the cupy.cuda namespace ---------------------------------------------------------------
+
+class Device:
+    def __init__(self, i=None):
+        self.id = _state["device"] if i is None else i
+        if not 0 <= self.id < _DEVICES:
+            raise RuntimeError(f"cudaErrorInvalidDevice: device {self.id}")
+
+    def use(self):
+        _state["device"] = self.id
+
+
+class _OutOfMemoryError(MemoryError):
+    def __init__(self, size, free):
+        super().__init__(f"Out of memory allocating {size:,} bytes ({free:,} free)")
+
+
+_DEVICES = int(os.environ.get("CUDASIM_DEVICES", "1"))
+_POOL = _Pool()
+_state = {"device": 0, "stream": Stream(null=True)}
+memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: _DEVICES,
+    memGetInfo=lambda: (MEMORY - _in_use(), MEMORY),
+    getDeviceProperties=lambda i: {"name": b"cudasim (CPU)", "totalGlobalMem": MEMORY},
+    driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
+cuda = types.SimpleNamespace(
+    Stream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
+    get_elapsed_time=get_elapsed_time, runtime=runtime, memory=memory,
+    device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
+
+# `from cupy_backends.cuda.libs import cublas` finds these
+for _name in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):
+    sys.modules[_name] = types.ModuleType(_name)
+sys.modules["cupy_backends.cuda.libs"].cublas = cublas

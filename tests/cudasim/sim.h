@@ -1,0 +1,53 @@
+// cudasim: runs our CUDA C kernels on the CPU, compiled by g++ as C++ with this header
+// force-included. Each CUDA thread of a block is a fiber (ucontext); fibers run in turn
+// until they reach a barrier (__syncthreads, or the one a warp shuffle implies), so block
+// and warp semantics hold exactly, one block at a time. Blocks alternate the order their
+// threads run in, so a missing barrier shows up as a wrong result. Errors CUDA leaves
+// undefined (a shuffle with exited lanes, __syncthreads in divergent code) are reported
+// as a deadlock instead of guessed at.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <functional>
+
+using std::max;
+using std::min;
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+namespace sim {
+extern dim3 thread_idx, block_idx, block_dim, grid_dim;
+void syncthreads();
+void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int bytes);
+const char* launch(dim3 grid, dim3 block, const std::function<void()>& body);
+}  // namespace sim
+
+#define threadIdx sim::thread_idx
+#define blockIdx sim::block_idx
+#define blockDim sim::block_dim
+#define gridDim sim::grid_dim
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static  // one block runs at a time: a static is that block's shared memory
+
+inline void __syncthreads() { sim::syncthreads(); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_xor) {
+    static_assert(sizeof(T) <= 8, "shuffle of more than 8 bytes");
+    T r;
+    sim::warp_exchange(&v, &r, lane_xor, mask, sizeof(T));
+    return r;
+}
+
+inline float atomicAdd(float* p, float v) {  // fibers never run at once: a plain add is atomic
+    float old = *p;
+    *p = old + v;
+    return old;
+}

@@ -1,0 +1,201 @@
+// The fiber scheduler behind sim.h; included once at the end of each generated module.
+// A fiber switch saves the callee-saved registers on the old stack and swaps stack
+// pointers (x86-64 System V): ucontext's switch costs a system call, ~20x slower.
+#include <stdio.h>
+
+#include <vector>
+
+#if !defined(__x86_64__)
+#error "cudasim's fiber switch is written for x86-64"
+#endif
+
+extern "C" void cudasim_switch(void** save_sp, void* next_sp);
+asm(R"(
+    .text
+    .globl cudasim_switch
+    .hidden cudasim_switch
+cudasim_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+
+namespace sim {
+dim3 thread_idx, block_idx, block_dim, grid_dim;
+
+namespace {
+constexpr size_t STACK = 64 * 1024;
+struct Barrier {
+    unsigned count = 0, gen = 0;
+};
+struct Fiber {
+    void* sp;
+    dim3 tid;
+    int lane, warp, parity;
+    bool done;
+    const unsigned* wait_gen;  // blocked until *wait_gen != wait_val
+    unsigned wait_val;
+};
+std::vector<Fiber> fibers;
+std::vector<char> stacks;
+std::vector<Barrier> warp_bars;
+std::vector<uint64_t> exchange;  // [2 parities][warps][32 lanes]
+Barrier block_bar;
+void* scheduler_sp;
+Fiber* cur;
+const std::function<void()>* kernel;
+int live, nthreads, nwarps;
+bool direct, cooperative;  // running threads as plain calls / block 0 met a barrier
+char error[512];
+struct DirectBarrier {};  // thrown when a plain call meets a barrier
+
+int warp_lanes(int w) { return std::min(32, nthreads - 32 * w); }
+
+void to_scheduler() { cudasim_switch(&cur->sp, scheduler_sp); }
+
+void block_on(Barrier& b, int expected) {
+    if (direct) throw DirectBarrier();
+    cooperative = true;
+    unsigned gen = b.gen;
+    if (++b.count == (unsigned)expected) {
+        b.count = 0;
+        b.gen++;
+        return;
+    }
+    cur->wait_gen = &b.gen;
+    cur->wait_val = gen;
+    to_scheduler();
+}
+
+void fiber_main() {  // entered by cudasim_switch's ret; never returns
+    (*kernel)();
+    cur->done = true;
+    to_scheduler();
+}
+
+// A fresh stack whose first switch pops six zero registers and returns into fiber_main,
+// with the stack aligned as at a function's entry.
+void* fresh_stack(int i) {
+    auto top = reinterpret_cast<uintptr_t>(&stacks[(size_t)(i + 1) * STACK]) & ~uintptr_t(15);
+    auto* sp = reinterpret_cast<void**>(top - 64);
+    for (int r = 0; r < 6; r++) sp[r] = nullptr;
+    sp[6] = reinterpret_cast<void*>(&fiber_main);
+    return sp;
+}
+}  // namespace
+
+void syncthreads() { block_on(block_bar, live); }
+
+void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int bytes) {
+    Fiber& f = *cur;
+    int n = warp_lanes(f.warp), src = f.lane ^ lane_xor;
+    if (mask != (n == 32 ? 0xffffffffu : (1u << n) - 1) || src >= n) {
+        snprintf(error, sizeof error, "shuffle mask %#x / lane %d with %d lanes in the warp",
+                 mask, src, n);
+        if (direct) throw DirectBarrier();
+        to_scheduler();  // the scheduler sees the error and abandons the block
+    }
+    uint64_t* buf = &exchange[(size_t)(f.parity * nwarps + f.warp) * 32];
+    memcpy(&buf[f.lane], in, bytes);
+    block_on(warp_bars[f.warp], n);
+    memcpy(out, &buf[src], bytes);
+    f.parity ^= 1;  // the next shuffle uses the other buffer: no second barrier needed
+}
+
+// One block as fibers; alternate blocks run their threads in reverse order.
+const char* run_fibers(dim3 block, bool reverse) {
+    for (int i = 0; i < nthreads; i++) {
+        Fiber& f = fibers[i];
+        f.sp = fresh_stack(i);
+        f.tid = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+        f.lane = i % 32;
+        f.warp = i / 32;
+        f.parity = 0;
+        f.done = false;
+        f.wait_gen = nullptr;
+    }
+    block_bar = Barrier();
+    warp_bars.assign(nwarps, Barrier());
+    live = nthreads;
+    while (live > 0) {
+        bool ran = false;
+        for (int k = 0; k < nthreads; k++) {
+            Fiber& f = fibers[reverse ? nthreads - 1 - k : k];
+            if (f.done || (f.wait_gen && *f.wait_gen == f.wait_val)) continue;
+            f.wait_gen = nullptr;
+            cur = &f;
+            thread_idx = f.tid;
+            cudasim_switch(&scheduler_sp, f.sp);
+            ran = true;
+            if (error[0]) return error;
+            if (f.done && --live > 0 && block_bar.count == (unsigned)live) {
+                block_bar.count = 0;  // exited threads count as arrived
+                block_bar.gen++;
+            }
+        }
+        if (!ran) {
+            snprintf(error, sizeof error,
+                     "block (%u,%u,%u): %d threads wait at a barrier that cannot complete (a "
+                     "shuffle with exited lanes, or __syncthreads in divergent code)",
+                     block_idx.x, block_idx.y, block_idx.z, live);
+            return error;
+        }
+    }
+    return nullptr;
+}
+
+// Blocks run one after another. Block 0 runs as fibers; if it met no barrier, the kernel
+// has none, and the other blocks' threads run as plain calls (much faster).
+const char* launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+    nthreads = block.x * block.y * block.z;
+    nwarps = (nthreads + 31) / 32;
+    if (fibers.size() < (size_t)nthreads) {
+        fibers.resize(nthreads);
+        stacks.resize(nthreads * STACK);
+    }
+    exchange.assign(2 * nwarps * 32, 0);
+    kernel = &body;
+    grid_dim = grid;
+    block_dim = block;
+    error[0] = 0;
+    direct = cooperative = false;
+    long long nblock = 0;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++, nblock++) {
+                block_idx = {bx, by, bz};
+                bool reverse = nblock & 1;
+                if (nblock == 0 || cooperative) {
+                    if (run_fibers(block, reverse)) return error;
+                    direct = !cooperative;
+                    continue;
+                }
+                try {
+                    for (int k = 0; k < nthreads; k++) {
+                        int i = reverse ? nthreads - 1 - k : k;
+                        thread_idx = {i % block.x, (i / block.x) % block.y,
+                                      i / (block.x * block.y)};
+                        body();
+                    }
+                } catch (DirectBarrier&) {
+                    if (!error[0])
+                        snprintf(error, sizeof error, "block (%u,%u,%u) met a barrier that "
+                                 "block 0 did not; cudasim cannot run this kernel", bx, by, bz);
+                    return error;
+                }
+            }
+    return nullptr;
+}
+}  // namespace sim
