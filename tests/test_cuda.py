@@ -1,8 +1,8 @@
 """The CUDA backend on two devices: cudasim (tests/cudasim: our kernels compiled for the
 CPU, cuBLAS and CUDA graphs emulated; runs everywhere, CI included) and a real GPU
 (skipped without one). Every kernel against the NumPy reference, verify on the reference
-files, TF32, graph replay, training, resume, the out-of-memory refusal, a pipeline of
-CUDA stages over mpi, and bench."""
+files, TF32, graph replay, training, resume, the out-of-memory refusal and bench (pipelines:
+test_cuda_pipeline.py)."""
 import json
 import re
 import types
@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli, device_env, fixture, load_cudasim, mpiexec
+from conftest import DEVICES, cli, device_env, fixture, load_cudasim
 from test_verify import FILES
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 25), HS 128, and B*T=185
@@ -174,15 +174,6 @@ def test_tf32_reaches_cublas(device):
     res, tf32 = verify(device, FILES[0], "--tf32")
     assert res.returncode == 0 and tf32["ok"] and tf32["backend"] == "cuda-tf32", res.stdout
     assert tf32["logits"]["max_abs_diff"] > 10 * fp32["logits"]["max_abs_diff"]
-
-
-@pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
-def test_cuda_stages_over_mpi(device):
-    """Three CUDA stages, host-staged over mpi (any device count): the pipeline's
-    gradients and losses against the reference."""
-    res, r = verify(device, FILES[1], "--transport", "mpi", "--micro-batches", "3",
-                    ranks=3)
-    assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
 
 
 def losses(text):

@@ -20,12 +20,12 @@ class Nccl(Mpi):
     def __init__(self, be, timeout):
         super().__init__(be, timeout)
         import cupy as cp
-        from cupy.cuda import nccl
         ndev = cp.cuda.runtime.getDeviceCount()
         if ndev < self.size:
             raise CupyGPTError(f"--transport nccl: {self.size} ranks but {ndev} GPU(s); NCCL needs "
                                f"one GPU per rank and refuses two ranks on one GPU; use "
                                f"--transport nvshmem")
+        from cupy.cuda import nccl
         cp.cuda.Device(self.rank).use()  # before any NCCL call; Session.configure agrees
         self.cp, self.nccl = cp, nccl
         self.comms = {}

@@ -10,6 +10,7 @@ n - DEPTH before reusing a slot, so no slot is overwritten before it was read.
 Signals only grow, so nothing is ever reset. The host never blocks on a peer, except
 in finish_sends, which polls the stream against --peer-timeout.
 """
+import atexit
 import time
 
 from .. import CupyGPTError
@@ -36,6 +37,7 @@ class Nvshmem(Mpi):
         nv.init(device=dev, mpi_comm=self.comm, initializer_method="emulated_mpi")
         self.Stream, self.stream, self.stream_ptr = Stream, None, None
         self.chan, self.sent, self.got = {}, {}, {}
+        atexit.register(self.close)  # before MPI's own exit handler (atexit runs LIFO)
 
     def prepare(self, shapes):
         """Collective: allocates every channel's symmetric slots and signals on all PEs
@@ -107,3 +109,15 @@ class Nvshmem(Mpi):
                                    f"for this step's transfers (a peer's data or ack); "
                                    f"is every rank alive?")
             time.sleep(1e-4)
+
+    def close(self):
+        """Collective, at exit: frees the symmetric memory in the same order on every PE
+        (NVSHMEM's frees are collective), then finalizes NVSHMEM."""
+        self.cp.cuda.get_current_stream().synchronize()
+        for slots, data, ack in self.chan.values():
+            for a in slots:
+                self.nv.free_array(a)
+            for b in data + ack:
+                self.nv.free(b)
+        self.chan = {}
+        self.nv.finalize()

@@ -32,6 +32,7 @@ import weakref
 import numpy as np
 
 __version__ = "cudasim"
+uint64 = np.uint64
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
@@ -50,6 +51,10 @@ class Stream:
 
     def synchronize(self):
         _not_capturing("stream synchronize")
+
+    @property
+    def done(self):  # cudasim runs stream work when it is issued
+        return True
 
     def is_capturing(self):
         return self.recording is not None
@@ -132,6 +137,13 @@ def _owner(ptr, nbytes=1):
     return (start, end) if ptr + nbytes <= end and ref() is not None else None
 
 
+def _register(start, nbytes, owner):
+    """Device memory [start, start + nbytes), alive as long as owner is."""
+    _forget(start)
+    _allocs[start] = (start + nbytes, weakref.ref(owner, lambda _, s=start: _forget(s)))
+    bisect.insort(_starts, start)
+
+
 class ndarray(np.ndarray):
     """A device array: NumPy memory that only kernels, gemms and copies may touch."""
 
@@ -141,10 +153,7 @@ class ndarray(np.ndarray):
         _not_capturing("device memory allocation")
         if _in_use() + self.nbytes > MEMORY:
             raise memory.OutOfMemoryError(self.nbytes, MEMORY - _in_use())
-        start = self.ctypes.data
-        _forget(start)
-        _allocs[start] = (start + self.nbytes, weakref.ref(self, lambda _, s=start: _forget(s)))
-        bisect.insort(_starts, start)
+        _register(self.ctypes.data, self.nbytes, self)
 
     @property
     def data(self):
@@ -210,6 +219,22 @@ def asarray(host, dtype=None):
     host = np.ascontiguousarray(host, dtype)
     out = empty(host.shape, host.dtype)
     out.set(host)
+    return out
+
+
+def array(a, copy=True):
+    return a.copy() if isinstance(a, ndarray) else asarray(a)
+
+
+def from_dlpack(buf, copy=None):
+    """A view of a registered buffer (cudasim's nvshmem buffers), as nvshmem4py makes."""
+    if _owner(buf.handle, buf.size) is None:
+        raise RuntimeError("from_dlpack: not device memory")
+    return buf.owner.view(ndarray)
+
+
+def add(a, b, out):
+    _enqueue(lambda: np.add(a.view(np.ndarray), b.view(np.ndarray), out=out.view(np.ndarray)))
     return out
 
 

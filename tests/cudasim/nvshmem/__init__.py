@@ -1,0 +1,1 @@
+"""cudasim's nvshmem4py: see nvshmem/core/__init__.py."""

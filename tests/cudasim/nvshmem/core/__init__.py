@@ -1,0 +1,194 @@
+"""cudasim's nvshmem4py (0.4 API, as the installed package defines it): the calls the
+nvshmem transport makes, between processes on the CPU.
+
+Symmetric memory is one file per (allocation, PE) in /dev/shm, mapped by every PE, so a
+put is a copy into the peer's mapping and a signal an 8-byte store into it (x86 keeps
+the two in order). Allocations and frees are collective, as in NVSHMEM: every PE must
+make the same ones in the same order. With it come the pieces of cuda.core and
+cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
+cudasim runs every stream operation when it is issued, and then lags (LAG_S).
+"""
+import atexit
+import ctypes
+import mmap
+import os
+import sys
+import time
+import types
+import uuid
+
+import cupy
+import numpy as np
+
+from .direct import SignalOp
+
+WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
+# A satisfied wait holds its PE back a little, so a sender that does not wait for its
+# receiver (flow control) runs ahead and overwrites a slot before it is read.
+LAG_S = float(os.environ.get("CUDASIM_LAG_S", "0.02"))
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
+_job = {"comm": None, "tag": None, "count": 0, "own": [], "buffers": {}}
+
+
+class Buffer:
+    """cuda.core's Buffer: a device pointer, a size, and what keeps the memory alive."""
+
+    def __init__(self, ptr, size, owner=None):
+        self.handle, self.size, self.owner = int(ptr), int(size), owner
+
+    @staticmethod
+    def from_handle(ptr, size, mr=None, owner=None):
+        return Buffer(ptr, size, owner)
+
+
+class _Symmetric(Buffer):
+    def __init__(self, index, size, maps):
+        self.index, self.maps = index, maps  # maps[pe]: that PE's mmap of this allocation
+        local = np.frombuffer(maps[_job["comm"].Get_rank()], np.uint8, count=size)
+        super().__init__(local.ctypes.data, size, local)
+
+    def peer(self, pe):
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.maps[pe]))
+
+
+def init(device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializer_method=""):
+    if initializer_method not in ("mpi", "uid", "emulated_mpi") or mpi_comm is None:
+        raise ValueError("cudasim's nvshmem supports MPI-based init only")
+    _job["comm"] = mpi_comm
+    _job["tag"] = mpi_comm.bcast(uuid.uuid4().hex[:12] if mpi_comm.Get_rank() == 0 else None)
+    atexit.register(_unlink_own)
+
+
+def _path(index, pe):
+    return os.path.join(SHM or "/tmp", f"cudasim-{_job['tag']}-{index}-{pe}")
+
+
+def buffer(size, release=False, except_on_del=True):
+    """Collective: every PE creates its part, then maps everyone's."""
+    comm, index = _job["comm"], _job["count"]
+    _job["count"] += 1
+    size = max(8, int(size))
+    own = _path(index, comm.Get_rank())
+    with open(own, "wb") as f:
+        f.truncate(size)
+    _job["own"].append(own)
+    comm.Barrier()
+    maps = []
+    for pe in range(comm.Get_size()):
+        with open(_path(index, pe), "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), size))
+    buf = _Symmetric(index, size, maps)
+    cupy._register(buf.handle, size, buf.owner)
+    return buf
+
+
+def array(shape, dtype="float32", release=False, morder="C", except_on_del=True):
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = buffer(n)
+    arr = cupy.from_dlpack(buf, copy=False).view(dtype).reshape(shape)
+    _job["buffers"][arr.data.ptr] = buf
+    return arr
+
+
+def array_get_buffer(arr):
+    buf = _job["buffers"].get(arr.data.ptr)
+    if buf is None:
+        raise RuntimeError("Tried to retrieve buffer from Array not tracked by nvshmem")
+    return buf, arr.nbytes, str(arr.dtype)
+
+
+def _as_buffer(x):
+    return x if isinstance(x, Buffer) else array_get_buffer(x)[0]
+
+
+def _signal(sig, value, op, pe):
+    word = ctypes.c_uint64.from_address(sig.peer(pe))
+    word.value = value if op == SignalOp.SIGNAL_SET else word.value + value
+
+
+def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
+    dst, src = _as_buffer(dst), _as_buffer(src)
+    if stream is None or not isinstance(signal_var, _Symmetric):
+        raise RuntimeError("put_signal needs a stream and a symmetric signal buffer")
+    n = min(dst.size, src.size)
+
+    def op():
+        ctypes.memmove(dst.peer(remote_pe), src.handle, n)
+        _signal(signal_var, signal_val, signal_op, remote_pe)
+    cupy._enqueue(op)
+
+
+def signal_op(signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
+    if stream is None:
+        raise RuntimeError("signal_op needs a stream")
+    cupy._enqueue(lambda: _signal(signal_var, signal_val, signal_op, remote_pe))
+
+
+def free(buf):
+    _job["comm"].Barrier()
+    cupy._forget(buf.handle)
+
+
+def free_array(arr):
+    free(_job["buffers"].pop(arr.data.ptr))
+
+
+def finalize():
+    _job["comm"].Barrier()
+    _unlink_own()
+
+
+def _unlink_own():
+    for path in _job["own"]:
+        if os.path.exists(path):
+            os.unlink(path)
+    _job["own"] = []
+
+
+# --- cuda.core and cuda.bindings.driver, as far as the transport uses them ------------------
+
+class Device:
+    def __init__(self, i=0):
+        self.device_id = i
+
+    def set_current(self):
+        cupy.cuda.Device(self.device_id).use()
+
+
+class Stream:
+    def __init__(self, handle):
+        self.handle = handle
+
+    @staticmethod
+    def from_handle(handle):
+        return Stream(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def _wait_value64(stream, ptr, value, flags):
+    def op():
+        word, deadline = ctypes.c_uint64.from_address(int(ptr)), time.monotonic() + WAIT_S
+        while word.value < value:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cudasim: cuStreamWaitValue64 waited {WAIT_S:g}s for "
+                                   f"{value} (has {word.value}): a deadlock")
+            time.sleep(1e-5)
+        time.sleep(LAG_S)
+    cupy._enqueue(op)
+    return (0,)
+
+
+_driver = types.SimpleNamespace(
+    cuStreamWaitValue64=_wait_value64, CUstream=lambda h: h, CUdeviceptr=lambda p: p,
+    CUstreamWaitValue_flags=types.SimpleNamespace(CU_STREAM_WAIT_VALUE_GEQ=0),
+    CUresult=types.SimpleNamespace(CUDA_SUCCESS=0))
+_core = types.SimpleNamespace(Buffer=Buffer, Device=Device, Stream=Stream)
+for _name, _attrs in (("cuda", {}), ("cuda.core", vars(_core)),
+                      ("cuda.bindings", {"driver": None}), ("cuda.bindings.driver", vars(_driver))):
+    sys.modules[_name] = types.ModuleType(_name)
+    vars(sys.modules[_name]).update(_attrs)
+sys.modules["cuda.bindings"].driver = sys.modules["cuda.bindings.driver"]
+sys.modules["cuda"].core = sys.modules["cuda.core"]
+sys.modules["cuda"].bindings = sys.modules["cuda.bindings"]

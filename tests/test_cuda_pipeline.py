@@ -1,0 +1,76 @@
+"""Pipelines of CUDA stages against the single-device path: nvshmem (2 PEs on one GPU, or
+one per GPU), nccl (one GPU per rank) and mpi. Each runs on cudasim (CPU processes, with
+cudasim's NVSHMEM over shared memory) and on a real GPU where there is one."""
+import importlib.util
+import json
+import re
+
+import pytest
+
+from conftest import DEVICES, cli, device_env, fixture, mpiexec
+
+SIM, GPU = DEVICES
+pytestmark = pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
+NVSHMEM_DEVICES = [SIM, pytest.param("gpu", marks=[
+    *GPU.marks, pytest.mark.skipif(importlib.util.find_spec("nvshmem") is None,
+                                   reason="needs nvshmem4py (pip install -e '.[cuda13]')")])]
+
+
+def n_gpus(device):
+    if device == "sim":
+        return 1
+    import cupy as cp
+    return cp.cuda.runtime.getDeviceCount()
+
+
+def verify(device, ranks, *extra):
+    res = cli("verify", "--model", fixture("odd_model.bin"), "--state",
+              fixture("odd_debug_state.bin"), "--expected", fixture("odd_expected.json"),
+              "--backend", "cuda", "--json", *extra, ranks=ranks, timeout=600,
+              env=device_env(device))
+    return res, json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
+
+
+@pytest.mark.parametrize("device", NVSHMEM_DEVICES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ranks,micro", [(2, 1), (2, 3), (3, 3)])
+def test_nvshmem_verify(device, schedule, ranks, micro):
+    res, r = verify(device, ranks, "--transport", "nvshmem", "--schedule", schedule,
+                    "--micro-batches", micro)
+    assert res.returncode == 0 and r["ok"] and r["ranks"] == ranks, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_stages_over_mpi(device):
+    """Three CUDA stages, host-staged over mpi (works with any number of GPUs)."""
+    res, r = verify(device, 3, "--transport", "mpi", "--micro-batches", "3")
+    assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
+
+
+def losses(text):
+    return [float(x) for x in re.findall(r"train loss (\d+\.\d+)", text)]
+
+
+@pytest.mark.parametrize("device,transport", [
+    pytest.param(p.values[0], transport, marks=p.marks, id=f"{p.values[0]}-{transport}")
+    for p, transport in ((NVSHMEM_DEVICES[0], "nvshmem"), (NVSHMEM_DEVICES[1], "nvshmem"),
+                         (GPU, "nccl"))])
+def test_pipelined_train_equals_single_device(tmp_path, device, transport):
+    if transport == "nccl" and n_gpus(device) < 2:
+        pytest.skip("nccl needs one GPU per rank; this machine has one")
+    args = ["train", "--backend", "cuda", "--no-tf32", "-b", "4", "-t", "128", "-n", "6",
+            "-v", "0", "-g", "0"]
+    single = cli(*args, "-o", tmp_path / "a", env=device_env(device))
+    piped = cli(*args, "--transport", transport, "-o", tmp_path / "b", ranks=2, timeout=600,
+                env=device_env(device))
+    assert single.returncode == 0 and piped.returncode == 0, piped.stdout + piped.stderr
+    assert losses(piped.stdout) == pytest.approx(losses(single.stdout), rel=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nccl_refused_with_two_ranks_on_one_gpu(device):
+    if n_gpus(device) >= 2:
+        pytest.skip("more than one GPU: nccl is allowed")
+    res = cli("train", "--backend", "cuda", "--transport", "nccl", "-n", "1", ranks=2,
+              timeout=120, env=device_env(device))
+    assert res.returncode != 0 and "--transport nccl: 2 ranks but 1 GPU(s)" in res.stderr
