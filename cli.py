@@ -237,15 +237,16 @@ def schedule(stages, micro_batches, schedule, backward_cost):
 
 @cli.command()
 @click.option("--out", default="gpu_report", show_default=True, help="report directory")
+@click.option("--quick", is_flag=True, help="benchmark the tiny preset at short T (minutes)")
 @entry
-def gpucheck(out):
+def gpucheck(out, quick):
     """The GPU check: all GPU tests, the benchmarks and a pipeline run, in one report."""
     from cupygpt.backends import gpu_available
     from cupygpt.gpucheck import gpucheck as run_check
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
-    report, md = run_check(out)
+    report, md = run_check(out, "quick" if quick else "full")
     click.echo(md)
     t = report["tests"]
     sys.exit(0 if t["failed"] == 0 and t["errors"] == 0 and t["rc"] in (0, 5) else 1)

@@ -77,7 +77,15 @@ def bench(out, name, *args, timeout=400):
     return json.load(open(path))
 
 
-def pipeline(out, ranks=2):
+# What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
+# one runs in minutes anywhere, cudasim included (a dry run of the check itself).
+PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8, 16, 32),
+                  "steps": 10, "pipe_steps": 20},
+         "quick": {"model": "tiny", "t_short": 32, "t_long": 64, "batches": (8,),
+                   "steps": 3, "pipe_steps": 5}}
+
+
+def pipeline(out, plan, ranks=2):
     """Per-step time of the same run on one GPU and as a `ranks`-stage nvshmem pipeline."""
     from .config import preset
     res = {}
@@ -85,39 +93,41 @@ def pipeline(out, ranks=2):
         log = os.path.join(out, f"pipe_{label}.jsonl")
         if os.path.exists(log):
             os.unlink(log)
-        rc, text = sh(pre + CLI + ["train", "-e", "d12", "--backend", "cuda", "-b", "4", "-t",
-                                   "128", "-n", "20", "-v", "0", "-g", "0", "--no-graphs",
-                                   "--log-file", log, "-o", os.path.join(out, "pipe_" + label)]
+        rc, text = sh(pre + CLI + ["train", "-e", plan["model"], "--backend", "cuda", "-b", "4",
+                                   "-t", str(plan["t_short"]), "-n", str(plan["pipe_steps"]),
+                                   "-v", "0", "-g", "0", "--no-graphs", "--log-file", log,
+                                   "-o", os.path.join(out, "pipe_" + label)]
                       + (["--transport", "nvshmem"] if pre else []), 600)
         if rc != 0:
             res[label] = {"error": text.strip().splitlines()[-3:]}
             continue
         steps = [json.loads(x) for x in open(log)]
         steps = [s for s in steps if "train_loss" in s]
-        res[label] = {"ms_per_step_median": statistics.median(s["ms"] for s in steps[3:]),
+        res[label] = {"ms_per_step_median": statistics.median(s["ms"] for s in steps[2:]),
                       "losses": [s["train_loss"] for s in steps]}
-    cfg = preset("d12")
-    res["bytes_per_handoff"] = 4 * 128 * cfg.C * 4  # one micro-batch's (B, T, C) fp32
+    res["bytes_per_handoff"] = 4 * plan["t_short"] * preset(plan["model"]).C * 4  # (B,T,C) fp32
     if all("losses" in res.get(k, {}) for k in ("single", f"nvshmem_{ranks}")):
         a, b = res["single"]["losses"], res[f"nvshmem_{ranks}"]["losses"]
         res["max_rel_loss_diff"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     return res
 
 
-def gpucheck(out):
+def gpucheck(out, plan_name="full"):
+    plan = PLANS[plan_name]
     os.makedirs(out, exist_ok=True)
-    report = {"versions": versions(), "tests": run_tests(out)}
+    report = {"plan": plan_name, "versions": versions(), "tests": run_tests(out)}
+    m, ts, tl, n = plan["model"], str(plan["t_short"]), str(plan["t_long"]), str(plan["steps"])
     report["bench"] = {
-        "d12_T128_B4": bench(out, "d12_T128_B4", "-e", "d12", "-b", "4", "-t", "128"),
-        "d12_T1024_B4_profile": bench(out, "d12_T1024_B4", "-e", "d12", "-b", "4", "-t", "1024",
-                                      "--profile"),
-        "d12_T1024_B4_no_graphs": bench(out, "d12_T1024_B4_nog", "-e", "d12", "-b", "4", "-t",
-                                        "1024", "--no-graphs", "--steps", "10"),
+        f"{m}_T{ts}_B4": bench(out, f"{m}_T{ts}_B4", "-e", m, "-b", "4", "-t", ts, "--steps", n),
+        f"{m}_T{tl}_B4_profile": bench(out, f"{m}_T{tl}_B4", "-e", m, "-b", "4", "-t", tl,
+                                       "--steps", n, "--profile"),
+        f"{m}_T{tl}_B4_no_graphs": bench(out, f"{m}_T{tl}_B4_nog", "-e", m, "-b", "4", "-t", tl,
+                                         "--no-graphs", "--steps", n),
     }
-    for B in (8, 16, 32):
-        report["bench"][f"d12_T1024_B{B}"] = bench(out, f"d12_T1024_B{B}", "-e", "d12", "-b",
-                                                   str(B), "-t", "1024", "--steps", "10")
-    report["pipeline"] = pipeline(out)
+    for B in plan["batches"]:
+        report["bench"][f"{m}_T{tl}_B{B}"] = bench(out, f"{m}_T{tl}_B{B}", "-e", m, "-b", str(B),
+                                                  "-t", tl, "--steps", n)
+    report["pipeline"] = pipeline(out, plan)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     md = summary(report)
@@ -142,11 +152,13 @@ def summary(r):
         lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | {mfu} | "
                      f"{100 * b['host_launch_fraction']:.1f}% | "
                      f"{b['peak_memory_bytes'] / 2**30:.2f} |")
-    prof = r["bench"].get("d12_T1024_B4_profile", {}).get("per_op")
+    plan = PLANS[r["plan"]]
+    m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
+    prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {}).get("per_op")
     if prof:
-        lines += ["", "| op (d12 B4 T1024, eager) | ms/step | share |", "|---|---|---|"]
+        lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
         lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |" for p in prof]
-    lines += ["", "pipeline (d12, B=4, T=128, 2 PEs on this GPU over nvshmem): " +
+    lines += ["", f"pipeline ({m}, B=4, T={ts}, 2 PEs over nvshmem): " +
               json.dumps({k: (v if not isinstance(v, dict) else
                               {kk: vv for kk, vv in v.items() if kk != "losses"})
                           for k, v in r["pipeline"].items()})]
