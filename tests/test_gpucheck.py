@@ -2,10 +2,13 @@
 the benchmarks and the nvshmem pipeline, into one report. Without a GPU it refuses."""
 import json
 
+import pytest
+
 from conftest import cli, device_env, gpu_available, requires_sim
 
 
 @requires_sim
+@pytest.mark.timeout(1500)  # it runs the GPU tests again, inside
 def test_gpucheck_dry_run_on_cudasim(tmp_path):
     res = cli("gpucheck", "--quick", "--out", tmp_path, env=device_env("sim"), timeout=1500)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -119,7 +119,9 @@ def synchronize():
 
 
 def capture(fn):
-    """Records fn's launches on the current stream as a CUDA graph (nothing runs yet)."""
+    """Records fn's launches on the current stream as a CUDA graph (nothing runs yet).
+    cuBLAS needs no workspace set for this: since CUDA 12.2 it takes its workspace with
+    cudaMallocAsync, which the capture records; and a step is captured only once."""
     stream = cp.cuda.get_current_stream()
     stream.begin_capture()
     try:
