@@ -248,8 +248,10 @@ def gpucheck(out, quick):
                            "GPU machine after pip install -e '.[cuda13,test]'")
     report, md = run_check(out, "quick" if quick else "full")
     click.echo(md)
-    t = report["tests"]
-    sys.exit(0 if t["failed"] == 0 and t["errors"] == 0 and t["rc"] in (0, 5) else 1)
+    t, san = report["tests"], report["sanitizer"]
+    dirty = any(not v["clean"] for v in san.values() if isinstance(v, dict))
+    sys.exit(0 if t["failed"] == 0 and t["errors"] == 0 and t["rc"] in (0, 5) and not dirty
+             else 1)
 
 
 @cli.command()

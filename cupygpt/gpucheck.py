@@ -1,6 +1,7 @@
-"""The GPU check: every GPU test, the benchmarks and a pipeline run, into one report
-(report.json + report.md). Each piece runs in its own process, so one failure is
-reported and the rest still runs."""
+"""The GPU check: every GPU test, compute-sanitizer over our kernels, the benchmarks and
+a pipeline run, into one report (report.json + report.md). Each piece runs in its own
+process, so one failure is reported and the rest still runs."""
+import glob
 import json
 import os
 import platform
@@ -69,6 +70,33 @@ def run_tests(out):
     return counts
 
 
+# verify on llm.c's tiny reference with CuPy's memory pool off, so that every array is its
+# own cudaMalloc and memcheck sees an access past any of them.
+SANITIZED = ("import sys, runpy, cupy; cupy.cuda.set_allocator(None); "
+             "sys.argv = ['cli.py', 'verify', '--backend', 'cuda', '--steps', '1', '--model', "
+             "'tests/fixtures/tiny_model.bin', '--state', 'tests/fixtures/tiny_debug_state.bin']; "
+             "runpy.run_path('cli.py', run_name='__main__')")
+
+
+def sanitize(out):
+    """compute-sanitizer's memcheck (out-of-bounds and misaligned accesses) and racecheck
+    (shared-memory hazards) over every kernel a verify step launches."""
+    exe = shutil.which("compute-sanitizer") or next(
+        iter(sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))), None)
+    if exe is None:
+        return {"error": "compute-sanitizer not found"}
+    res = {}
+    for tool in ("memcheck", "racecheck"):
+        rc, log = sh([exe, "--tool", tool, "--error-exitcode", "97", sys.executable, "-c",
+                      SANITIZED], 1200)
+        with open(os.path.join(out, f"sanitize_{tool}.log"), "w") as f:
+            f.write(log)
+        said = [x.strip("= ") for x in log.splitlines() if "SUMMARY" in x]
+        res[tool] = {"rc": rc, "clean": rc == 0,
+                     "summary": said[-1] if said else log.strip()[-200:]}
+    return res
+
+
 def bench(out, name, *args, timeout=400):
     path = os.path.join(out, f"bench_{name}.json")
     rc, log = sh(CLI + ["bench", "--out", path, *args], timeout)
@@ -115,7 +143,8 @@ def pipeline(out, plan, ranks=2):
 def gpucheck(out, plan_name="full"):
     plan = PLANS[plan_name]
     os.makedirs(out, exist_ok=True)
-    report = {"plan": plan_name, "versions": versions(), "tests": run_tests(out)}
+    report = {"plan": plan_name, "versions": versions(), "tests": run_tests(out),
+              "sanitizer": sanitize(out)}
     m, ts, tl, n = plan["model"], str(plan["t_short"]), str(plan["t_long"]), str(plan["steps"])
     report["bench"] = {
         f"{m}_T{ts}_B4": bench(out, f"{m}_T{ts}_B4", "-e", m, "-b", "4", "-t", ts, "--steps", n),
@@ -143,6 +172,7 @@ def summary(r):
              f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
              f"{t['errors']} errors" + (f" ({', '.join(t.get('failures', []))})"
                                        if t.get("failures") else ""),
+             "compute-sanitizer: " + json.dumps(r["sanitizer"]),
              "", "| bench | ms/step | tok/s | MFU | host launch | peak GiB |", "|---|---|---|---|---|---|"]
     for name, b in r["bench"].items():
         if "error" in b:

@@ -62,10 +62,12 @@ DEVICES = [pytest.param("sim", marks=requires_sim),
 
 
 def device_env(device):
-    """The environment for a CLI run on device: cudasim's cupy first on PYTHONPATH."""
+    """The environment for a CLI run on device: cudasim's cupy first on PYTHONPATH (and
+    its stand-in compute-sanitizer on PATH)."""
     if device != "sim":
         return {}
-    return {"PYTHONPATH": os.pathsep.join(p for p in (SIM, os.environ.get("PYTHONPATH")) if p)}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (SIM, os.environ.get("PYTHONPATH")) if p),
+            "PATH": os.pathsep.join((os.path.join(SIM, "bin"), os.environ.get("PATH", "")))}
 
 
 def load_cudasim():

@@ -18,6 +18,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 20, t
     assert r["bench"] and all("error" not in b for b in r["bench"].values()), r["bench"]
     assert r["pipeline"]["max_rel_loss_diff"] < 1e-5
+    assert all(r["sanitizer"][tool]["clean"] for tool in ("memcheck", "racecheck"))
     md = (tmp_path / "report.md").read_text()
     assert "| tiny_T64_B4_profile |" in md and "| classifier |" in md and "nvshmem_2" in md
 

@@ -445,6 +445,7 @@ runtime = types.SimpleNamespace(
     driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
+    set_allocator=lambda allocator=None: None,  # no pool to turn off
     get_elapsed_time=get_elapsed_time, runtime=runtime, memory=memory,
     device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
 
