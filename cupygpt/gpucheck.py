@@ -145,17 +145,14 @@ def gpucheck(out, plan_name="full"):
     os.makedirs(out, exist_ok=True)
     report = {"plan": plan_name, "versions": versions(), "tests": run_tests(out),
               "sanitizer": sanitize(out)}
-    m, ts, tl, n = plan["model"], str(plan["t_short"]), str(plan["t_long"]), str(plan["steps"])
-    report["bench"] = {
-        f"{m}_T{ts}_B4": bench(out, f"{m}_T{ts}_B4", "-e", m, "-b", "4", "-t", ts, "--steps", n),
-        f"{m}_T{tl}_B4_profile": bench(out, f"{m}_T{tl}_B4", "-e", m, "-b", "4", "-t", tl,
-                                       "--steps", n, "--profile"),
-        f"{m}_T{tl}_B4_no_graphs": bench(out, f"{m}_T{tl}_B4_nog", "-e", m, "-b", "4", "-t", tl,
-                                         "--no-graphs", "--steps", n),
-    }
-    for B in plan["batches"]:
-        report["bench"][f"{m}_T{tl}_B{B}"] = bench(out, f"{m}_T{tl}_B{B}", "-e", m, "-b", str(B),
-                                                  "-t", tl, "--steps", n)
+    m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
+    runs = [(4, ts, ()), (4, tl, ("--profile",)), (4, tl, ("--no-graphs",))]
+    runs += [(B, tl, ()) for B in plan["batches"]]
+    report["bench"] = {}
+    for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs
+        name = f"{m}_T{T}_B{B}" + "".join("_" + e[2:].replace("-", "_") for e in extra)
+        report["bench"][name] = bench(out, name, "-e", m, "-b", str(B), "-t", str(T), "--steps",
+                                      str(plan["steps"]), *extra)
     report["pipeline"] = pipeline(out, plan)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

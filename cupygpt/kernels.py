@@ -12,6 +12,7 @@ a module once and later processes load it from the cache.
 """
 import glob
 import os
+import re
 
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels_cu")
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
@@ -19,6 +20,11 @@ OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 
 def sources():
     return sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu")))
+
+
+def kernels_in(src):
+    """{name: parameter list as written} for each extern "C" kernel in CUDA C source."""
+    return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
 
 
 def nvrtc_compile(path, arch):

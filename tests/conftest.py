@@ -1,6 +1,8 @@
 import importlib.util
+import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +32,21 @@ def cli(*args, ranks=None, timeout=300, env=None):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=full_env)
+
+
+def run_verify(files, *extra, ranks=None, env=None):
+    """`verify --json` on fixture files (model, state, expected losses): the result and its
+    JSON report (None when it printed nothing)."""
+    model, state, expected = files
+    res = cli("verify", "--model", fixture(model), "--state", fixture(state), "--expected",
+              fixture(expected), "--json", *extra, ranks=ranks, timeout=600, env=env)
+    out = res.stdout.strip().splitlines()
+    return res, (json.loads(out[-1]) if out else None)
+
+
+def losses(text, what="train loss"):
+    """The losses a run printed, from its `train loss X` (or `val loss X`) lines."""
+    return [float(x) for x in re.findall(what + r" (\d+\.\d+)", text)]
 
 
 def gpu_available():

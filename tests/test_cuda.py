@@ -4,13 +4,12 @@ CPU, cuBLAS and CUDA graphs emulated; runs everywhere, CI included) and a real G
 files, TF32, graph replay, training, resume, the out-of-memory refusal and bench (pipelines:
 test_cuda_pipeline.py)."""
 import json
-import re
 import types
 
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli, device_env, fixture, load_cudasim
+from conftest import DEVICES, cli, device_env, load_cudasim, losses, run_verify
 from test_verify import FILES
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 25), HS 128, and B*T=185
@@ -153,13 +152,8 @@ def test_kernels_match_numpy(dev, shape):
     close(p_d, p, rtol=1e-6, atol=1e-7)
 
 
-def verify(device, files, *extra, ranks=None):
-    model, state, expected = files
-    res = run(device, "verify", "--model", fixture(model), "--state", fixture(state),
-              "--expected", fixture(expected), "--backend", "cuda", "--json", *extra,
-              ranks=ranks, timeout=600)
-    out = res.stdout.strip().splitlines()
-    return res, (json.loads(out[-1]) if out else None)
+def verify(device, files, *extra):
+    return run_verify(files, "--backend", "cuda", *extra, env=device_env(device))
 
 
 @pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
@@ -174,10 +168,6 @@ def test_tf32_reaches_cublas(device):
     res, tf32 = verify(device, FILES[0], "--tf32")
     assert res.returncode == 0 and tf32["ok"] and tf32["backend"] == "cuda-tf32", res.stdout
     assert tf32["logits"]["max_abs_diff"] > 10 * fp32["logits"]["max_abs_diff"]
-
-
-def losses(text):
-    return [float(x) for x in re.findall(r"train loss (\d+\.\d+)", text)]
 
 
 def same_losses(device, got, want):
@@ -198,7 +188,7 @@ def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
     res = run(device, "train", "-n", "30", "-v", "10", "-g", "16", "-o", tmp_path)
     assert res.returncode == 0, res.stderr
     assert "backend cuda: a GPU is visible" in res.stdout
-    val = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
+    val = losses(res.stdout, "val loss")
     assert val[-1] < val[0] - 1.5
 
 

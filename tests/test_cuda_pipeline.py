@@ -2,12 +2,11 @@
 one per GPU), nccl (one GPU per rank) and mpi. Each runs on cudasim (CPU processes, with
 cudasim's NVSHMEM over shared memory) and on a real GPU where there is one."""
 import importlib.util
-import json
-import re
 
 import pytest
 
-from conftest import DEVICES, cli, device_env, fixture, mpiexec
+from conftest import DEVICES, cli, device_env, losses, mpiexec, run_verify
+from test_verify import FILES
 
 SIM, GPU = DEVICES
 pytestmark = pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
@@ -24,11 +23,7 @@ def n_gpus(device):
 
 
 def verify(device, ranks, *extra):
-    res = cli("verify", "--model", fixture("odd_model.bin"), "--state",
-              fixture("odd_debug_state.bin"), "--expected", fixture("odd_expected.json"),
-              "--backend", "cuda", "--json", *extra, ranks=ranks, timeout=600,
-              env=device_env(device))
-    return res, json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
+    return run_verify(FILES[1], "--backend", "cuda", *extra, ranks=ranks, env=device_env(device))
 
 
 @pytest.mark.parametrize("device", NVSHMEM_DEVICES)
@@ -45,10 +40,6 @@ def test_cuda_stages_over_mpi(device):
     """Three CUDA stages, host-staged over mpi (works with any number of GPUs)."""
     res, r = verify(device, 3, "--transport", "mpi", "--micro-batches", "3")
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
-
-
-def losses(text):
-    return [float(x) for x in re.findall(r"train loss (\d+\.\d+)", text)]
 
 
 @pytest.mark.parametrize("device,transport", [

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from cupygpt.kernels import KERNEL_DIR, OPTIONS, nvrtc_compile, sources
+from cupygpt.kernels import KERNEL_DIR, OPTIONS, kernels_in, nvrtc_compile, sources
 
 ARCHS = ("compute_80", "compute_90")
 
@@ -54,5 +54,5 @@ def test_every_backend_kernel_exists():
     used = set(re.findall(r'_(?:ew|rows|k)\("(\w+)"', src))
     defined = set()
     for path in sources():
-        defined |= set(re.findall(r'extern "C" __global__ void (\w+)\(', open(path).read()))
+        defined |= set(kernels_in(open(path).read()))
     assert used and used <= defined, used - defined

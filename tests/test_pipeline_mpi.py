@@ -1,11 +1,10 @@
 """Real multi-process pipelines on the CPU (NumPy + mpi transport) under mpiexec."""
 import os
-import re
 
 import pytest
 
-from conftest import cli, fixture, mpiexec
-from test_verify import run_verify
+from conftest import cli, fixture, losses, mpiexec
+from test_verify import FILES, verify_numpy
 
 # CI installs mpich, so there a missing mpiexec is a failure, not a skip.
 pytestmark = [pytest.mark.mpi,
@@ -16,8 +15,7 @@ pytestmark = [pytest.mark.mpi,
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("micro", [1, 2, 4])
 def test_two_stage_verify(schedule, micro):
-    res, r = run_verify("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json",
-                        "--schedule", schedule, "--micro-batches", micro, ranks=2)
+    res, r = verify_numpy(FILES[0], "--schedule", schedule, "--micro-batches", micro, ranks=2)
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 2, res.stdout + res.stderr
     assert all(s["ok"] for s in r["steps"])
 
@@ -25,13 +23,8 @@ def test_two_stage_verify(schedule, micro):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("micro", [1, 3])
 def test_three_stage_verify(schedule, micro):
-    res, r = run_verify("odd_model.bin", "odd_debug_state.bin", "odd_expected.json",
-                        "--schedule", schedule, "--micro-batches", micro, ranks=3)
+    res, r = verify_numpy(FILES[1], "--schedule", schedule, "--micro-batches", micro, ranks=3)
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
-
-
-def step_losses(text, what="train loss"):
-    return [float(x) for x in re.findall(what + r" (\d+\.\d+)", text)]
 
 
 @pytest.mark.parametrize("ranks,extra", [(2, []), (2, ["--schedule", "gpipe"]),
@@ -42,11 +35,11 @@ def test_pipelined_train_equals_single_process(tmp_path, ranks, extra):
     single = cli(*args, "-o", tmp_path / "a")
     piped = cli(*args, *extra, "-o", tmp_path / "b", ranks=ranks)
     assert single.returncode == 0 and piped.returncode == 0, piped.stderr
-    a, b = step_losses(single.stdout), step_losses(piped.stdout)
+    a, b = losses(single.stdout), losses(piped.stdout)
     assert len(a) == len(b) == 4
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     assert piped.stdout.count("train loss") == 4, "step lines are printed once, not per rank"
-    va, vb = step_losses(single.stdout, "val loss"), step_losses(piped.stdout, "val loss")
+    va, vb = losses(single.stdout, "val loss"), losses(piped.stdout, "val loss")
     assert len(va) == len(vb) == 3 and vb == pytest.approx(va, rel=1e-5)
     assert piped.stdout.count("generating:") == 1, "the pipeline samples, one rank prints"
     assert "[pe1] stage 1" in piped.stdout

@@ -1,11 +1,6 @@
 """`train` and `sample` end to end through the CLI, as a user runs them."""
-import re
 
-from conftest import cli
-
-
-def losses(text, what="train loss"):
-    return [float(x) for x in re.findall(what + r" (\d+\.\d+)", text)]
+from conftest import cli, losses
 
 
 def test_default_train_lowers_the_loss_and_samples(tmp_path):

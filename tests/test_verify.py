@@ -1,9 +1,7 @@
 """`verify` (llm.c's test_gpt2) against PyTorch-made files of several shapes."""
-import json
-
 import pytest
 
-from conftest import cli, fixture
+from conftest import cli, fixture, run_verify
 
 # (model, state, expected losses): llm.c's own reference, odd T with 16 heads, GPT-2's vocab
 FILES = [("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json"),
@@ -12,16 +10,15 @@ FILES = [("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json"),
          ("gpt2v_model_bf16.bin", "gpt2v_debug_state.bin", "gpt2v_expected.json")]
 
 
-def run_verify(model, state, expected, *extra, ranks=None):
-    res = cli("verify", "--model", fixture(model), "--state", fixture(state), "--expected",
-              fixture(expected), "--json", "--backend", "numpy", *extra, ranks=ranks)
+def verify_numpy(files, *extra, ranks=None):
+    res, r = run_verify(files, "--backend", "numpy", *extra, ranks=ranks)
     assert res.returncode in (0, 1), res.stderr
-    return res, json.loads(res.stdout.strip().splitlines()[-1])
+    return res, r
 
 
 @pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
 def test_verify_passes(files):
-    res, r = run_verify(*files)
+    res, r = verify_numpy(files)
     assert res.returncode == 0 and r["ok"], res.stdout
     assert r["logits"]["max_abs_diff"] < 1e-5
     assert len(r["grads"]) == 16 and all(g["ok"] for g in r["grads"].values())

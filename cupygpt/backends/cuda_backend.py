@@ -6,14 +6,13 @@ layer; backward re-permutes qkv, so the interface stays the reference's). Nothin
 allocates after the first step, so a whole step can be captured as a CUDA graph.
 """
 import math
-import re
 
 import cupy as cp
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from .. import CupyGPTError
-from ..kernels import OPTIONS, sources
+from ..kernels import OPTIONS, kernels_in, sources
 
 name = "cuda"
 DTYPES = (np.float32,)
@@ -40,7 +39,7 @@ def _k(fn):
     """A kernel by name, compiling its .cu file on first use (CuPy caches it on disk)."""
     if not _functions:
         for path in sources():
-            for kernel in re.findall(r'extern "C" __global__ void (\w+)\(', open(path).read()):
+            for kernel in kernels_in(open(path).read()):
                 _functions[kernel] = path
     f = _functions[fn]
     if isinstance(f, str):

@@ -31,6 +31,8 @@ import weakref
 
 import numpy as np
 
+from cupygpt.kernels import kernels_in
+
 __version__ = "cudasim"
 uint64 = np.uint64
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -151,8 +153,9 @@ class ndarray(np.ndarray):
         if self.base is not None or self.nbytes == 0:
             return  # a view: its owner is registered
         _not_capturing("device memory allocation")
-        if _in_use() + self.nbytes > MEMORY:
-            raise memory.OutOfMemoryError(self.nbytes, MEMORY - _in_use())
+        free = MEMORY - _in_use()
+        if self.nbytes > free:
+            raise memory.OutOfMemoryError(self.nbytes, free)
         _register(self.ctypes.data, self.nbytes, self)
 
     @property
@@ -176,11 +179,6 @@ class ndarray(np.ndarray):
 
     def all(self):
         return asarray(np.ndarray.all(self.view(np.ndarray)))
-
-    def copy(self, order="C"):
-        out = _alloc(self.shape, self.dtype, None)
-        np.copyto(out.view(np.ndarray), self.view(np.ndarray))
-        return out
 
 
 def _in_use():
@@ -273,7 +271,7 @@ _CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctype
 def _signatures(code):
     """{kernel: [(C type without const, parameter name)]} for each extern "C" kernel."""
     out = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', code):
+    for name, params in kernels_in(code).items():
         out[name] = []
         for p in params.split(","):
             ctype, pname = re.match(r"(.*?)\s*(\w+)$", " ".join(p.split())).groups()

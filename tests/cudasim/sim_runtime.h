@@ -85,6 +85,12 @@ void fiber_main() {  // entered by cudasim_switch's ret; never returns
     to_scheduler();
 }
 
+// Thread k of a block in run order (alternate blocks run backwards), as threadIdx.
+dim3 thread_of(int k, dim3 block, bool reverse) {
+    unsigned i = reverse ? block.x * block.y * block.z - 1 - k : k;
+    return {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+}
+
 // A fresh stack whose first switch pops six zero registers and returns into fiber_main,
 // with the stack aligned as at a function's entry.
 void* fresh_stack(int i) {
@@ -99,12 +105,12 @@ void* fresh_stack(int i) {
 void syncthreads() { block_on(block_bar, live); }
 
 void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int bytes) {
+    if (direct) throw DirectBarrier();  // no fiber is current: say so before reading one
     Fiber& f = *cur;
     int n = warp_lanes(f.warp), src = f.lane ^ lane_xor;
     if (mask != (n == 32 ? 0xffffffffu : (1u << n) - 1) || src >= n) {
         snprintf(error, sizeof error, "shuffle mask %#x / lane %d with %d lanes in the warp",
                  mask, src, n);
-        if (direct) throw DirectBarrier();
         to_scheduler();  // the scheduler sees the error and abandons the block
     }
     uint64_t* buf = &exchange[(size_t)(f.parity * nwarps + f.warp) * 32];
@@ -119,7 +125,7 @@ const char* run_fibers(dim3 block, bool reverse) {
     for (int i = 0; i < nthreads; i++) {
         Fiber& f = fibers[i];
         f.sp = fresh_stack(i);
-        f.tid = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+        f.tid = thread_of(i, block, false);
         f.lane = i % 32;
         f.warp = i / 32;
         f.parity = 0;
@@ -184,9 +190,7 @@ const char* launch(dim3 grid, dim3 block, const std::function<void()>& body) {
                 }
                 try {
                     for (int k = 0; k < nthreads; k++) {
-                        int i = reverse ? nthreads - 1 - k : k;
-                        thread_idx = {i % block.x, (i / block.x) % block.y,
-                                      i / (block.x * block.y)};
+                        thread_idx = thread_of(k, block, reverse);
                         body();
                     }
                 } catch (DirectBarrier&) {

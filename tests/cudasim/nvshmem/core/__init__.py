@@ -42,8 +42,8 @@ class Buffer:
 
 
 class _Symmetric(Buffer):
-    def __init__(self, index, size, maps):
-        self.index, self.maps = index, maps  # maps[pe]: that PE's mmap of this allocation
+    def __init__(self, size, maps):
+        self.maps = maps  # maps[pe]: that PE's mmap of this allocation
         local = np.frombuffer(maps[_job["comm"].Get_rank()], np.uint8, count=size)
         super().__init__(local.ctypes.data, size, local)
 
@@ -77,7 +77,7 @@ def buffer(size, release=False, except_on_del=True):
     for pe in range(comm.Get_size()):
         with open(_path(index, pe), "r+b") as f:
             maps.append(mmap.mmap(f.fileno(), size))
-    buf = _Symmetric(index, size, maps)
+    buf = _Symmetric(size, maps)
     cupy._register(buf.handle, size, buf.owner)
     return buf
 
