@@ -36,39 +36,48 @@ def device_info(be):
 
 
 def profile_ops(be, run, x, y, steps):
-    """Per-op GPU time (CUDA events around each backend call) over eager steps."""
+    """Where a step's GPU time goes, over eager steps: per op (CUDA events around each
+    backend call) and per kernel within each op (the backend's kernel trace)."""
     import cupy as cp
     ops = ["encoder_forward", "layernorm_forward", "matmul_forward", "attention_forward",
            "gelu_forward", "residual_forward", "classifier", "encoder_backward",
            "layernorm_backward", "matmul_backward", "attention_backward", "gelu_backward",
            "adamw", "loss_accumulate"]
-    saved, events = {op: getattr(be, op) for op in ops}, []
+    saved, events, kernels = {op: getattr(be, op) for op in ops}, [], []
 
     def timed(op, fn):
         def call(*a, **kw):
-            s, e = cp.cuda.Event(), cp.cuda.Event()
+            s, e, first = cp.cuda.Event(), cp.cuda.Event(), len(trace)
             s.record()
             fn(*a, **kw)
             e.record()
             events.append((op, s, e))
+            kernels.extend((op, *k) for k in trace[first:])
         return call
 
     for op, fn in saved.items():
         setattr(be, op, timed(op, fn))
     try:
-        for _ in range(steps):
-            run.gradients(x, y)
-            run.opt.step()
-        be.synchronize()
+        with be.kernel_trace() as trace:
+            for _ in range(steps):
+                run.gradients(x, y)
+                run.opt.step()
+            be.synchronize()
     finally:
         for op, fn in saved.items():
             setattr(be, op, fn)
-    total = {}
+    per_op, per_kernel, calls = {}, {}, {}
     for op, s, e in events:
-        total[op] = total.get(op, 0.0) + cp.cuda.get_elapsed_time(s, e) / steps
-    whole = sum(total.values())
-    return [{"op": op, "ms_per_step": ms, "share": ms / whole}
-            for op, ms in sorted(total.items(), key=lambda kv: -kv[1])]
+        per_op[op] = per_op.get(op, 0.0) + cp.cuda.get_elapsed_time(s, e) / steps
+    for op, name, s, e in kernels:
+        per_kernel[op, name] = per_kernel.get((op, name), 0.0) + cp.cuda.get_elapsed_time(s, e) / steps
+        calls[op, name] = calls.get((op, name), 0) + 1
+    whole, inside = sum(per_op.values()), sum(per_kernel.values())
+    return ([{"op": op, "ms_per_step": ms, "share": ms / whole}
+             for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])],
+            [{"op": op, "kernel": name, "calls_per_step": calls[op, name] // steps,
+              "ms_per_step": ms, "share": ms / inside}
+             for (op, name), ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])])
 
 
 def bench(sess, init, B, T, steps, warmup, graphs, profile, data):
@@ -104,5 +113,5 @@ def bench(sess, init, B, T, steps, warmup, graphs, profile, data):
         "host_launch_fraction": statistics.median(launch) / statistics.median(times),
         "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters()}
     if profile and be.name == "cuda":
-        out["per_op"] = profile_ops(be, run, x, y, 3)
+        out["per_op"], out["per_kernel"] = profile_ops(be, run, x, y, 3)
     return out

@@ -1,6 +1,12 @@
 """The GPU check: every GPU test, compute-sanitizer over our kernels, the benchmarks and
 a pipeline run, into one report (report.json + report.md). Each piece runs in its own
-process, so one failure is reported and the rest still runs."""
+process, so one failure is reported and the rest still runs.
+
+The report is rewritten after each part, and a run of some parts (--part) merges into the
+report already in the directory: a machine that allows ten minutes per command runs the
+check in pieces, and a run cut short keeps what it finished. The directory holds at most
+six files (report, test and sanitizer logs); the runs' own outputs go to a temporary one."""
+import contextlib
 import glob
 import json
 import os
@@ -9,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from importlib import metadata
 
@@ -16,13 +23,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, os.path.join(ROOT, "cli.py")]
 
 
-def sh(cmd, timeout):
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        return r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        return 124, f"timed out after {timeout}s\n{e.stdout or ''}"
+def sh(cmd, timeout, log):
+    """Runs cmd with its output going to the file log as it comes (a run killed from outside
+    keeps what it printed); returns (exit status, output)."""
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = open(log, errors="replace").read()
+    return rc, text + (f"\ntimed out after {timeout}s" if rc == 124 else "")
+
+
+def last_line(text, rc):
+    return text.strip().splitlines()[-1] if text.strip() else f"exit {rc}"
 
 
 def versions():
@@ -43,17 +58,16 @@ def versions():
     except Exception as e:  # reported, not fatal: the tests will say the rest
         out["device_error"] = str(e)
     mps = shutil.which("nvidia-cuda-mps-control")
-    out["mps"] = "running" if mps and sh(["pgrep", "-f", "nvidia-cuda-mps-server"], 10)[0] == 0 \
+    out["mps"] = "running" if mps and subprocess.run(
+        ["pgrep", "-f", "nvidia-cuda-mps"], capture_output=True).returncode == 0 \
         else ("available, not running" if mps else "not installed")
     return out
 
 
-def run_tests(out):
-    xml = os.path.join(out, "gpu_tests.xml")
-    rc, log = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={xml}",
-                  "-p", "no:cacheprovider"], 1500)
-    with open(os.path.join(out, "gpu_tests.log"), "w") as f:
-        f.write(log)
+def run_tests(out, work, plan):
+    xml = os.path.join(work, "gpu_tests.xml")
+    rc, _ = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={xml}",
+                "-p", "no:cacheprovider"], 1500, os.path.join(out, "gpu_tests.log"))
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     try:
         suite = ET.parse(xml).getroot()
@@ -67,7 +81,7 @@ def run_tests(out):
     except (OSError, ET.ParseError, IndexError):
         counts["errors"] = 1
     counts["rc"] = rc
-    return counts
+    yield counts
 
 
 # verify on llm.c's tiny reference with CuPy's memory pool off, so that every array is its
@@ -78,31 +92,26 @@ SANITIZED = ("import sys, runpy, cupy; cupy.cuda.set_allocator(None); "
              "runpy.run_path('cli.py', run_name='__main__')")
 
 
-def sanitize(out):
+def sanitize(out, work, plan):
     """compute-sanitizer's memcheck (out-of-bounds and misaligned accesses) and racecheck
     (shared-memory hazards) over every kernel a verify step launches."""
     exe = shutil.which("compute-sanitizer") or next(
         iter(sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))), None)
     if exe is None:
-        return {"error": "compute-sanitizer not found"}
-    res = {}
+        yield {"error": "compute-sanitizer not found"}
+        return
     for tool in ("memcheck", "racecheck"):
         rc, log = sh([exe, "--tool", tool, "--error-exitcode", "97", sys.executable, "-c",
-                      SANITIZED], 1200)
-        with open(os.path.join(out, f"sanitize_{tool}.log"), "w") as f:
-            f.write(log)
+                      SANITIZED], 1200, os.path.join(out, f"sanitize_{tool}.log"))
         said = [x.strip("= ") for x in log.splitlines() if "SUMMARY" in x]
-        res[tool] = {"rc": rc, "clean": rc == 0,
-                     "summary": said[-1] if said else log.strip()[-200:]}
-    return res
+        yield {tool: {"rc": rc, "clean": rc == 0,
+                      "summary": said[-1] if said else log.strip()[-200:]}}
 
 
-def bench(out, name, *args, timeout=400):
-    path = os.path.join(out, f"bench_{name}.json")
-    rc, log = sh(CLI + ["bench", "--out", path, *args], timeout)
-    if rc != 0:
-        return {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {rc}"}
-    return json.load(open(path))
+def bench(work, name, *args, timeout=400):
+    path = os.path.join(work, f"bench_{name}.json")
+    rc, log = sh(CLI + ["bench", "--out", path, *args], timeout, path + ".log")
+    return {"error": last_line(log, rc)} if rc != 0 else json.load(open(path))
 
 
 # What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
@@ -113,80 +122,171 @@ PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8,
                    "steps": 3, "pipe_steps": 5}}
 
 
-def pipeline(out, plan, ranks=2):
-    """Per-step time of the same run on one GPU and as a `ranks`-stage nvshmem pipeline."""
-    from .config import preset
-    res = {}
-    for label, pre in (("single", []), (f"nvshmem_{ranks}", ["mpiexec", "-n", str(ranks)])):
-        log = os.path.join(out, f"pipe_{label}.jsonl")
-        if os.path.exists(log):
-            os.unlink(log)
-        rc, text = sh(pre + CLI + ["train", "-e", plan["model"], "--backend", "cuda", "-b", "4",
-                                   "-t", str(plan["t_short"]), "-n", str(plan["pipe_steps"]),
-                                   "-v", "0", "-g", "0", "--no-graphs", "--log-file", log,
-                                   "-o", os.path.join(out, "pipe_" + label)]
-                      + (["--transport", "nvshmem"] if pre else []), 600)
-        if rc != 0:
-            res[label] = {"error": text.strip().splitlines()[-3:]}
-            continue
-        steps = [json.loads(x) for x in open(log)]
-        steps = [s for s in steps if "train_loss" in s]
-        res[label] = {"ms_per_step_median": statistics.median(s["ms"] for s in steps[2:]),
-                      "losses": [s["train_loss"] for s in steps]}
-    res["bytes_per_handoff"] = 4 * plan["t_short"] * preset(plan["model"]).C * 4  # (B,T,C) fp32
-    if all("losses" in res.get(k, {}) for k in ("single", f"nvshmem_{ranks}")):
-        a, b = res["single"]["losses"], res[f"nvshmem_{ranks}"]["losses"]
-        res["max_rel_loss_diff"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    return res
-
-
-def gpucheck(out, plan_name="full"):
-    plan = PLANS[plan_name]
-    os.makedirs(out, exist_ok=True)
-    report = {"plan": plan_name, "versions": versions(), "tests": run_tests(out),
-              "sanitizer": sanitize(out)}
+def benches(out, work, plan):
     m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
     runs = [(4, ts, ()), (4, tl, ("--profile",)), (4, tl, ("--no-graphs",))]
     runs += [(B, tl, ()) for B in plan["batches"]]
-    report["bench"] = {}
     for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs
         name = f"{m}_T{T}_B{B}" + "".join("_" + e[2:].replace("-", "_") for e in extra)
-        report["bench"][name] = bench(out, name, "-e", m, "-b", str(B), "-t", str(T), "--steps",
-                                      str(plan["steps"]), *extra)
-    report["pipeline"] = pipeline(out, plan)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    md = summary(report)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(md)
-    return report, md
+        yield {name: bench(work, name, "-e", m, "-b", str(B), "-t", str(T), "--steps",
+                           str(plan["steps"]), *extra)}
+
+
+def pipeline(out, work, plan, ranks=2):
+    """Per-step time and losses of one run on one GPU, then as a `ranks`-stage nvshmem
+    pipeline, and with plan["mps"] that pipeline again under an MPS server."""
+    from .config import preset
+    # what one handoff moves: a (B, T, C) fp32 activation forward or gradient back
+    yield {"bytes_per_handoff": 4 * plan["t_short"] * preset(plan["model"]).C * 4}
+    mpi = ["mpiexec", "-n", str(ranks)]
+    runs = [("single", [], False), (f"nvshmem_{ranks}", mpi, False)]
+    runs += [(f"nvshmem_{ranks}_mps", mpi, True)] if plan.get("mps") else []
+    single = None
+    for label, pre, mps in runs:
+        with mps_server(work) if mps else contextlib.nullcontext() as no_mps:
+            res = {"error": no_mps} if no_mps else train_run(work, label, plan, pre)
+        if single and "losses" in res:
+            res["max_rel_loss_diff"] = max(abs(x - y) / abs(x)
+                                           for x, y in zip(single["losses"], res["losses"]))
+        single = single or res
+        yield {label: res}
+
+
+def train_run(work, label, plan, pre):
+    log = os.path.join(work, f"pipe_{label}.jsonl")
+    rc, text = sh(pre + CLI + ["train", "-e", plan["model"], "--backend", "cuda", "-b", "4",
+                               "-t", str(plan["t_short"]), "-n", str(plan["pipe_steps"]),
+                               "-v", "0", "-g", "0", "--no-graphs", "--log-file", log,
+                               "-o", os.path.join(work, "pipe_" + label)]
+                  + (["--transport", "nvshmem"] if pre else []), 600, log + ".out")
+    if rc != 0:
+        return {"error": last_line(text, rc)}
+    steps = [s for s in map(json.loads, open(log)) if "train_loss" in s]
+    return {"ms_per_step_median": statistics.median(s["ms"] for s in steps[2:]),
+            "losses": [s["train_loss"] for s in steps]}
+
+
+@contextlib.contextmanager
+def mps_server(work):
+    """Yields None with a CUDA MPS daemon running for the runs inside (stopped after), or
+    why it did not start. Its pipe and log directories are the check's own, so a server
+    already running elsewhere is untouched."""
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(work, "mps_pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(work, "mps_log")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+    saved = {k: os.environ.get(k) for k in dirs}
+    os.environ.update(dirs)
+    started = False
+    try:
+        try:
+            r = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True,
+                               text=True, timeout=30)
+            started, why = r.returncode == 0, last_line(r.stdout + r.stderr, r.returncode)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+        yield None if started else f"MPS did not start: {why}"
+    finally:
+        if started:
+            subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", timeout=30)
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+PARTS = {"tests": run_tests, "sanitizer": sanitize, "bench": benches, "pipeline": pipeline}
+
+
+def gpucheck(out, plan_name="full", parts=tuple(PARTS), mps=False):
+    """Runs the named parts into out/report.{json,md}, keeping the other parts of a report
+    of the same plan already there; the report is rewritten after each result."""
+    plan = {**PLANS[plan_name], "mps": mps}
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "report.json")
+    report = json.load(open(path)) if os.path.exists(path) else {}
+    if report.get("plan") != plan_name:
+        report = {"plan": plan_name}
+    report["versions"] = versions()
+    with tempfile.TemporaryDirectory(prefix="gpucheck-") as work:
+        for part in PARTS:  # in this order whatever the order asked
+            if part in parts:
+                report[part], report["unfinished"] = {}, part
+                for result in PARTS[part](out, work, plan):
+                    report[part].update(result)
+                    write(out, report)
+                del report["unfinished"]
+                write(out, report)
+    return report, summary(report)
+
+
+def write(out, report):
+    """Both files replaced whole, so a run killed mid-write leaves the previous report."""
+    for name, text in (("report.json", json.dumps(report, indent=1)),
+                       ("report.md", summary(report))):
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            f.write(text)
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+
+def problems(report):
+    """Why the check fails, one line each; empty when every part ran and passed."""
+    out = [f"{part}: not run" for part in PARTS if part not in report]
+    if "unfinished" in report:
+        out.append(f"{report['unfinished']}: cut short")
+    t = report.get("tests", {})
+    if t and t["rc"] != 0:  # pytest's 5 (no GPU test collected) fails too
+        out.append(f"tests: {t['failed']} failed, {t['errors']} errors (pytest exit {t['rc']})")
+    for tool, v in report.get("sanitizer", {}).items():
+        if not isinstance(v, dict) or not v["clean"]:
+            out.append(f"sanitizer {tool}: {v if isinstance(v, str) else v['summary']}")
+    out += [f"bench {name}: {b['error']}" for name, b in report.get("bench", {}).items()
+            if "error" in b]
+    # MPS is optional (NVSHMEM's limited mode is what must work): its run is reported only
+    out += [f"pipeline {k}: {v['error']}" for k, v in report.get("pipeline", {}).items()
+            if isinstance(v, dict) and "error" in v and not k.endswith("_mps")]
+    return out
 
 
 def summary(r):
-    v, t = r["versions"], r["tests"]
-    lines = [f"# GPU check: {v.get('device', '?')} ({v.get('gpus', '?')} GPU)",
-             "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "device"),
-             f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
-             f"{t['errors']} errors" + (f" ({', '.join(t.get('failures', []))})"
-                                       if t.get("failures") else ""),
-             "compute-sanitizer: " + json.dumps(r["sanitizer"]),
-             "", "| bench | ms/step | tok/s | MFU | host launch | peak GiB |", "|---|---|---|---|---|---|"]
-    for name, b in r["bench"].items():
-        if "error" in b:
-            lines.append(f"| {name} | {b['error'][:60]} | | | | |")
-            continue
-        mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
-        lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | {mfu} | "
-                     f"{100 * b['host_launch_fraction']:.1f}% | "
-                     f"{b['peak_memory_bytes'] / 2**30:.2f} |")
-    plan = PLANS[r["plan"]]
+    v, plan = r["versions"], PLANS[r["plan"]]
     m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
-    prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {}).get("per_op")
-    if prof:
-        lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
-        lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |" for p in prof]
-    lines += ["", f"pipeline ({m}, B=4, T={ts}, 2 PEs over nvshmem): " +
-              json.dumps({k: (v if not isinstance(v, dict) else
-                              {kk: vv for kk, vv in v.items() if kk != "losses"})
-                          for k, v in r["pipeline"].items()})]
+    bad = problems(r)
+    lines = [f"# GPU check: {v.get('device', '?')} ({v.get('gpus', '?')} GPU), {r['plan']} plan",
+             "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "device"),
+             "result: " + ("PASS" if not bad else "FAIL: " + "; ".join(bad))]
+    if "tests" in r:
+        t = r["tests"]
+        lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} "
+                     f"skipped, {t['errors']} errors" +
+                     (f" ({', '.join(t['failures'])})" if t.get("failures") else ""))
+    if "sanitizer" in r:
+        lines.append("compute-sanitizer: " + json.dumps(r["sanitizer"]))
+    if "bench" in r:
+        lines += ["", "| bench | ms/step | tok/s | MFU | host launch | peak GiB |",
+                  "|---|---|---|---|---|---|"]
+        for name, b in r["bench"].items():
+            if "error" in b:
+                lines.append(f"| {name} | {b['error'][:60]} | | | | |")
+                continue
+            mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
+            lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | "
+                         f"{mfu} | {100 * b['host_launch_fraction']:.1f}% | "
+                         f"{b['peak_memory_bytes'] / 2**30:.2f} |")
+        prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {})
+        if prof.get("per_op"):
+            lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
+            lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
+                      for p in prof["per_op"]]
+            lines += ["", "| op: kernel (top 20) | calls/step | ms/step | share |",
+                      "|---|---|---|---|"]
+            lines += [f"| {p['op']}: {p['kernel']} | {p['calls_per_step']} | "
+                      f"{p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
+                      for p in prof["per_kernel"][:20]]
+    if "pipeline" in r:
+        lines += ["", f"pipeline ({m}, B=4, T={ts}, 2 PEs over nvshmem): " +
+                  json.dumps({k: (v if not isinstance(v, dict) else
+                                  {kk: vv for kk, vv in v.items() if kk != "losses"})
+                              for k, v in r["pipeline"].items()})]
     return "\n".join(lines) + "\n"

@@ -219,3 +219,12 @@ def test_bench_writes_json(device, tmp_path):
     assert {"matmul_forward", "matmul_backward", "attention_forward", "classifier",
             "adamw"} <= ops
     assert sum(o["share"] for o in r["per_op"]) == pytest.approx(1.0)
+    kernels = {(k["op"], k["kernel"]): k for k in r["per_kernel"]}
+    L, NH, C, BT = 4, 4, 128, 2 * 32  # tiny, -b 2 -t 32
+    assert kernels["attention_forward", "softmax_forward"]["calls_per_step"] == L
+    assert kernels["attention_forward", f"sgemm_NT 32x32x{C // NH}x{2 * NH}"]["calls_per_step"] == L
+    assert kernels["matmul_forward", f"sgemm_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
+    assert kernels["classifier", "fused_classifier"]["calls_per_step"] == 1
+    assert kernels["adamw", "adamw"]["calls_per_step"] == 1
+    assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
+    assert "attention_forward: softmax_forward" in res.stdout

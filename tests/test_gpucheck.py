@@ -1,6 +1,7 @@
 """The GPU check end to end, as a dry run on cudasim: every GPU test (on the stand-in),
 the benchmarks and the nvshmem pipeline, into one report. Without a GPU it refuses."""
 import json
+import os
 
 import pytest
 
@@ -10,21 +11,92 @@ from conftest import cli, device_env, gpu_available, requires_sim
 @requires_sim
 @pytest.mark.timeout(1500)  # it runs the GPU tests again, inside
 def test_gpucheck_dry_run_on_cudasim(tmp_path):
-    res = cli("gpucheck", "--quick", "--out", tmp_path, env=device_env("sim"), timeout=1500)
+    """In two pieces, as on a machine with a per-command time limit: the second merges
+    into the first's report, and only the whole check exits 0."""
+    env = device_env("sim")
+    first = cli("gpucheck", "--quick", "--out", tmp_path, "--part", "tests", "--part",
+                "sanitizer", env=env, timeout=1500)
+    assert first.returncode == 1, first.stdout + first.stderr
+    assert "result: FAIL: bench: not run; pipeline: not run" in first.stdout
+    part = json.loads((tmp_path / "report.json").read_text())
+    assert set(part) == {"plan", "versions", "tests", "sanitizer"}
+    res = cli("gpucheck", "--quick", "--out", tmp_path, "--part", "pipeline", "--part", "bench",
+              "--mps", env=env, timeout=1500)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu_tests.log", "report.json", "report.md", "sanitize_memcheck.log",
+        "sanitize_racecheck.log"], "the runs' own outputs stay out of the report directory"
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["plan"] == "quick" and r["versions"]["device"] == "cudasim (CPU)"
+    assert r["tests"] == part["tests"] and r["sanitizer"] == part["sanitizer"]
     t = r["tests"]
     assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 20, t
     assert r["bench"] and all("error" not in b for b in r["bench"].values()), r["bench"]
-    assert r["pipeline"]["max_rel_loss_diff"] < 1e-5
+    for run in ("nvshmem_2", "nvshmem_2_mps"):
+        assert r["pipeline"][run]["max_rel_loss_diff"] < 1e-5, r["pipeline"]
     assert all(r["sanitizer"][tool]["clean"] for tool in ("memcheck", "racecheck"))
     md = (tmp_path / "report.md").read_text()
-    assert "| tiny_T64_B4_profile |" in md and "| classifier |" in md and "nvshmem_2" in md
+    assert "result: PASS" in md and "| tiny_T64_B4_profile |" in md and "| classifier |" in md
+    assert "nvshmem_2" in md
 
 
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
 def test_gpucheck_refuses_without_a_gpu(tmp_path):
-    if gpu_available():
-        return
     res = cli("gpucheck", "--out", tmp_path)
     assert res.returncode == 1 and res.stderr.strip().startswith("error: gpucheck: no GPU")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_report_names_each_failure():
+    from cupygpt.gpucheck import problems, summary
+    r = {"plan": "quick", "versions": {"device": "X"},
+         "tests": {"passed": 3, "failed": 1, "skipped": 0, "errors": 0, "rc": 1,
+                   "failures": ["test_a"]},
+         "sanitizer": {"memcheck": {"clean": True, "summary": "0 errors"},
+                       "racecheck": {"clean": False, "summary": "2 hazards"}},
+         "bench": {"tiny_T32_B4": {"error": "out of GPU memory"}}}
+    assert problems(r) == ["pipeline: not run", "tests: 1 failed, 0 errors (pytest exit 1)",
+                           "sanitizer racecheck: 2 hazards", "bench tiny_T32_B4: out of GPU memory"]
+    md = summary(r)
+    assert "result: FAIL: pipeline: not run; tests: 1 failed" in md and "(test_a)" in md
+    assert "pipeline (" not in md, "a part that did not run gets no section"
+    assert problems({**r, "sanitizer": {"error": "compute-sanitizer not found"}})[2] == \
+        "sanitizer error: compute-sanitizer not found"
+    assert problems({**r, "unfinished": "bench"})[1] == "bench: cut short"
+
+
+def test_mps_server_is_started_for_the_runs_inside_and_stopped(tmp_path, monkeypatch):
+    from cupygpt.gpucheck import mps_server
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$* $(cat) $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    with mps_server(str(tmp_path)) as why:
+        assert why is None
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps_pipe")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert calls.read_text().split("\n")[:2] == [f"-d  {tmp_path}/mps_pipe",
+                                                 f" quit {tmp_path}/mps_pipe"]
+    fake.write_text("#!/bin/sh\necho 'cannot start the MPS daemon' >&2; exit 3\n")
+    with mps_server(str(tmp_path)) as why:
+        assert why == "MPS did not start: cannot start the MPS daemon"
+
+
+def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
+    from cupygpt import gpucheck
+
+    def bench(out, work, plan):
+        yield {"first": {"error": "out of GPU memory"}}
+        raise KeyboardInterrupt  # the machine's time limit, arriving mid-part
+
+    monkeypatch.setattr(gpucheck, "versions", lambda: {"device": "X"})
+    monkeypatch.setitem(gpucheck.PARTS, "bench", bench)
+    with pytest.raises(KeyboardInterrupt):
+        gpucheck.gpucheck(str(tmp_path), "quick", ("bench",))
+    r = json.loads((tmp_path / "report.json").read_text())
+    assert r["bench"] == {"first": {"error": "out of GPU memory"}} and r["unfinished"] == "bench"
+    assert "bench: cut short" in (tmp_path / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]

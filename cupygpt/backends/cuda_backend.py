@@ -5,6 +5,7 @@ Attention keeps q, k, v and its other temporaries in backend workspaces (reused 
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
 allocates after the first step, so a whole step can be captured as a CUDA graph.
 """
+import contextlib
 import math
 
 import cupy as cp
@@ -20,6 +21,7 @@ tf32 = False
 EW = 256          # EW_THREADS in common.cuh
 ROW_WARPS = 8     # ROW_WARPS in common.cuh
 _modules, _functions, _workspace = {}, {}, {}
+_trace = None     # a list while kernel_trace() is on: (name, start event, end event)
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
@@ -49,12 +51,40 @@ def _k(fn):
     return f
 
 
+def _launch(fn, grid, block, *args):
+    if _trace is None:
+        _k(fn)(grid, block, args)
+    else:
+        _traced(fn, _k(fn), grid, block, args)
+
+
+def _traced(name, f, *args):
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    f(*args)
+    end.record()
+    _trace.append((name, start, end))
+
+
+@contextlib.contextmanager
+def kernel_trace():
+    """Records CUDA events around every kernel and cuBLAS call inside (eager steps only: the
+    events would be captured into a graph); yields the list they are added to, as
+    (kernel or "sgemm_{op flags} MxNxK[xbatch]", start event, end event)."""
+    global _trace
+    _trace = []
+    try:
+        yield _trace
+    finally:
+        _trace = None
+
+
 def _ew(fn, n, *args):
-    _k(fn)(((n + EW - 1) // EW,), (EW,), args)
+    _launch(fn, ((n + EW - 1) // EW,), (EW,), *args)
 
 
 def _rows(fn, rows, *args):
-    _k(fn)(((rows + ROW_WARPS - 1) // ROW_WARPS,), (ROW_WARPS * 32,), args)
+    _launch(fn, ((rows + ROW_WARPS - 1) // ROW_WARPS,), (ROW_WARPS * 32,), *args)
 
 
 def _ws(key, n, dtype=np.float32):
@@ -73,9 +103,13 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
     """
     h = cp.cuda.device.get_cublas_handle()
     cublas.setStream(h, cp.cuda.get_current_stream().ptr)
-    cublas.sgemmStridedBatched(h, tb, ta, N, M, K, _ONE.ctypes.data, B.data.ptr, ldb, sB,
-                               A.data.ptr, lda, sA, (_ONE if beta else _ZERO).ctypes.data,
-                               C.data.ptr, ldc, sC, batch)
+    args = (h, tb, ta, N, M, K, _ONE.ctypes.data, B.data.ptr, ldb, sB, A.data.ptr, lda, sA,
+            (_ONE if beta else _ZERO).ctypes.data, C.data.ptr, ldc, sC, batch)
+    if _trace is None:
+        cublas.sgemmStridedBatched(*args)
+    else:
+        name = f"sgemm_{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
+        _traced(name, cublas.sgemmStridedBatched, *args)
 
 
 N_, T_ = 0, 1  # cuBLAS operation flags: no transpose, transpose
@@ -199,13 +233,13 @@ def residual_forward(out, a, b):
 def classifier(logits, losses, targets, V, dloss=None):
     Vp = logits.shape[-1]
     N = logits.size // Vp
-    _k("fused_classifier")((N,), (1024,), (logits, losses, targets, np.float32(dloss or 0.0),
-                                            _i(dloss is not None), _i(V), _i(Vp)))
+    _launch("fused_classifier", (N,), (1024,), logits, losses, targets,
+            np.float32(dloss or 0.0), _i(dloss is not None), _i(V), _i(Vp))
 
 
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
-    _k("loss_accumulate")((1,), (1024,), (acc, losses, _i(losses.size)))
+    _launch("loss_accumulate", (1,), (1024,), acc, losses, _i(losses.size))
 
 
 # --- backward ----------------------------------------------------------------------------
@@ -215,7 +249,8 @@ def _column_sum(out, inp, N, OC):
     R = max(1, min(128, N // 64))
     per = (N + R - 1) // R
     partial = _ws("colsum", R * OC)
-    _k("column_sum_partial")(((OC + 31) // 32, R), (32, 8), (partial, inp, _i(N), _i(OC), _i(per)))
+    _launch("column_sum_partial", ((OC + 31) // 32, R), (32, 8), partial, inp, _i(N), _i(OC),
+            _i(per))
     _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
 
 
