@@ -120,11 +120,13 @@ def prepare(text, out, tokenizer, name):
               show_default=True, help="train shards (glob)")
 @click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
               show_default=True, help="val shards (glob)")
-@click.option("-e", "init", default="tiny", show_default=True,
-              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48")
+@click.option("-e", "init", default=None,
+              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48  [default: d12 on "
+                   "a GPU, tiny on the CPU]")
 @click.option("-o", "out", default="out", show_default=True, help="output directory")
 @click.option("-b", "batch", default=4, show_default=True, help="batch size B")
-@click.option("-t", "seq", default=64, show_default=True, help="sequence length T")
+@click.option("-t", "seq", default=None, type=int,
+              help="sequence length T  [default: 1024 on a GPU, 64 on the CPU]")
 @click.option("-l", "lr", default=1e-3, show_default=True, help="learning rate")
 @click.option("-u", "warmup", default=10, show_default=True, help="lr warm-up steps")
 @click.option("-q", "final_lr_frac", default=0.1, show_default=True,

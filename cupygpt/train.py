@@ -49,8 +49,16 @@ class Interrupt:
         signal.signal(signal.SIGINT, self.old)
 
 
+# -e and -t when not given: llm.c's d12 run on a GPU; on the CPU a model that trains in
+# seconds.
+DEFAULTS = {"cuda": ("d12", 1024), "numpy": ("tiny", 64)}
+
+
 def train(sess, o):
     log, tr = sess.log, sess.tr
+    init, seq = DEFAULTS[sess.be.name]
+    o.init = init if o.init is None else o.init
+    o.seq = seq if o.seq is None else o.seq
     resume = checkpoint.resolve(o.resume) if o.resume else None
     if resume:  # the shape from model.bin's header; the parameters from the rank files
         cfg, params = read_model_header(os.path.join(resume, "model.bin"))[0], None

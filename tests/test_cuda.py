@@ -4,6 +4,7 @@ CPU, cuBLAS and CUDA graphs emulated; runs everywhere, CI included) and a real G
 files, TF32, graph replay, training, resume, the out-of-memory refusal and bench (pipelines:
 test_cuda_pipeline.py)."""
 import json
+import re
 import types
 
 import numpy as np
@@ -185,9 +186,14 @@ def test_graph_replay_equals_eager(device, tmp_path):
 
 
 def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
-    res = run(device, "train", "-n", "30", "-v", "10", "-g", "16", "-o", tmp_path)
+    # a GPU trains the default (d12, T=1024); cudasim runs the same code on the tiny preset
+    small = ["-e", "tiny", "-t", "64"] if device == "sim" else []
+    res = run(device, "train", *small, "-n", "30", "-v", "10", "-g", "16", "-o", tmp_path)
     assert res.returncode == 0, res.stderr
     assert "backend cuda: a GPU is visible" in res.stdout
+    if device == "gpu":
+        assert re.search(r"\| init +\| d12 ", res.stdout)
+        assert re.search(r"\| B, T +\| 4, 1024 ", res.stdout)
     val = losses(res.stdout, "val loss")
     assert val[-1] < val[0] - 1.5
 

@@ -1,4 +1,5 @@
 """`train` and `sample` end to end through the CLI, as a user runs them."""
+import re
 
 from conftest import cli, losses
 
@@ -7,6 +8,8 @@ def test_default_train_lowers_the_loss_and_samples(tmp_path):
     res = cli("train", "-o", tmp_path, "-n", "30", "-v", "10", "-g", "16")
     assert res.returncode == 0, res.stderr
     assert "backend numpy: no GPU is visible (CPU run)" in res.stdout
+    assert re.search(r"\| init +\| tiny ", res.stdout)
+    assert re.search(r"\| B, T +\| 4, 64 ", res.stdout)
     val = losses(res.stdout, "val loss")
     assert len(val) == 4 and val[-1] < val[0] - 1.5, val
     train = losses(res.stdout)
