@@ -114,12 +114,37 @@ def bench(work, name, *args, timeout=400):
     return {"error": last_line(log, rc)} if rc != 0 else json.load(open(path))
 
 
+def verify(out, work, plan):
+    """verify --backend cuda on each reference, TF32 off and on: the largest differences
+    from PyTorch, checked against (and to set) README's tolerances for each mode."""
+    for name in plan["verify"]:
+        for tf32 in ("--no-tf32", "--tf32"):
+            fx = os.path.join(ROOT, "tests", "fixtures", name)
+            key = name + tf32[1:].replace("-", "_")  # e.g. tiny_no_tf32
+            log = os.path.join(work, f"verify_{key}.log")
+            rc, text = sh(CLI + ["verify", "--backend", "cuda", tf32, "--json", "--model",
+                                 fx + "_model.bin", "--state", fx + "_debug_state.bin",
+                                 "--expected", fx + "_expected.json"], 300, log)
+            try:  # its one JSON line (exit 1 when outside the tolerances still prints it)
+                r = json.loads(next(x for x in text.splitlines()[::-1] if x.startswith("{")))
+            except (ValueError, StopIteration):
+                yield {key: {"error": last_line(text, rc)}}
+                continue
+            yield {key: {
+                "ok": r["ok"], "logits": r["logits"]["max_abs_diff"],
+                "loss": r["loss"]["abs_diff"],
+                "grad_rel": max(g["max_abs_diff"] / g["max_abs_ref"] for g in r["grads"].values()),
+                "grad_abs": max(g["max_abs_diff"] for g in r["grads"].values()),
+                "steps": max(st["abs_diff"] for st in r["steps"])}}
+
+
 # What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
 # one runs in minutes anywhere, cudasim included (a dry run of the check itself).
+# verify: llm.c's reference files (tests/fixtures), whose shapes differ (odd T, 16 heads).
 PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8, 16, 32),
-                  "steps": 10, "pipe_steps": 20},
+                  "steps": 10, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v")},
          "quick": {"model": "tiny", "t_short": 32, "t_long": 64, "batches": (8,),
-                   "steps": 3, "pipe_steps": 5}}
+                   "steps": 3, "pipe_steps": 5, "verify": ("tiny",)}}
 
 
 def benches(out, work, plan):
@@ -196,7 +221,8 @@ def mps_server(work):
                 os.environ[k] = v
 
 
-PARTS = {"tests": run_tests, "sanitizer": sanitize, "bench": benches, "pipeline": pipeline}
+PARTS = {"tests": run_tests, "verify": verify, "sanitizer": sanitize, "bench": benches,
+         "pipeline": pipeline}
 
 
 def gpucheck(out, plan_name="full", parts=tuple(PARTS), mps=False):
@@ -241,6 +267,8 @@ def problems(report):
     for tool, v in report.get("sanitizer", {}).items():
         if not isinstance(v, dict) or not v["clean"]:
             out.append(f"sanitizer {tool}: {v if isinstance(v, str) else v['summary']}")
+    out += [f"verify {name}: " + v.get("error", "outside README's tolerances")
+            for name, v in report.get("verify", {}).items() if not v.get("ok")]
     out += [f"bench {name}: {b['error']}" for name, b in report.get("bench", {}).items()
             if "error" in b]
     # MPS is optional (NVSHMEM's limited mode is what must work): its run is reported only
@@ -261,6 +289,13 @@ def summary(r):
         lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} "
                      f"skipped, {t['errors']} errors" +
                      (f" ({', '.join(t['failures'])})" if t.get("failures") else ""))
+    if "verify" in r:
+        lines += ["", "| verify (max abs diff vs PyTorch) | ok | logits | loss | grads (abs / rel "
+                  "to max) | AdamW step losses |", "|---|---|---|---|---|---|"]
+        for name, x in r["verify"].items():
+            lines.append(f"| {name} | {x['error'][:60]} | | | | |" if "error" in x else
+                         f"| {name} | {x['ok']} | {x['logits']:.2e} | {x['loss']:.2e} | "
+                         f"{x['grad_abs']:.2e} / {x['grad_rel']:.2e} | {x['steps']:.2e} |")
     if "sanitizer" in r:
         lines.append("compute-sanitizer: " + json.dumps(r["sanitizer"]))
     if "bench" in r:

@@ -87,6 +87,15 @@ def device_env(device):
             "PATH": os.pathsep.join((os.path.join(SIM, "bin"), os.environ.get("PATH", "")))}
 
 
+def simulated(device):
+    """Whether device runs on cudasim: "sim", or "gpu" in the GPU check's dry run, where
+    cudasim's cupy is the one on PYTHONPATH."""
+    if device == "sim":
+        return True
+    import cupy
+    return os.path.dirname(os.path.abspath(cupy.__file__)) == SIM
+
+
 def load_cudasim():
     """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
     real CuPy is left as it was."""

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli, device_env, load_cudasim, losses, run_verify
+from conftest import DEVICES, cli, device_env, load_cudasim, losses, run_verify, simulated
 from test_verify import FILES
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 25), HS 128, and B*T=185
@@ -177,8 +177,8 @@ def same_losses(device, got, want):
 
 
 def test_graph_replay_equals_eager(device, tmp_path):
-    args = ["train", "--backend", "cuda", "-b", "4", "-t", "64", "-n", "6", "-v", "0", "-g", "0",
-            "--no-tf32"]
+    args = ["train", "--backend", "cuda", "-e", "tiny", "-b", "4", "-t", "64", "-n", "6", "-v",
+            "0", "-g", "0", "--no-tf32"]
     eager = run(device, *args, "--no-graphs", "-o", tmp_path / "a")
     graph = run(device, *args, "--graphs", "-o", tmp_path / "b")
     assert eager.returncode == 0 and graph.returncode == 0, graph.stderr
@@ -187,11 +187,12 @@ def test_graph_replay_equals_eager(device, tmp_path):
 
 def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
     # a GPU trains the default (d12, T=1024); cudasim runs the same code on the tiny preset
-    small = ["-e", "tiny", "-t", "64"] if device == "sim" else []
-    res = run(device, "train", *small, "-n", "30", "-v", "10", "-g", "16", "-o", tmp_path)
+    sim = simulated(device)
+    res = run(device, "train", *(["-e", "tiny", "-t", "64"] if sim else []), "-n", "30", "-v",
+              "10", "-g", "16", "-o", tmp_path)
     assert res.returncode == 0, res.stderr
     assert "backend cuda: a GPU is visible" in res.stdout
-    if device == "gpu":
+    if not sim:
         assert re.search(r"\| init +\| d12 ", res.stdout)
         assert re.search(r"\| B, T +\| 4, 1024 ", res.stdout)
     val = losses(res.stdout, "val loss")
@@ -199,7 +200,8 @@ def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
 
 
 def test_resume_matches(device, tmp_path):
-    args = ["train", "--backend", "cuda", "-b", "4", "-t", "64", "-v", "0", "-g", "0", "-n", "8"]
+    args = ["train", "--backend", "cuda", "-e", "tiny", "-b", "4", "-t", "64", "-v", "0", "-g",
+            "0", "-n", "8"]
     full = run(device, *args, "--checkpoint-every", "4", "-o", tmp_path / "a")
     part = run(device, *args, "--resume", tmp_path / "a" / "ckpt_00000004", "-o", tmp_path / "b")
     assert full.returncode == 0 and part.returncode == 0, part.stderr

@@ -49,8 +49,8 @@ def test_cuda_stages_over_mpi(device):
 def test_pipelined_train_equals_single_device(tmp_path, device, transport):
     if transport == "nccl" and n_gpus(device) < 2:
         pytest.skip("nccl needs one GPU per rank; this machine has one")
-    args = ["train", "--backend", "cuda", "--no-tf32", "-b", "4", "-t", "128", "-n", "6",
-            "-v", "0", "-g", "0"]
+    args = ["train", "--backend", "cuda", "-e", "tiny", "--no-tf32", "-b", "4", "-t", "128",
+            "-n", "6", "-v", "0", "-g", "0"]
     single = cli(*args, "-o", tmp_path / "a", env=device_env(device))
     piped = cli(*args, "--transport", transport, "-o", tmp_path / "b", ranks=2, timeout=600,
                 env=device_env(device))

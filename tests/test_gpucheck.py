@@ -15,11 +15,11 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     into the first's report, and only the whole check exits 0."""
     env = device_env("sim")
     first = cli("gpucheck", "--quick", "--out", tmp_path, "--part", "tests", "--part",
-                "sanitizer", env=env, timeout=1500)
+                "sanitizer", "--part", "verify", env=env, timeout=1500)
     assert first.returncode == 1, first.stdout + first.stderr
     assert "result: FAIL: bench: not run; pipeline: not run" in first.stdout
     part = json.loads((tmp_path / "report.json").read_text())
-    assert set(part) == {"plan", "versions", "tests", "sanitizer"}
+    assert set(part) == {"plan", "versions", "tests", "verify", "sanitizer"}
     res = cli("gpucheck", "--quick", "--out", tmp_path, "--part", "pipeline", "--part", "bench",
               "--mps", env=env, timeout=1500)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -29,6 +29,9 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["plan"] == "quick" and r["versions"]["device"] == "cudasim (CPU)"
     assert r["tests"] == part["tests"] and r["sanitizer"] == part["sanitizer"]
+    v = r["verify"]
+    assert v["tiny_no_tf32"]["ok"] and v["tiny_no_tf32"]["logits"] < 1e-5, v
+    assert v["tiny_tf32"]["ok"] and v["tiny_tf32"]["logits"] > 10 * v["tiny_no_tf32"]["logits"]
     t = r["tests"]
     assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 20, t
     assert r["bench"] and all("error" not in b for b in r["bench"].values()), r["bench"]
@@ -36,6 +39,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
         assert r["pipeline"][run]["max_rel_loss_diff"] < 1e-5, r["pipeline"]
     assert all(r["sanitizer"][tool]["clean"] for tool in ("memcheck", "racecheck"))
     md = (tmp_path / "report.md").read_text()
+    assert "| tiny_no_tf32 | True |" in md
     assert "result: PASS" in md and "| tiny_T64_B4_profile |" in md and "| classifier |" in md
     assert "nvshmem_2" in md
 
@@ -49,14 +53,23 @@ def test_gpucheck_refuses_without_a_gpu(tmp_path):
 
 def test_report_names_each_failure():
     from cupygpt.gpucheck import problems, summary
+
+    def verified(ok):
+        return {"ok": ok, "logits": 1e-6, "loss": 1e-7, "grad_abs": 1e-6, "grad_rel": 1e-5,
+                "steps": 1e-6}
+
     r = {"plan": "quick", "versions": {"device": "X"},
          "tests": {"passed": 3, "failed": 1, "skipped": 0, "errors": 0, "rc": 1,
                    "failures": ["test_a"]},
          "sanitizer": {"memcheck": {"clean": True, "summary": "0 errors"},
                        "racecheck": {"clean": False, "summary": "2 hazards"}},
+         "verify": {"tiny_no_tf32": verified(True), "tiny_tf32": verified(False),
+                    "odd_no_tf32": {"error": "Traceback"}},
          "bench": {"tiny_T32_B4": {"error": "out of GPU memory"}}}
     assert problems(r) == ["pipeline: not run", "tests: 1 failed, 0 errors (pytest exit 1)",
-                           "sanitizer racecheck: 2 hazards", "bench tiny_T32_B4: out of GPU memory"]
+                           "sanitizer racecheck: 2 hazards",
+                           "verify tiny_tf32: outside README's tolerances",
+                           "verify odd_no_tf32: Traceback", "bench tiny_T32_B4: out of GPU memory"]
     md = summary(r)
     assert "result: FAIL: pipeline: not run; tests: 1 failed" in md and "(test_a)" in md
     assert "pipeline (" not in md, "a part that did not run gets no section"
