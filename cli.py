@@ -251,8 +251,8 @@ def schedule(stages, micro_batches, schedule, backward_cost):
               "that the check starts and stops (NVSHMEM's full multi-PE-per-GPU mode)")
 @entry
 def gpucheck(out, quick, parts, mps):
-    """The GPU check: all GPU tests, compute-sanitizer, the benchmarks and a pipeline run,
-    in one report; exit 0 only when every part has run and passed."""
+    """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
+    run, in one report; exit 0 only when every part has run and passed."""
     from cupygpt.backends import gpu_available
     from cupygpt.gpucheck import gpucheck as run_check, problems
     if not gpu_available():

@@ -1,11 +1,12 @@
-"""The GPU check: every GPU test, compute-sanitizer over our kernels, the benchmarks and
-a pipeline run, into one report (report.json + report.md). Each piece runs in its own
-process, so one failure is reported and the rest still runs.
+"""The GPU check: every GPU test, verify against llm.c's references, compute-sanitizer over
+our kernels, the benchmarks and a pipeline run, into one report (report.json + report.md).
+Each piece runs in its own process, so one failure is reported and the rest still runs.
 
-The report is rewritten after each part, and a run of some parts (--part) merges into the
-report already in the directory: a machine that allows ten minutes per command runs the
-check in pieces, and a run cut short keeps what it finished. The directory holds at most
-six files (report, test and sanitizer logs); the runs' own outputs go to a temporary one."""
+The report is rewritten after each result, and a run of some parts (--part) merges into
+the report already in the directory: a machine that allows ten minutes per command runs
+the check in pieces, and a run cut short keeps what it finished. The directory holds five
+files (report.json, report.md, the test and the two sanitizer logs); the runs' own outputs
+go to a temporary one."""
 import contextlib
 import glob
 import json
