@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import click
 
 from cupygpt import CupyGPTError
-from cupygpt.gpucheck import PARTS as GPUCHECK_PARTS  # stdlib only: cheap to import
+from cupygpt.gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
 from cupygpt.pipeline.transport import fail, launched_ranks, start_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -258,7 +258,7 @@ def gpucheck(out, quick, parts, mps):
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
-    report, md = run_check(out, "quick" if quick else "full", parts or tuple(GPUCHECK_PARTS), mps)
+    report, md = run_check(out, "quick" if quick else "full", parts, mps)
     click.echo(md)
     sys.exit(1 if problems(report) else 0)
 

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, os.path.join(ROOT, "cli.py")]
@@ -42,6 +41,7 @@ def last_line(text, rc):
 
 
 def versions():
+    from importlib import metadata  # here, not at the top: cli.py imports this module
     out = {"python": platform.python_version()}
     for pkg in ("cupy-cuda13x", "cupy-cuda12x", "nvshmem4py-cu13", "nvshmem4py-cu12",
                 "cuda-bindings", "mpi4py", "numpy"):
@@ -167,14 +167,15 @@ def pipeline(out, work, plan, ranks=2):
     mpi = ["mpiexec", "-n", str(ranks)]
     runs = [("single", [], False), (f"nvshmem_{ranks}", mpi, False)]
     runs += [(f"nvshmem_{ranks}_mps", mpi, True)] if plan.get("mps") else []
-    single = None
+    done = {}
     for label, pre, mps in runs:
         with mps_server(work) if mps else contextlib.nullcontext() as no_mps:
             res = {"error": no_mps} if no_mps else train_run(work, label, plan, pre)
-        if single and "losses" in res:
+        single = done.get("single", {})
+        if "losses" in single and "losses" in res:
             res["max_rel_loss_diff"] = max(abs(x - y) / abs(x)
                                            for x, y in zip(single["losses"], res["losses"]))
-        single = single or res
+        done[label] = res
         yield {label: res}
 
 
@@ -226,9 +227,10 @@ PARTS = {"tests": run_tests, "verify": verify, "sanitizer": sanitize, "bench": b
          "pipeline": pipeline}
 
 
-def gpucheck(out, plan_name="full", parts=tuple(PARTS), mps=False):
-    """Runs the named parts into out/report.{json,md}, keeping the other parts of a report
-    of the same plan already there; the report is rewritten after each result."""
+def gpucheck(out, plan_name="full", parts=(), mps=False):
+    """Runs the named parts (none named: all) into out/report.{json,md}, keeping the other
+    parts of a report of the same plan already there; the report is rewritten after each
+    result."""
     plan = {**PLANS[plan_name], "mps": mps}
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "report.json")
@@ -238,7 +240,7 @@ def gpucheck(out, plan_name="full", parts=tuple(PARTS), mps=False):
     report["versions"] = versions()
     with tempfile.TemporaryDirectory(prefix="gpucheck-") as work:
         for part in PARTS:  # in this order whatever the order asked
-            if part in parts:
+            if part in parts or not parts:
                 report[part], report["unfinished"] = {}, part
                 for result in PARTS[part](out, work, plan):
                     report[part].update(result)

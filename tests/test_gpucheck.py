@@ -113,3 +113,19 @@ def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
     assert r["bench"] == {"first": {"error": "out of GPU memory"}} and r["unfinished"] == "bench"
     assert "bench: cut short" in (tmp_path / "report.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
+
+
+def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, monkeypatch):
+    from cupygpt import gpucheck
+    runs = {"single": {"error": "out of GPU memory"},
+            "nvshmem_2": {"ms_per_step_median": 1.0, "losses": [10.0, 9.0]}}
+    monkeypatch.setattr(gpucheck, "train_run", lambda work, label, plan, pre: dict(runs[label]))
+    got = {}
+    for r in gpucheck.pipeline(str(tmp_path), str(tmp_path), gpucheck.PLANS["quick"]):
+        got.update(r)
+    assert got["single"] == runs["single"] and got["nvshmem_2"] == runs["nvshmem_2"]
+    runs["single"] = {"ms_per_step_median": 1.0, "losses": [10.0, 9.9]}
+    got = {}
+    for r in gpucheck.pipeline(str(tmp_path), str(tmp_path), gpucheck.PLANS["quick"]):
+        got.update(r)
+    assert got["nvshmem_2"]["max_rel_loss_diff"] == pytest.approx(0.9 / 9.9)
