@@ -4,7 +4,7 @@ compile test, so CI compiles exactly what the GPU runs).
 Options, chosen deliberately:
 - no --use_fast_math: the non-matmul kernels are memory-bound, so fast intrinsics buy
   little, and exact expf/tanhf/sqrtf keep `verify --backend cuda` close to PyTorch;
-- -std=c++17, -I kernels_cu (common.cuh);
+- -std=c++17, -I cupygpt/kernels_cu (common.cuh);
 - the architecture is the running GPU's (CuPy picks it); the compile test builds for
   compute_80 (A100) and compute_90 (H100/H200).
 CuPy caches each compiled module on disk (~/.cupy/kernel_cache), so a process compiles
@@ -14,7 +14,8 @@ import glob
 import os
 import re
 
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels_cu")
+# package data: the wheel carries them, and the repository's kernels_cu/ links here
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cu")
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 
 

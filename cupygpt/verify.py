@@ -8,7 +8,7 @@ from .files import read_model, read_state
 from .layout import copy_layer_range, param_layout
 from .optim import AdamWConfig
 
-# Measured against llm.c's PyTorch fp32 reference (tests/fixtures, README "Tolerances").
+# Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
 # A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
 TOLERANCES = {
     "numpy": dict(logits=1e-5, loss=1e-5, grad_atol=1e-6, grad_rtol=1e-5, step_loss=1e-5),

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIX = os.path.join(ROOT, "tests", "fixtures")
+FIX = os.path.join(ROOT, "cupygpt", "reference")
 sys.path.insert(0, ROOT)
 
 

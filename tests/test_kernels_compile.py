@@ -49,8 +49,7 @@ def test_a_broken_kernel_is_caught(tmp_path):
 def test_every_backend_kernel_exists():
     """Each kernel name the CUDA backend launches is defined in kernels_cu."""
     import re
-    src = open(os.path.join(os.path.dirname(KERNEL_DIR), "cupygpt", "backends",
-                            "cuda_backend.py")).read()
+    src = open(os.path.join(os.path.dirname(KERNEL_DIR), "backends", "cuda_backend.py")).read()
     used = set(re.findall(r'_(?:ew|rows|k)\("(\w+)"', src))
     defined = set()
     for path in sources():

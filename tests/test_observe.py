@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, cli
+from conftest import FIX, ROOT, cli
 
 
 def test_log_plot_and_checkpoint_model(tmp_path):
@@ -61,7 +61,7 @@ def test_progress_bars_on_a_terminal(tmp_path):
     rc, shown = on_terminal("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"),
                             "--out", tmp_path)
     assert rc == 0 and "tokenizing" in shown and "100%" in shown and "#" in shown
-    rc, shown = on_terminal("sample", "--model", os.path.join(ROOT, "tests", "fixtures",
+    rc, shown = on_terminal("sample", "--model", os.path.join(FIX,
                                                               "gpt2v_model.bin"),
                             "--max-new-tokens", "8")
     assert rc == 0 and "generating" in shown and "100%" in shown

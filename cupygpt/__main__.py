@@ -1,0 +1,4 @@
+"""`python -m cupygpt COMMAND`: the same commands as `cupygpt` and `python cli.py`."""
+from .cli import main
+
+main()

@@ -1,0 +1,277 @@
+"""cupygpt's command line: verify, prepare, train, sample. Run any with --help."""
+import functools
+import json
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+
+import click
+
+from cupygpt import CupyGPTError
+from cupygpt.gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
+from cupygpt.pipeline.transport import fail, launched_ranks, start_mpi
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # shipped data
+
+
+def entry(fn):
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank."""
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        if launched_ranks() > 1:
+            start_mpi()
+        try:
+            return fn(**kw)
+        except CupyGPTError as e:
+            fail(f"error: {e}")
+        except Exception:
+            fail(traceback.format_exc().rstrip())
+    return wrapper
+
+
+def pipeline_options(fn):
+    for opt in reversed([
+        click.option("--backend", default="auto", show_default=True,
+                     type=click.Choice(["auto", "cuda", "numpy"])),
+        click.option("--micro-batches", default=1, show_default=True,
+                     help="micro-batches per step (must divide -b)"),
+        click.option("--schedule", default="1f1b", show_default=True,
+                     type=click.Choice(["1f1b", "gpipe"])),
+        click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"),
+        click.option("--transport", default="auto", show_default=True,
+                     type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
+                     help="stage-to-stage transport under mpiexec (auto: nvshmem on GPU, mpi on CPU)"),
+        click.option("--peer-timeout", default=300.0, show_default=True,
+                     help="seconds to wait on another rank before failing"),
+        click.option("--tf32/--no-tf32", default=None,
+                     help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def session(o, tf32_default):
+    from cupygpt.session import Session
+    return Session(o.backend, o.transport, o.peer_timeout,
+                   tf32_default if o.tf32 is None else o.tf32)
+
+
+@click.group()
+def cli():
+    """GPT-2 training in llm.c's formats: NumPy on the CPU, CUDA kernels on the GPU,
+    pipeline-parallel under mpiexec."""
+
+
+@cli.command()
+@click.option("--model", required=True, help="llm.c model file")
+@click.option("--state", required=True, help="llm.c debug state file")
+@click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
+@click.option("--lr", default=1e-4, show_default=True)
+@click.option("--weight-decay", default=0.01, show_default=True)
+@click.option("--expected", default=None, help="JSON with a 'losses' list to check the steps")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
+              show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@pipeline_options
+@entry
+def verify(**kw):
+    """Check logits, loss and every gradient against an llm.c debug state."""
+    import numpy as np
+    from cupygpt.verify import format_report, verify as run_verify
+    o = SimpleNamespace(**kw)
+    sess = session(o, tf32_default=False)
+    report = run_verify(sess, o.model, o.state, o.steps, o.lr, o.weight_decay, o.micro_batches,
+                        o.schedule, o.split, o.expected, getattr(np, o.dtype))
+    if sess.tr.rank == 0:
+        click.echo(json.dumps(report) if o.as_json else format_report(report))
+    ok = sess.tr.bcast(report["ok"] if sess.tr.rank == 0 else None)
+    sys.exit(0 if ok else 1)
+
+
+@cli.command()
+@click.argument("text", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", default=DATA, show_default=True, help="output directory")
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--name", default="tiny_shakespeare", show_default=True, help="shard name prefix")
+@entry
+def prepare(text, out, tokenizer, name):
+    """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
+    tinyshakespeare script does."""
+    from cupygpt.files import write_shard
+    from cupygpt.tokenizer import Tokenizer, tokenize_tinyshakespeare
+    try:
+        body = open(text, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    tok = Tokenizer(tokenizer)
+    with click.progressbar(length=body.count("\n\n") + 1, label="tokenizing",
+                           file=sys.stderr) as bar:
+        train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
+    for split, toks in (("val", val_tokens), ("train", train_tokens)):
+        path = os.path.join(out, f"{name}_{split}.bin")
+        write_shard(path, toks)
+        click.echo(f"wrote {len(toks):,} tokens to {path}")
+
+
+@cli.command()
+@click.option("-i", "train_pattern", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
+              show_default=True, help="train shards (glob)")
+@click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
+              show_default=True, help="val shards (glob)")
+@click.option("-e", "init", default=None,
+              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48  [default: d12 on "
+                   "a GPU, tiny on the CPU]")
+@click.option("-o", "out", default="out", show_default=True, help="output directory")
+@click.option("-b", "batch", default=4, show_default=True, help="batch size B")
+@click.option("-t", "seq", default=None, type=int,
+              help="sequence length T  [default: 1024 on a GPU, 64 on the CPU]")
+@click.option("-l", "lr", default=1e-3, show_default=True, help="learning rate")
+@click.option("-u", "warmup", default=10, show_default=True, help="lr warm-up steps")
+@click.option("-q", "final_lr_frac", default=0.1, show_default=True,
+              help="final lr as a fraction of -l (cosine decay)")
+@click.option("-n", "steps", default=60, show_default=True, help="training steps")
+@click.option("-v", "val_every", default=20, show_default=True, help="val loss every N steps")
+@click.option("-m", "val_batches", default=4, show_default=True, help="val batches")
+@click.option("-s", "sample_every", default=0, show_default=True,
+              help="sample every N steps (always at the end)")
+@click.option("-g", "gen_tokens", default=48, show_default=True, help="tokens to generate")
+@click.option("--weight-decay", default=0.0, show_default=True)
+@click.option("--seed", default=1337, show_default=True)
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--checkpoint-every", default=0, show_default=True,
+              help="write OUT/ckpt_STEP every K steps and at the end (0: never)")
+@click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
+@click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
+@click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
+@click.option("--graphs/--no-graphs", default=True, show_default=True,
+              help="replay each step as a CUDA graph (one process on a GPU)")
+@pipeline_options
+@entry
+def train(**kw):
+    """Train GPT-2 llm.c-style; writes OUT/model.bin in llm.c's format."""
+    from cupygpt.train import train as run_train
+    o = SimpleNamespace(**kw)
+    for flag, v in (("-n", o.steps), ("-v", o.val_every), ("-m", o.val_batches),
+                    ("-s", o.sample_every), ("-g", o.gen_tokens), ("-u", o.warmup),
+                    ("--checkpoint-every", o.checkpoint_every)):
+        if v < 0:
+            raise CupyGPTError(f"{flag} {v}: must not be negative")
+    if o.keep < 1:
+        raise CupyGPTError(f"--keep {o.keep}: keep at least one checkpoint")
+    o.sample_every = o.sample_every or o.steps
+    run_train(session(o, tf32_default=True), o)
+
+
+@cli.command()
+@click.option("-e", "init", default="d12", show_default=True, help="preset to benchmark")
+@click.option("-b", "batch", default=4, show_default=True)
+@click.option("-t", "seq", default=1024, show_default=True)
+@click.option("--steps", default=20, show_default=True, help="timed steps (median reported)")
+@click.option("--warmup", default=3, show_default=True, help="untimed steps first")
+@click.option("--graphs/--no-graphs", default=True, show_default=True)
+@click.option("--profile", is_flag=True,
+              help="add per-op and per-kernel GPU time tables (CUDA events, eager steps)")
+@click.option("--out", default="bench.json", show_default=True, help="JSON to write")
+@click.option("--backend", default="auto", show_default=True,
+              type=click.Choice(["auto", "cuda", "numpy"]))
+@click.option("--tf32/--no-tf32", default=True, show_default=True)
+@entry
+def bench(init, batch, seq, steps, warmup, graphs, profile, out, backend, tf32):
+    """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
+    from cupygpt.bench import bench as run_bench
+    from cupygpt.files import atomic_write
+    from cupygpt.session import Session
+    if min(batch, seq, steps) <= 0 or warmup < 0:
+        raise CupyGPTError("-b, -t and --steps must be positive, --warmup not negative")
+    sess = Session(backend, "auto", 300.0, tf32)
+    r = run_bench(sess, init, batch, seq, steps, warmup, graphs, profile,
+                  os.path.join(DATA, "tiny_shakespeare_train.bin"))
+    with atomic_write(out) as f:
+        f.write(json.dumps(r, indent=1).encode())
+    click.echo(f"{r['device']}: {init} B={batch} T={seq}: {r['ms_per_step_median']:.2f} ms/step, "
+               f"{r['tok_per_s']:.0f} tok/s" + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+               + f", host launch {100 * r['host_launch_fraction']:.1f}% of the step; wrote {out}")
+    for row in r.get("per_op", []):
+        click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
+    for row in r.get("per_kernel", [])[:20]:
+        click.echo(f"  {row['op'] + ': ' + row['kernel']:<48} x{row['calls_per_step']:<4}"
+                   f"{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
+
+
+@cli.command()
+@click.option("--model", default=os.path.join("out", "model.bin"), show_default=True)
+@click.option("--prompt", default="", help="text to continue (default: start of text)")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--top-k", default=None, type=int)
+@click.option("--seed", default=1337, show_default=True)
+@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@pipeline_options
+@entry
+def sample(**kw):
+    """Generate text from an llm.c model file."""
+    from cupygpt.sample import sample_text
+    o = SimpleNamespace(**kw)
+    sample_text(session(o, tf32_default=True), o, sys.stdout.isatty())
+
+
+@cli.command()
+@click.option("--stages", "-p", default=4, show_default=True)
+@click.option("--micro-batches", "-m", default=8, show_default=True)
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"]))
+@click.option("--backward-cost", default=2.0, show_default=True,
+              help="time of a backward relative to a forward")
+@entry
+def schedule(stages, micro_batches, schedule, backward_cost):
+    """Print each rank's actions and the simulated bubble of a pipeline schedule."""
+    from cupygpt.pipeline.schedule import SCHEDULES, simulate, slot_plan
+    if stages < 1 or micro_batches < 1:
+        raise CupyGPTError("--stages and --micro-batches must be positive")
+    fn = SCHEDULES[schedule]
+    short = {"fwd": "F", "bwd": "B", "recv_act": "ra", "send_act": "sa", "recv_grad": "rg",
+             "send_grad": "sg", "step": "step"}
+    for r in range(stages):
+        acts = fn(stages, micro_batches, r)
+        text = " ".join(short[a.op] + ("" if a.mb is None else str(a.mb)) for a in acts)
+        click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
+    sim = simulate(stages, micro_batches, fn, 1.0, backward_cost)
+    ideal = (stages - 1) / (micro_batches + stages - 1)
+    click.echo(f"bubble {sim['bubble']:.4f} (equal stages: (p-1)/(m+p-1) = {ideal:.4f}); "
+               f"makespan {sim['makespan']:g} forward-times; deadlock-free")
+
+
+@cli.command()
+@click.option("--out", default="gpu_report", show_default=True, help="report directory")
+@click.option("--quick", is_flag=True, help="benchmark the tiny preset at short T (minutes)")
+@click.option("--part", "parts", multiple=True, type=click.Choice(list(GPUCHECK_PARTS)),
+              help="run only these parts, merged into the report in --out (default: all)")
+@click.option("--mps", is_flag=True, help="also run the pipeline under a CUDA MPS server "
+              "that the check starts and stops (NVSHMEM's full multi-PE-per-GPU mode)")
+@entry
+def gpucheck(out, quick, parts, mps):
+    """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
+    run, in one report; exit 0 only when every part has run and passed."""
+    from cupygpt.backends import gpu_available
+    from cupygpt.gpucheck import gpucheck as run_check, problems
+    if not gpu_available():
+        raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
+                           "GPU machine after pip install -e '.[cuda13,test]'")
+    report, md = run_check(out, "quick" if quick else "full", parts, mps)
+    click.echo(md)
+    sys.exit(1 if problems(report) else 0)
+
+
+@cli.command()
+@click.argument("log", type=click.Path())
+@click.option("--out", default="loss.png", show_default=True, help="PNG to write")
+@entry
+def plot(log, out):
+    """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
+    from cupygpt.plot import plot as run_plot
+    n_train, n_val = run_plot(log, out)
+    click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
+
+
+def main():
+    cli()
