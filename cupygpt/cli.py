@@ -12,7 +12,9 @@ from cupygpt import CupyGPTError
 from cupygpt.gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
 from cupygpt.pipeline.transport import fail, launched_ranks, start_mpi
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # shipped data
+PKG = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(PKG, "data")            # shipped: tokenizer, tinyshakespeare, its shards
+REFERENCE = os.path.join(PKG, "reference")  # shipped: llm.c model + debug-state files
 
 
 def entry(fn):
@@ -64,8 +66,10 @@ def cli():
 
 
 @cli.command()
-@click.option("--model", required=True, help="llm.c model file")
-@click.option("--state", required=True, help="llm.c debug state file")
+@click.option("--model", default=os.path.join(REFERENCE, "tiny_model.bin"), show_default=True,
+              help="llm.c model file (default: the shipped one made by llm.c's PyTorch reference)")
+@click.option("--state", default=os.path.join(REFERENCE, "tiny_debug_state.bin"),
+              show_default=True, help="llm.c debug state file for that model")
 @click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
 @click.option("--lr", default=1e-4, show_default=True)
 @click.option("--weight-decay", default=0.01, show_default=True)
