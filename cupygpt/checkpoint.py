@@ -28,7 +28,7 @@ def _fsync_dir(path):
 
 def identity(run):
     """What a resume must match: the model's shape and how it is cut and batched."""
-    return {"config": run.cfg.__dict__, "ranks": run.tr.size, "split": run.counts,
+    return {"config": run.cfg.__dict__, "ranks": run.mesh.size, "split": run.counts,
             "B": run.B, "T": run.T, "micro_batches": run.M}
 
 
@@ -94,15 +94,15 @@ def resolve(path):
     if os.path.isfile(latest):
         path = os.path.join(path, open(latest).read().strip())
     if not os.path.isdir(path):
-        raise CupyGPTError(f"--resume {path}: no such checkpoint directory")
+        raise CupyGPTError("no such checkpoint directory", "resume", path)
     return path
 
 
 def load_meta(path, rank):
     f = os.path.join(path, f"rank{rank:03d}.npz")
     if not os.path.isfile(f):
-        raise CupyGPTError(f"--resume {path}: no {os.path.basename(f)}; was this checkpoint "
-                           f"written by a run with fewer ranks?")
+        raise CupyGPTError(f"no {os.path.basename(f)}; was this checkpoint written by a run "
+                           f"with fewer ranks?", "resume", path)
     try:
         with np.load(f) as z:
             return json.loads(str(z["meta"])), f
@@ -115,8 +115,8 @@ def check_matches(path, meta, run):
     diff = [f"{k}: checkpoint {meta.get(k)} vs now {v}" for k, v in want.items()
             if meta.get(k) != v]
     if diff:
-        raise CupyGPTError(f"--resume {path}: does not match this run ({'; '.join(diff)}); "
-                           f"use the checkpoint's settings")
+        raise CupyGPTError(f"does not match this run ({'; '.join(diff)}); use the "
+                           f"checkpoint's settings", "resume", path)
 
 
 def restore(run, path):

@@ -1,20 +1,33 @@
-"""cupygpt's command line: verify, prepare, train, sample. Run any with --help."""
+"""cupygpt's command line: each command builds its frozen config from the flags (config.py),
+runs the library, and prints. Run any with --help."""
+import dataclasses
 import functools
 import json
 import os
 import sys
 import traceback
-from types import SimpleNamespace
 
 import click
 
-from cupygpt import CupyGPTError
-from cupygpt.gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
-from cupygpt.pipeline.transport import fail, launched_ranks, start_mpi
+from . import CupyGPTError
+from .comm.launch import fail, launched_ranks, start_mpi
+from .config import BenchConfig, Device, Pipeline, SampleConfig, TrainConfig, VerifyConfig
+from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
+from .parallel.pipeline.schedule import LABEL, SCHEDULES
 
 PKG = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(PKG, "data")            # shipped: tokenizer, tinyshakespeare, its shards
 REFERENCE = os.path.join(PKG, "reference")  # shipped: llm.c model + debug-state files
+TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
+
+
+def as_flag(e):
+    """A library error names a config field (CupyGPTError.option): show it as its flag."""
+    if e.option is None:
+        return str(e)
+    ctx = click.get_current_context(silent=True)
+    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    return f"{params.get(e.option, e.option)} {e.value}: {e.args[0]}"
 
 
 def entry(fn):
@@ -26,37 +39,56 @@ def entry(fn):
         try:
             return fn(**kw)
         except CupyGPTError as e:
-            fail(f"error: {e}")
+            fail(f"error: {as_flag(e)}")
         except Exception:
             fail(traceback.format_exc().rstrip())
     return wrapper
 
 
-def pipeline_options(fn):
-    for opt in reversed([
-        click.option("--backend", default="auto", show_default=True,
-                     type=click.Choice(["auto", "cuda", "numpy"])),
-        click.option("--micro-batches", default=1, show_default=True,
-                     help="micro-batches per step (must divide -b)"),
-        click.option("--schedule", default="1f1b", show_default=True,
-                     type=click.Choice(["1f1b", "gpipe"])),
-        click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"),
-        click.option("--transport", default="auto", show_default=True,
-                     type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
-                     help="stage-to-stage transport under mpiexec (auto: nvshmem on GPU, mpi on CPU)"),
-        click.option("--peer-timeout", default=300.0, show_default=True,
-                     help="seconds to wait on another rank before failing"),
-        click.option("--tf32/--no-tf32", default=None,
-                     help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
-    ]):
-        fn = opt(fn)
-    return fn
+def config(cls, kw):
+    """cls (a config dataclass) from the flags: each field is the flag's parameter name;
+    the device and pipeline parts are filled the same way."""
+    parts = {"device": Device, "pipeline": Pipeline}
+    args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
+    for name, part in parts.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
+                                 if f.name in kw})
+    return cls(**args)
 
 
-def session(o, tf32_default):
-    from cupygpt.session import Session
-    return Session(o.backend, o.transport, o.peer_timeout,
-                   tf32_default if o.tf32 is None else o.tf32)
+def session(cls, kw, tf32_default):
+    from .session import Session
+    return Session(config(cls, kw), tf32_default)
+
+
+def options(*opts):
+    """A decorator adding click options, first listed first in --help."""
+    def add(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return add
+
+
+backend_option = click.option("--backend", default="auto", show_default=True,
+                              type=click.Choice(["auto", "cuda", "numpy"]))
+device_options = options(
+    backend_option,
+    click.option("--transport", default="auto", show_default=True,
+                 type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
+                 help="stage-to-stage transport under mpiexec (auto: the backend's first "
+                      "choice: nvshmem on a GPU, mpi on the CPU)"),
+    click.option("--peer-timeout", default=300.0, show_default=True,
+                 help="seconds to wait on another rank before failing"),
+    click.option("--tf32/--no-tf32", default=None,
+                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"))
+pipeline_options = options(
+    click.option("--micro-batches", default=1, show_default=True,
+                 help="micro-batches per step (must divide the batch)"),
+    click.option("--schedule", default="1f1b", show_default=True,
+                 type=click.Choice(list(SCHEDULES))),
+    click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"))
 
 
 @click.group()
@@ -72,38 +104,36 @@ def cli():
               show_default=True, help="llm.c debug state file for that model")
 @click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
 @click.option("--lr", default=1e-4, show_default=True)
-@click.option("--weight-decay", default=0.01, show_default=True)
+@click.option("--weight-decay", default=0.01, show_default=True, help="AdamW weight decay")
 @click.option("--expected", default=None, help="JSON with a 'losses' list to check the steps")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@device_options
 @pipeline_options
 @entry
-def verify(**kw):
+def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    import numpy as np
-    from cupygpt.verify import format_report, verify as run_verify
-    o = SimpleNamespace(**kw)
-    sess = session(o, tf32_default=False)
-    report = run_verify(sess, o.model, o.state, o.steps, o.lr, o.weight_decay, o.micro_batches,
-                        o.schedule, o.split, o.expected, getattr(np, o.dtype))
-    if sess.tr.rank == 0:
-        click.echo(json.dumps(report) if o.as_json else format_report(report))
-    ok = sess.tr.bcast(report["ok"] if sess.tr.rank == 0 else None)
+    from .verify import format_report, verify as run_verify
+    sess = session(VerifyConfig, kw, tf32_default=False)
+    report = run_verify(sess)
+    if sess.mesh.rank == 0:
+        click.echo(json.dumps(report) if as_json else format_report(report))
+    ok = sess.tr.bcast(report["ok"] if sess.mesh.rank == 0 else None)
     sys.exit(0 if ok else 1)
 
 
 @cli.command()
 @click.argument("text", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", default=DATA, show_default=True, help="output directory")
-@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--out", default="data", show_default=True, help="output directory")
+@click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--name", default="tiny_shakespeare", show_default=True, help="shard name prefix")
 @entry
 def prepare(text, out, tokenizer, name):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
-    from cupygpt.files import write_shard
-    from cupygpt.tokenizer import Tokenizer, tokenize_tinyshakespeare
+    from .files import write_shard
+    from .tokenizer import Tokenizer, tokenize_tinyshakespeare
     try:
         body = open(text, encoding="utf-8").read()
     except UnicodeDecodeError as e:
@@ -140,9 +170,9 @@ def prepare(text, out, tokenizer, name):
 @click.option("-s", "sample_every", default=0, show_default=True,
               help="sample every N steps (always at the end)")
 @click.option("-g", "gen_tokens", default=48, show_default=True, help="tokens to generate")
-@click.option("--weight-decay", default=0.0, show_default=True)
-@click.option("--seed", default=1337, show_default=True)
-@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
+@click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay")
+@click.option("--seed", default=1337, show_default=True, help="initialisation and sampling seed")
+@click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--checkpoint-every", default=0, show_default=True,
               help="write OUT/ckpt_STEP every K steps and at the end (0: never)")
 @click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
@@ -150,51 +180,41 @@ def prepare(text, out, tokenizer, name):
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="replay each step as a CUDA graph (one process on a GPU)")
+@device_options
 @pipeline_options
 @entry
 def train(**kw):
     """Train GPT-2 llm.c-style; writes OUT/model.bin in llm.c's format."""
-    from cupygpt.train import train as run_train
-    o = SimpleNamespace(**kw)
-    for flag, v in (("-n", o.steps), ("-v", o.val_every), ("-m", o.val_batches),
-                    ("-s", o.sample_every), ("-g", o.gen_tokens), ("-u", o.warmup),
-                    ("--checkpoint-every", o.checkpoint_every)):
-        if v < 0:
-            raise CupyGPTError(f"{flag} {v}: must not be negative")
-    if o.keep < 1:
-        raise CupyGPTError(f"--keep {o.keep}: keep at least one checkpoint")
-    o.sample_every = o.sample_every or o.steps
-    run_train(session(o, tf32_default=True), o)
+    from .train import train as run_train
+    run_train(session(TrainConfig, kw, tf32_default=True))
 
 
 @cli.command()
-@click.option("-e", "init", default="d12", show_default=True, help="preset to benchmark")
+@click.option("-e", "init", default=None,
+              help="preset to benchmark  [default: d12 on a GPU, tiny on the CPU]")
 @click.option("-b", "batch", default=4, show_default=True)
-@click.option("-t", "seq", default=1024, show_default=True)
+@click.option("-t", "seq", default=None, type=int,
+              help="sequence length  [default: 1024 on a GPU, 64 on the CPU]")
 @click.option("--steps", default=20, show_default=True, help="timed steps (median reported)")
 @click.option("--warmup", default=3, show_default=True, help="untimed steps first")
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("--profile", is_flag=True,
               help="add per-op and per-kernel GPU time tables (CUDA events, eager steps)")
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
-@click.option("--backend", default="auto", show_default=True,
-              type=click.Choice(["auto", "cuda", "numpy"]))
+@backend_option
 @click.option("--tf32/--no-tf32", default=True, show_default=True)
 @entry
-def bench(init, batch, seq, steps, warmup, graphs, profile, out, backend, tf32):
+def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
-    from cupygpt.bench import bench as run_bench
-    from cupygpt.files import atomic_write
-    from cupygpt.session import Session
-    if min(batch, seq, steps) <= 0 or warmup < 0:
-        raise CupyGPTError("-b, -t and --steps must be positive, --warmup not negative")
-    sess = Session(backend, "auto", 300.0, tf32)
-    r = run_bench(sess, init, batch, seq, steps, warmup, graphs, profile,
-                  os.path.join(DATA, "tiny_shakespeare_train.bin"))
+    from .bench import bench as run_bench
+    from .files import atomic_write
+    r = run_bench(session(BenchConfig, {**kw, "data": os.path.join(
+        DATA, "tiny_shakespeare_train.bin")}, tf32_default=True))
     with atomic_write(out) as f:
         f.write(json.dumps(r, indent=1).encode())
-    click.echo(f"{r['device']}: {init} B={batch} T={seq}: {r['ms_per_step_median']:.2f} ms/step, "
-               f"{r['tok_per_s']:.0f} tok/s" + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+    click.echo(f"{r['device']}: {r['model']} B={r['B']} T={r['T']}: "
+               f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
+               + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
                + f", host launch {100 * r['host_launch_fraction']:.1f}% of the step; wrote {out}")
     for row in r.get("per_op", []):
         click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
@@ -209,35 +229,45 @@ def bench(init, batch, seq, steps, warmup, graphs, profile, out, backend, tf32):
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--top-k", default=None, type=int)
-@click.option("--seed", default=1337, show_default=True)
-@click.option("--tokenizer", default=os.path.join(DATA, "gpt2_tokenizer.bin"), show_default=True)
-@pipeline_options
+@click.option("--seed", default=1337, show_default=True, help="sampling seed")
+@click.option("--tokenizer", default=TOKENIZER, show_default=True)
+@device_options
 @entry
 def sample(**kw):
     """Generate text from an llm.c model file."""
-    from cupygpt.sample import sample_text
-    o = SimpleNamespace(**kw)
-    sample_text(session(o, tf32_default=True), o, sys.stdout.isatty())
+    from .sample import sample_text
+    sess = session(SampleConfig, kw, tf32_default=True)
+    first, prompt = sess.mesh.rank == 0, sess.config.prompt
+    if sys.stdout.isatty() and first:  # a progress bar, then the text
+        with click.progressbar(length=sess.config.max_new_tokens, label="generating",
+                               file=sys.stderr) as bar:
+            text = sample_text(sess, lambda n: setattr(bar, "length", n),
+                               lambda piece: bar.update(1))
+        sess.log(prompt + text)
+        return
+    if prompt:  # else the text as it comes
+        sess.log(prompt)
+    sample_text(sess, on_token=(lambda piece: click.echo(piece, nl=False)) if first else None)
+    sess.log("")
 
 
 @cli.command()
 @click.option("--stages", "-p", default=4, show_default=True)
 @click.option("--micro-batches", "-m", default=8, show_default=True)
-@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["1f1b", "gpipe"]))
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
 @click.option("--backward-cost", default=2.0, show_default=True,
               help="time of a backward relative to a forward")
 @entry
 def schedule(stages, micro_batches, schedule, backward_cost):
     """Print each rank's actions and the simulated bubble of a pipeline schedule."""
-    from cupygpt.pipeline.schedule import SCHEDULES, simulate, slot_plan
+    from .parallel.pipeline.schedule import slot_plan
+    from .parallel.pipeline.simulate import simulate
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
     fn = SCHEDULES[schedule]
-    short = {"fwd": "F", "bwd": "B", "recv_act": "ra", "send_act": "sa", "recv_grad": "rg",
-             "send_grad": "sg", "step": "step"}
     for r in range(stages):
         acts = fn(stages, micro_batches, r)
-        text = " ".join(short[a.op] + ("" if a.mb is None else str(a.mb)) for a in acts)
+        text = " ".join(LABEL[a.op] + ("" if a.mb is None else str(a.mb)) for a in acts)
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
     sim = simulate(stages, micro_batches, fn, 1.0, backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)
@@ -256,8 +286,8 @@ def schedule(stages, micro_batches, schedule, backward_cost):
 def gpucheck(out, quick, parts, mps):
     """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
     run, in one report; exit 0 only when every part has run and passed."""
-    from cupygpt.backends import gpu_available
-    from cupygpt.gpucheck import gpucheck as run_check, problems
+    from .backends import gpu_available
+    from .gpucheck import gpucheck as run_check, problems
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
@@ -272,7 +302,7 @@ def gpucheck(out, quick, parts, mps):
 @entry
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
-    from cupygpt.plot import plot as run_plot
+    from .plot import plot as run_plot
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
 

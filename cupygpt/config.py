@@ -1,5 +1,17 @@
-"""GPT-2 shapes, named as in llm.c's GPT2Config."""
-from dataclasses import dataclass, asdict
+"""What a run is: the model's shape (llm.c's GPT2Config, presets) and one frozen config per
+command, checked by its validate() before anything is allocated.
+
+The CLI builds a config from its flags (each field is named as the flag's parameter) and
+calls validate(backend, world), which resolves what depends on the device (the default
+model and T) once, and raises CupyGPTError naming the field at fault; the CLI shows it as
+its flag. Checks that need the files' contents beyond their headers (token ranges, the
+checkpoint's identity) stay with the readers.
+"""
+import glob
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
 
 from . import CupyGPTError
 
@@ -45,6 +57,199 @@ PRESETS = {name: GPT2Config(maxT=T, V=GPT2_V, Vp=padded_vocab(GPT2_V), L=L, NH=N
 
 def preset(name):
     if name not in PRESETS:
-        raise CupyGPTError(f"-e {name}: not a model file and not a preset; presets are "
-                           f"{', '.join(PRESETS)}")
+        raise CupyGPTError(f"not a model file and not a preset; presets are "
+                           f"{', '.join(PRESETS)}", "init", name)
     return PRESETS[name]
+
+
+def is_model_file(spec):
+    """-e names a file (rather than a preset) when it looks like a path."""
+    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
+
+
+def model_shape(spec):
+    """The shape an -e names: a model file's header, or a preset."""
+    from .files import read_model_header
+    return read_model_header(spec)[0] if is_model_file(spec) else preset(spec)
+
+
+# --- run configs -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """Where a command computes and how its ranks talk."""
+    backend: str = "auto"
+    tf32: Optional[bool] = None     # None: the command's default (train on, verify off)
+    transport: str = "auto"
+    peer_timeout: float = 300.0
+
+    def validate(self, be, world):
+        positive(self, "peer_timeout")
+        if world > 1 and self.transport != "auto" and self.transport not in be.TRANSPORTS:
+            raise CupyGPTError(f"the {be.name} backend's arrays travel by "
+                               f"{', '.join(be.TRANSPORTS)} only", "transport", self.transport)
+        return self
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How one step is cut across the pipeline's stages and micro-batches."""
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    split: Optional[str] = None     # "6,6"; validate resolves it into counts
+    counts: tuple = ()              # layers per stage
+
+    def validate(self, L, stages, batch):
+        from .parallel.pipeline.runner import plan_split
+        from .parallel.pipeline.schedule import SCHEDULES
+        if self.micro_batches < 1 or batch % self.micro_batches:
+            raise CupyGPTError(f"must divide the batch size {batch}", "micro_batches",
+                               self.micro_batches)
+        if self.schedule not in SCHEDULES:
+            raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
+                               self.schedule)
+        return replace(self, counts=tuple(plan_split(L, stages, self.split)))
+
+
+def default(value, fallback):
+    return fallback if value is None else value
+
+
+def positive(cfg, *names, zero_ok=False):
+    for name in names:
+        v = getattr(cfg, name)
+        if not (v >= 0 if zero_ok else v > 0) or not math.isfinite(v):
+            raise CupyGPTError("must not be negative" if zero_ok else "must be positive",
+                               name, v)
+
+
+def fits(seq, shape):
+    if seq > shape.maxT:
+        raise CupyGPTError(f"longer than the model's maxT={shape.maxT}; lower it", "seq", seq)
+
+
+def existing(name, path):
+    if not os.path.isfile(path):
+        raise CupyGPTError("no such file", name, path)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    train_pattern: str
+    val_pattern: str
+    tokenizer: str
+    init: Optional[str] = None      # None: the backend's DEFAULT_RUN
+    out: str = "out"
+    batch: int = 4
+    seq: Optional[int] = None       # None: the backend's DEFAULT_RUN
+    lr: float = 1e-3
+    warmup: int = 10
+    final_lr_frac: float = 0.1
+    steps: int = 60
+    val_every: int = 20
+    val_batches: int = 4
+    sample_every: int = 0           # 0: at the end only
+    gen_tokens: int = 48
+    weight_decay: float = 0.0
+    seed: int = 1337
+    checkpoint_every: int = 0
+    keep: int = 2
+    resume: Optional[str] = None
+    log_file: Optional[str] = None
+    graphs: bool = True
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+
+    def validate(self, be, world):
+        """Returns the config with every default resolved and the model's shape (`shape`)."""
+        from . import checkpoint
+        init, seq = be.DEFAULT_RUN
+        c = replace(self, init=default(self.init, init), seq=default(self.seq, seq),
+                    sample_every=self.sample_every or self.steps)
+        positive(c, "batch", "seq", "lr")
+        positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
+                 "warmup", "checkpoint_every", "weight_decay", zero_ok=True)
+        if c.keep < 1:
+            raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
+        if c.resume:
+            c = replace(c, resume=checkpoint.resolve(c.resume))
+            shape = model_shape(os.path.join(c.resume, "model.bin"))
+        else:
+            shape = model_shape(c.init)
+        fits(c.seq, shape)
+        for name in ("train_pattern", "val_pattern"):
+            if getattr(c, name) and not glob.glob(getattr(c, name)):
+                raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
+                                   "fix the path", name, getattr(c, name))
+        return replace(c, device=c.device.validate(be, world),
+                       pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    model: str
+    state: str
+    steps: int = 10
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    expected: Optional[str] = None
+    dtype: str = "float32"
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+
+    def validate(self, be, world):
+        from .files import read_state_header
+        positive(self, "steps", "lr")
+        positive(self, "weight_decay", zero_ok=True)
+        if self.expected:
+            existing("expected", self.expected)
+        shape = model_shape(self.model)
+        B, _ = read_state_header(self.state, shape)
+        return replace(self, device=self.device.validate(be, world),
+                       pipeline=self.pipeline.validate(shape.L, world, B)), shape
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    model: str
+    tokenizer: str
+    prompt: str = ""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    seed: int = 1337
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)  # even split; one row, one pass
+
+    def validate(self, be, world):
+        positive(self, "max_new_tokens", "temperature", zero_ok=True)
+        shape = model_shape(self.model)
+        if self.top_k is not None and not 0 < self.top_k <= shape.V:
+            raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
+                               self.top_k)
+        return replace(self, device=self.device.validate(be, world),
+                       pipeline=self.pipeline.validate(shape.L, world, 1)), shape
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    data: str
+    init: Optional[str] = None      # None: the backend's DEFAULT_RUN
+    batch: int = 4
+    seq: Optional[int] = None
+    steps: int = 20
+    warmup: int = 3
+    graphs: bool = True
+    profile: bool = False
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
+
+    def validate(self, be, world):
+        init, seq = be.DEFAULT_RUN
+        c = replace(self, init=default(self.init, init), seq=default(self.seq, seq))
+        positive(c, "batch", "seq", "steps")
+        positive(c, "warmup", zero_ok=True)
+        shape = preset(c.init)
+        fits(c.seq, shape)
+        return replace(c, device=c.device.validate(be, world),
+                       pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape

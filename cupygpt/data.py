@@ -8,18 +8,18 @@ from .files import read_shard
 
 
 class DataLoader:
-    def __init__(self, pattern, B, T, V, flag="-i"):
+    def __init__(self, pattern, B, T, V, option="train_pattern"):
         self.files = sorted(globlib.glob(pattern))
         if not self.files:
-            raise CupyGPTError(f"{flag} {pattern}: no token shard matches this pattern; "
-                               f"run `python cli.py prepare` or fix the path")
+            raise CupyGPTError("no token shard matches this pattern; run `prepare` or fix "
+                               "the path", option, pattern)
         self.B, self.T = B, T
         self.shards = []
         for path in self.files:
             tokens = read_shard(path)
             if tokens.size < B * T + 1:
                 raise CupyGPTError(f"{path}: shard holds {tokens.size} tokens, fewer than "
-                                   f"B*T+1 = {B * T + 1}; lower -b or -t")
+                                   f"B*T+1 = {B * T + 1}; lower the batch size or sequence length")
             if tokens.size and int(tokens.max()) >= V:
                 raise CupyGPTError(f"{path}: token {int(tokens.max())} is outside the "
                                    f"model's vocab (V={V}); was it tokenized for this model?")

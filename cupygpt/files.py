@@ -120,8 +120,8 @@ def write_model(path, cfg, params):
 
 # --- debug state -------------------------------------------------------------------------
 
-def read_state(path, cfg):
-    """llm.c's debug state: dict with x, y (B,T) int32, logits (B,T,V), loss, grads (flat)."""
+def read_state_header(path, cfg):
+    """(B, T) of a debug state for the model cfg, after checking its header and size."""
     header, f = read_header(path, STATE_MAGIC, "debug state")
     f.close()
     if header[1] != 2:
@@ -133,6 +133,13 @@ def read_state(path, cfg):
         raise CupyGPTError(f"{path}: debug state T={T} exceeds the model's maxT={cfg.maxT}")
     n = param_layout(cfg).size
     expect_size(path, "debug state", HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.V + 1 + n))
+    return B, T
+
+
+def read_state(path, cfg):
+    """llm.c's debug state: dict with x, y (B,T) int32, logits (B,T,V), loss, grads (flat)."""
+    B, T = read_state_header(path, cfg)
+    n = param_layout(cfg).size
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         x = np.fromfile(f, np.int32, B * T).reshape(B, T)
@@ -145,15 +152,6 @@ def read_state(path, cfg):
             raise CupyGPTError(f"{path}: debug state {name} holds token {t.max()} outside "
                                f"the model's vocab 0..{cfg.V - 1}")
     return dict(B=B, T=T, x=x, y=y, logits=logits, loss=loss, grads=grads)
-
-
-def write_state(path, x, y, logits, loss, grads):
-    B, T = x.shape
-    with atomic_write(path) as f:
-        f.write(make_header(STATE_MAGIC, 2, B, T).tobytes())
-        for a, dt in ((x, np.int32), (y, np.int32), (logits, np.float32),
-                      (np.array([loss]), np.float32), (grads, np.float32)):
-            f.write(np.ascontiguousarray(a, dtype=dt).tobytes())
 
 
 # --- token shards ------------------------------------------------------------------------

@@ -30,10 +30,6 @@ class Layout:
         return {n: buf[base + o: base + o + int(np.prod(s))].reshape(s)
                 for n, s, o in zip(self.names, self.shapes, self.offsets)}
 
-    def span(self, name):
-        i = self.names.index(name)
-        return self.offsets[i], self.offsets[i] + int(np.prod(self.shapes[i]))
-
 
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
@@ -92,7 +88,7 @@ def scratch_layout(cfg, B, T):
     for the previous one.
     """
     C, NH = cfg.C, cfg.NH
-    return Layout.of([("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_c2", (B, T, C)),
+    return Layout.of([("dresidual", (B, T, C)), ("dbt_c", (B, T, C)),
                       ("dbt_3c", (B, T, 3 * C)), ("dbt_4c", (B, T, 4 * C)),
                       ("dbt_4c2", (B, T, 4 * C)), ("datt", (B, NH, T, T)),
                       ("dpreatt", (B, NH, T, T))])

@@ -1,7 +1,8 @@
-"""Per-rank output: one prefix and color per rank (pe0 blue, pe1 magenta, ...)."""
-import click
+"""Per-rank output: one prefix and colour per rank (pe0 blue, pe1 magenta, ...); colour only
+on a terminal."""
+import sys
 
-COLORS = ("blue", "magenta", "cyan", "yellow", "green", "red", "bright_blue", "bright_magenta")
+COLORS = (34, 35, 36, 33, 32, 31, 94, 95)  # ANSI: blue, magenta, cyan, yellow, green, ...
 
 
 class Log:
@@ -13,6 +14,8 @@ class Log:
         if not every_rank and self.rank != rank:
             return
         if self.size > 1:
-            tag = click.style(f"[pe{self.rank}]", fg=COLORS[self.rank % len(COLORS)])
+            tag = f"[pe{self.rank}]"
+            if sys.stdout.isatty():
+                tag = f"\033[{COLORS[self.rank % len(COLORS)]}m{tag}\033[0m"
             msg = "\n".join(f"{tag} {line}" for line in str(msg).split("\n"))
-        click.echo(msg)
+        print(msg, flush=True)

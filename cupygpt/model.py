@@ -15,8 +15,9 @@ class Stage:
     def __init__(self, cfg, be, B, T, l0=0, l1=None, embed=True, head=True, slots=1,
                  dtype=np.float32):
         if np.dtype(dtype) not in be.DTYPES:
-            raise CupyGPTError(f"--dtype {np.dtype(dtype).name}: the {be.name} backend supports "
-                               f"{', '.join(np.dtype(d).name for d in be.DTYPES)}")
+            raise CupyGPTError(f"the {be.name} backend supports "
+                               f"{', '.join(np.dtype(d).name for d in be.DTYPES)}", "dtype",
+                               np.dtype(dtype).name)
         self.cfg, self.be, self.B, self.T, self.dtype = cfg, be, B, T, dtype
         self.l0, self.l1 = l0, cfg.L if l1 is None else l1
         self.nl, self.embed, self.head = self.l1 - l0, embed, head

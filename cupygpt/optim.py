@@ -14,21 +14,29 @@ class AdamWConfig:
 
 
 class AdamW:
+    """The update and its step count t (the only copy: backends see lr and the bias
+    corrections, never t)."""
+
     def __init__(self, stage, hp):
         self.stage, self.hp, self.t = stage, hp, 0
         self.m = stage.be.zeros(stage.params.size, stage.dtype)
         self.v = stage.be.zeros(stage.params.size, stage.dtype)
 
-    def step(self, lr=None):
+    def advance(self, lr=None):
+        """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
         self.t += 1
-        self.launch(lr)
-
-    def launch(self, lr=None):
-        """The update for step t (a captured CUDA graph replays this without bumping t)."""
         hp = self.hp
-        self.stage.be.adamw(self.stage.params, self.stage.grads, self.m, self.v, self.t,
-                            hp.lr if lr is None else lr, hp.beta1, hp.beta2, hp.eps,
-                            hp.weight_decay)
+        return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t)
+
+    def step(self, lr=None):
+        self.apply(self.advance(lr))
+
+    def apply(self, sched):
+        """The update with schedule sched (inside a CUDA graph capture the backend reads it
+        from the device instead, where the runner uploads each step's before replay)."""
+        hp = self.hp
+        self.stage.be.adamw(self.stage.params, self.stage.grads, self.m, self.v, sched,
+                            hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
 
 
 def lr_at(step, lr, warmup, steps, final_frac):

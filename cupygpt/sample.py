@@ -1,5 +1,4 @@
 """Text generation through the runner (so it also works across pipeline stages)."""
-import click
 import numpy as np
 
 from . import CupyGPTError
@@ -26,7 +25,7 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
     if not prompt:
         raise CupyGPTError("the prompt is empty: generation needs at least one token")
     if len(prompt) >= T:
-        raise CupyGPTError(f"--prompt: encodes to {len(prompt)} tokens, leaving no room in "
+        raise CupyGPTError(f"the prompt encodes to {len(prompt)} tokens, leaving no room in "
                            f"the model's context of {T}; shorten it")
     tokens = np.full((run.Bm * run.M, T), fill, np.int32)
     tokens[0, :len(prompt)] = prompt
@@ -40,7 +39,7 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
 
         run.forward_first(tokens, grab)
         tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
-        tok = tr.bcast(tok, root=tr.size - 1)
+        tok = tr.bcast(tok, root=run.mesh.loss_rank)
         tokens[0, t] = tok
         out.append(tok)
         if on_token:
@@ -48,33 +47,23 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
     return out
 
 
-def sample_text(sess, o, terminal):
-    """The `sample` command: on a terminal a progress bar, then the text; else the text
-    streamed token by token."""
-    for name, v in (("--max-new-tokens", o.max_new_tokens), ("--temperature", o.temperature)):
-        if v < 0:
-            raise CupyGPTError(f"{name} {v}: must not be negative")
+def sample_text(sess, on_start=None, on_token=None):
+    """The `sample` command over a Session holding its validated SampleConfig: calls
+    on_start(tokens it will generate), then on_token(text) as each token arrives, on
+    every rank; returns the generated text."""
+    o = sess.config
     cfg, params = read_model(o.model, mmap=True)
     tok = Tokenizer(o.tokenizer)
     tok.check_vocab(cfg.V)
-    if o.top_k is not None and not 0 < o.top_k <= cfg.V:
-        raise CupyGPTError(f"--top-k {o.top_k}: must be between 1 and the vocab size {cfg.V}")
     prompt = [tok.eot] + tok.encode(o.prompt)
     if len(prompt) >= cfg.maxT:
-        raise CupyGPTError(f"--prompt: encodes to {len(prompt)} tokens (with the start token), "
-                           f"the model's context is {cfg.maxT}; shorten it")
+        raise CupyGPTError(f"encodes to {len(prompt)} tokens (with the start token), the "
+                           f"model's context is {cfg.maxT}; shorten it", "prompt",
+                           repr(o.prompt[:20] + "..." if len(o.prompt) > 20 else o.prompt))
     T = min(cfg.maxT, len(prompt) + max(o.max_new_tokens, 1))
     run = sess.runner(cfg, params, 1, T)
-    rng, first = np.random.default_rng(o.seed), sess.tr.rank == 0
-    if terminal and first:
-        with click.progressbar(length=T - len(prompt), label="generating",
-                               file=click.get_text_stream("stderr")) as bar:
-            ids = generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k,
-                           lambda t: bar.update(1))
-        sess.log(o.prompt + tok.decode(ids[len(prompt):]))
-        return
-    if o.prompt:
-        sess.log(o.prompt)
-    emit = (lambda t: click.echo(tok.decode([t]), nl=False)) if first else None
-    generate(run, prompt, o.max_new_tokens, tok.eot, rng, o.temperature, o.top_k, emit)
-    sess.log("")
+    if on_start:
+        on_start(min(o.max_new_tokens, T - len(prompt)))
+    ids = generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),
+                   o.temperature, o.top_k, on_token and (lambda t: on_token(tok.decode([t]))))
+    return tok.decode(ids[len(prompt):])

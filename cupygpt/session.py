@@ -1,61 +1,66 @@
-"""What every command sets up: backend, transport, model, runner, and the run's table."""
+"""What every command sets up, in order: the backend, the command's config validated
+against it (before anything is allocated), this rank's place in the grid, the transport,
+the device; then the runner and the run's table."""
 import os
 
 import numpy as np
 
-from . import CupyGPTError
 from .backends import get_backend
-from .config import preset
+from .comm import make_transport
+from .comm.launch import launched_ranks, world_rank
 from .files import read_model
 from .log import Log
 from .model import init_params
-from .pipeline.runner import Runner
-from .pipeline.transport import make_transport
+from .parallel.mesh import Mesh
+from .parallel.pipeline.runner import Runner
 
 
 def load_model(spec, seed):
     """-e: an llm.c model file (fp32 or bf16), or a preset name for a fresh model."""
-    if os.path.exists(spec) or os.sep in spec or spec.endswith(".bin"):
+    from .config import is_model_file, preset
+    if is_model_file(spec):
         return read_model(spec, mmap=True)
     cfg = preset(spec)
     return cfg, init_params(cfg, seed)
 
 
 class Session:
-    """Backend + transport + runner for this rank, from the command's options."""
+    """Backend + grid place + transport for this rank; `config` is the command's, validated
+    and resolved, and `shape` the model's GPT2Config."""
 
-    def __init__(self, backend="auto", transport="auto", peer_timeout=300.0, tf32=None):
-        self.be, why = get_backend(backend)
-        self.tr = make_transport(transport, self.be, peer_timeout)
-        if self.be.name == "cuda":  # after the transport: rank r takes GPU r % count
-            self.be.configure(tf32=tf32, device=self.tr.rank)
-        self.log = Log(self.tr.rank, self.tr.size)
-        self.backend_note = why
+    def __init__(self, config, tf32_default):
+        self.be, self.backend_note = get_backend(config.device.backend)
+        world = launched_ranks()
+        self.config, self.shape = config.validate(self.be, world)
+        dev = self.config.device
+        self.mesh = Mesh(rank=world_rank(), pp=world)
+        self.tr = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
+        # after the transport, which may pick the GPU first: both ask the mesh
+        self.be.configure(tf32=tf32_default if dev.tf32 is None else dev.tf32,
+                          device_of=self.mesh.device)
+        self.log = Log(self.mesh.rank, self.mesh.size)
 
-    def runner(self, cfg, params, B, T, micro_batches=1, schedule="1f1b", split=None,
-               dtype=np.float32, adamw=None, graphs=False):
-        if B <= 0 or T <= 0:
-            raise CupyGPTError(f"-b {B} -t {T}: batch size and sequence length must be positive")
-        if T > cfg.maxT:
-            raise CupyGPTError(f"-t {T}: longer than the model's maxT={cfg.maxT}; lower -t")
-        run = Runner(cfg, self.be, self.tr, B, T, micro_batches, schedule, split, dtype, adamw,
-                     graphs)
-        if params is not None:  # None: a resume fills the stage from its checkpoint
+    def runner(self, cfg, params, B, T, dtype=np.float32, adamw=None, graphs=False):
+        """params: the whole model's host parameters (None: a resume fills the stage)."""
+        p = self.config.pipeline
+        run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
+                     list(p.counts), dtype, adamw, graphs)
+        if params is not None:
             run.stage.load(params)
         return run
 
     def describe(self, cfg, run, extra=()):
         """llm.c-style header: the config, then this rank's memory, one line per rank."""
-        rows = [("backend", self.be.name), ("transport", self.tr.name), ("ranks", self.tr.size),
-                ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V), ("padded_vocab_size", cfg.Vp),
-                ("num_layers", cfg.L), ("num_heads", cfg.NH), ("channels", cfg.C),
-                ("num_parameters", cfg.num_parameters()), *extra]
+        rows = [("backend", self.be.name), ("transport", self.tr.name),
+                ("ranks", self.mesh.size), ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
+                ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
+                ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]
         bar = "+" + "-" * 25 + "+" + "-" * 52 + "+"
         self.log("\n".join([self.backend_note, bar] +
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))
         st = run.stage
         mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in st.memory_bytes().items())
         opt = f", optimizer {2 * st.params.nbytes / 2**20:.1f} MiB" if run.opt else ""
-        self.log(f"stage {self.tr.rank} (pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
+        self.log(f"stage {self.mesh.stage} (pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
                  f"{' +embedding' if st.embed else ''}{' +head' if st.head else ''}: {mem}{opt}",
                  every_rank=True)

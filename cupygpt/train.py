@@ -11,7 +11,7 @@ import numpy as np
 from . import CupyGPTError
 from . import checkpoint
 from .data import DataLoader
-from .files import read_model_header, write_model
+from .files import write_model
 from .optim import AdamWConfig, lr_at
 from .sample import generate
 from .session import load_model
@@ -49,49 +49,40 @@ class Interrupt:
         signal.signal(signal.SIGINT, self.old)
 
 
-# -e and -t when not given: llm.c's d12 run on a GPU; on the CPU a model that trains in
-# seconds.
-DEFAULTS = {"cuda": ("d12", 1024), "numpy": ("tiny", 64)}
-
-
-def train(sess, o):
-    log, tr = sess.log, sess.tr
-    init, seq = DEFAULTS[sess.be.name]
-    o.init = init if o.init is None else o.init
-    o.seq = seq if o.seq is None else o.seq
-    resume = checkpoint.resolve(o.resume) if o.resume else None
-    if resume:  # the shape from model.bin's header; the parameters from the rank files
-        cfg, params = read_model_header(os.path.join(resume, "model.bin"))[0], None
-    else:
-        cfg, params = load_model(o.init, o.seed)
-    run = sess.runner(cfg, params, o.batch, o.seq, o.micro_batches, o.schedule, o.split,
+def train(sess):
+    """The `train` command over a Session holding its validated TrainConfig."""
+    log, tr, mesh, o = sess.log, sess.tr, sess.mesh, sess.config
+    cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
+    run = sess.runner(cfg, params, o.batch, o.seq,
                       adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay), graphs=o.graphs)
-    train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "-i")
-    val_data = DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "-j") if o.val_pattern else None
+    train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "train_pattern")
+    val_data = (DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "val_pattern")
+                if o.val_pattern else None)
     tok = open_tokenizer(o.tokenizer, cfg, log)
     rng, start = np.random.default_rng(o.seed), 0
-    if resume:
-        meta = checkpoint.restore(run, resume)
+    if o.resume:  # the parameters and optimizer state from the rank files
+        meta = checkpoint.restore(run, o.resume)
         start = meta["step"]
         train_data.set_state(meta["train_loader"])
         rng.bit_generator.state = meta["rng"]
         if start > o.steps:
-            raise CupyGPTError(f"-n {o.steps}: the checkpoint is already at step {start}; "
-                               f"-n is the total step count")
-    sess.describe(cfg, run, [("init", resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
-                             ("micro_batches", o.micro_batches), ("schedule", o.schedule),
+            raise CupyGPTError(f"the checkpoint is already at step {start}; this is the total "
+                               f"step count", "steps", o.steps)
+    sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
+                             ("micro_batches", o.pipeline.micro_batches),
+                             ("schedule", o.pipeline.schedule),
                              ("stages (layers)", ",".join(map(str, run.counts))),
                              ("train shards", len(train_data.files)),
                              ("start step", start)])
     os.makedirs(o.out, exist_ok=True)
     logf = open(o.log_file or os.path.join(o.out, "log.jsonl"), "a") if tr.rank == 0 else None
-    ckpt, stop, fault = resume, Interrupt(), injected_fault()
+    ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
 
     def save(step):
         nonlocal ckpt
         if tr.any(not sess.be.all_finite(run.stage.params)):
             raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
-                               f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower -l")
+                               f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower the learning rate")
         ckpt = checkpoint.save(run, o.out, step, {"train_loader": train_data.state(),
                                                   "rng": rng.bit_generator.state}, o.keep)
         log(f"checkpoint {ckpt}")
@@ -123,12 +114,12 @@ def train(sess, o):
             if fault == (step + 1, tr.rank):
                 raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
             if not math.isfinite(loss):
-                if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != resume:
+                if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != o.resume:
                     ckpt = checkpoint.demote(tr, o.out, ckpt)  # its parameters gave this loss
                 raise CupyGPTError(
-                    f"step {step + 1}: train loss is {loss} (computed on rank {tr.size - 1}, "
+                    f"step {step + 1}: train loss is {loss} (computed on rank {mesh.loss_rank}, "
                     f"the last stage); stopping. " + (
-                        f"Last good checkpoint: {ckpt}; lower -l and --resume from it"
+                        f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
                         if ckpt else "No checkpoint yet; lower -l"))
             rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
                        tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
@@ -142,7 +133,7 @@ def train(sess, o):
                 save(step + 1)
             if interrupted:
                 log(f"interrupted after step {step + 1}" +
-                    (f"; resume with --resume {o.out}" if ckpt else ""))
+                    (f"; resume from {o.out}" if ckpt else ""))
                 raise SystemExit(130)
     finally:
         stop.restore()

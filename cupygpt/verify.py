@@ -17,14 +17,16 @@ TOLERANCES = {
 }
 
 
-def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule, split,
-           expected, dtype):
-    cfg, params = read_model(model)
-    st = read_state(state, cfg)
-    B, T, tr = st["B"], st["T"], sess.tr
-    run = sess.runner(cfg, params, B, T, micro_batches, schedule, split, dtype,
-                      AdamWConfig(lr=lr, weight_decay=weight_decay))
-    key = sess.be.name + ("-tf32" if sess.be.name == "cuda" and sess.be.tf32 else "")
+def verify(sess):
+    """The `verify` command over a Session holding its validated VerifyConfig; returns the
+    report on rank 0 (True elsewhere)."""
+    c, tr, mesh = sess.config, sess.tr, sess.mesh
+    cfg, params = read_model(c.model)
+    st = read_state(c.state, cfg)
+    B, T = st["B"], st["T"]
+    run = sess.runner(cfg, params, B, T, np.dtype(c.dtype).type,
+                      AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
+    key = sess.be.numerics()
     tol = TOLERANCES[key]
 
     logit_diff = [0.0]
@@ -35,7 +37,7 @@ def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule,
         logit_diff[0] = max(logit_diff[0], float(np.abs(got - st["logits"][rows]).max()))
 
     fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
-    logit_diff = tr.bcast(logit_diff[0], root=tr.size - 1)
+    logit_diff = tr.bcast(logit_diff[0], root=mesh.loss_rank)
     loss = run.gradients(st["x"], st["y"])
 
     ref = np.empty(run.stage.layout.size, np.float32)
@@ -52,7 +54,7 @@ def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule,
 
     step_losses = [loss]
     run.opt.step()
-    for _ in range(1, steps):
+    for _ in range(1, c.steps):
         step_losses.append(run.train_step(st["x"], st["y"]))
     if tr.rank != 0:
         return True
@@ -62,8 +64,9 @@ def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule,
                  "ok": d <= tol["grad_atol"] + tol["grad_rtol"] * m}
              for n, (d, m) in ((n, merged[n]) for n in param_layout(cfg).names)}
     report = {
-        "model": model, "state": state, "backend": key, "ranks": tr.size,
-        "schedule": schedule, "micro_batches": micro_batches, "B": B, "T": T,
+        "model": c.model, "state": c.state, "backend": key, "ranks": mesh.size,
+        "schedule": c.pipeline.schedule, "micro_batches": c.pipeline.micro_batches,
+        "B": B, "T": T,
         "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],
                    "ok": logit_diff <= tol["logits"]},
         "loss": {"got": loss, "expected": st["loss"], "forward_only": fwd_loss,
@@ -72,8 +75,8 @@ def verify(sess, model, state, steps, lr, weight_decay, micro_batches, schedule,
         "grads": grads, "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)],
     }
     ok = report["logits"]["ok"] and report["loss"]["ok"] and all(g["ok"] for g in grads.values())
-    if expected is not None:
-        exp = json.load(open(expected))["losses"]
+    if c.expected is not None:
+        exp = json.load(open(c.expected))["losses"]
         for s in report["steps"]:
             if s["step"] < len(exp):
                 s.update(expected=exp[s["step"]], abs_diff=abs(s["loss"] - exp[s["step"]]),

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cupygpt.config import GPT2Config  # noqa: E402
-from cupygpt.files import MODEL_MAGIC, atomic_write, make_header, write_model, write_state  # noqa: E402
+from cupygpt.files import MODEL_MAGIC, atomic_write, make_header, write_model  # noqa: E402
 from cupygpt.layout import param_layout  # noqa: E402
+from statefile import write_state  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cupygpt", "reference")
 SHAPES = {"odd": (GPT2Config(maxT=40, V=300, Vp=320, L=3, NH=16, C=128), 3, 17, False),

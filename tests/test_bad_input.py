@@ -78,7 +78,7 @@ CASES = [
      "-t 65: longer than the model's maxT=64"),
     ("unknown preset", lambda t: ["train", "-e", "d13", "-n", "1"], "-e d13: not a model file"),
     ("zero batch", lambda t: ["train", "-b", "0", "-n", "1"], "must be positive"),
-    ("zero seq", lambda t: ["train", "-t", "0", "-n", "1"], "-t 0: batch size and sequence"),
+    ("zero seq", lambda t: ["train", "-t", "0", "-n", "1"], "-t 0: must be positive"),
     ("negative steps", lambda t: ["train", "-n", "-1"], "-n -1: must not be negative"),
     ("negative checkpoint", lambda t: ["train", "--checkpoint-every", "-2"],
      "--checkpoint-every -2: must not be negative"),

@@ -148,8 +148,9 @@ def test_kernels_match_numpy(dev, shape):
     mm, vv = np.zeros(n, np.float32), np.zeros(n, np.float32)
     mm_d, vv_d = cp.zeros(n, np.float32), cp.zeros(n, np.float32)
     for t in (1, 2):
-        npb.adamw(p, g, mm, vv, t, 1e-3, 0.9, 0.999, 1e-8, 0.01)
-        cu.adamw(p_d, g_d, mm_d, vv_d, t, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+        sched = (1e-3, 1 - 0.9 ** t, 1 - 0.999 ** t)
+        npb.adamw(p, g, mm, vv, sched, 0.9, 0.999, 1e-8, 0.01)
+        cu.adamw(p_d, g_d, mm_d, vv_d, sched, 0.9, 0.999, 1e-8, 0.01)
     close(p_d, p, rtol=1e-6, atol=1e-7)
 
 
@@ -221,7 +222,7 @@ def test_bench_writes_json(device, tmp_path):
               "--steps", "2", "--warmup", "1", "--profile", "--out", out)
     assert res.returncode == 0, res.stderr
     r = json.loads(out.read_text())
-    assert r["backend"] == "cuda" and r["graphs"] and r["tf32"] and r["B"] == 2
+    assert r["backend"] == "cuda" and r["graphs"] and r["numerics"] == "cuda-tf32" and r["B"] == 2
     assert r["ms_per_step_median"] > 0 and 0 < r["host_launch_fraction"] <= 1.01
     ops = {o["op"] for o in r["per_op"]}
     assert {"matmul_forward", "matmul_backward", "attention_forward", "classifier",

@@ -141,7 +141,7 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path):
     os.killpg(p.pid, signal.SIGINT)
     out, took = finish(p, 60)
     assert p.returncode == 130, out[-2000:]
-    assert "interrupted after step" in out and "resume with --resume" in out
+    assert "interrupted after step" in out and "resume from" in out
     step = int(out.split("interrupted after step ")[1].split(";")[0])
     assert open(tmp_path / "latest").read() == f"ckpt_{step:08d}"
     assert sorted(os.listdir(tmp_path / f"ckpt_{step:08d}")) == ["model.bin", "rank000.npz",

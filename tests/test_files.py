@@ -7,9 +7,9 @@ import pytest
 from conftest import ROOT, cli, fixture
 from cupygpt import CupyGPTError
 from cupygpt.data import DataLoader
-from cupygpt.files import (atomic_write, read_model, read_shard, read_state, write_model,
-                           write_shard, write_state)
+from cupygpt.files import atomic_write, read_model, read_shard, read_state, write_model, write_shard
 from cupygpt.tokenizer import Tokenizer
+from statefile import write_state
 
 TOK = os.path.join(ROOT, "data", "gpt2_tokenizer.bin")
 

@@ -5,8 +5,9 @@ import pytest
 from cupygpt import CupyGPTError
 from cupygpt.backends import numpy_backend
 from cupygpt.config import preset
-from cupygpt.pipeline.runner import Runner
-from cupygpt.pipeline.transport import Local
+from cupygpt.comm.local import Local
+from cupygpt.parallel.mesh import Mesh
+from cupygpt.parallel.pipeline.runner import Runner
 
 
 class SmallDevice:
@@ -17,7 +18,7 @@ class SmallDevice:
         return getattr(numpy_backend, attr)
 
     @staticmethod
-    def memory_free():
+    def device_memory():
         return 2 ** 30
 
     @staticmethod
@@ -27,15 +28,15 @@ class SmallDevice:
 
 def test_refused_before_allocating_with_numbers():
     with pytest.raises(CupyGPTError) as e:
-        Runner(preset("d12"), SmallDevice(), Local(), 8, 1024, adamw=object())
+        Runner(preset("d12"), SmallDevice(), Local(), Mesh(), 8, 1024, adamw=object())
     msg = str(e.value)
     assert "out of GPU memory at start" in msg and "1.00 GiB is free" in msg
-    assert "lower -b or -t" in msg and "pipeline stages" in msg
+    assert "lower the batch size or sequence length" in msg and "pipeline stages" in msg
 
 
 def test_estimate_matches_what_the_stage_allocates():
     from cupygpt.optim import AdamWConfig
-    run = Runner(preset("tiny"), numpy_backend, Local(), 4, 64, adamw=AdamWConfig())
+    run = Runner(preset("tiny"), numpy_backend, Local(), Mesh(), 4, 64, adamw=AdamWConfig())
     st = run.stage
     allocated = (st.params.nbytes + st.grads.nbytes + st.acts_buf.nbytes +
                  st.scratch_buf.nbytes + run.opt.m.nbytes + run.opt.v.nbytes)

@@ -52,10 +52,10 @@ def test_pipelined_train_equals_single_process(tmp_path, ranks, extra):
 
 
 @pytest.mark.parametrize("ranks,extra,expect", [
-    (3, [], "-np 3: more pipeline stages than the model's 2 layers"),
+    (3, [], "3 pipeline stages but the model has 2 layers"),
     (2, ["--split", "2,1"], "--split 2,1: counts must be positive and sum to the model's 2"),
     (2, ["--split", "2"], "--split 2: 1 stages but 2 ranks"),
-    (2, ["--transport", "nvshmem"], "--transport nvshmem: needs --backend cuda"),
+    (2, ["--transport", "nvshmem"], "--transport nvshmem: the numpy backend's arrays travel by mpi only"),
 ])
 def test_bad_pipelines_are_refused(ranks, extra, expect):
     res = cli("verify", "--model", fixture("tiny_model.bin"), "--state",

@@ -1,7 +1,8 @@
 """Schedules as data: deadlock-free, right bubble, right number of activation slots."""
 import pytest
 
-from cupygpt.pipeline.schedule import Action, SCHEDULES, forward_only, simulate, slot_plan
+from cupygpt.parallel.pipeline.schedule import Action, SCHEDULES, forward_only, slot_plan
+from cupygpt.parallel.pipeline.simulate import simulate
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -29,7 +29,8 @@ def test_verify_passes(files):
 def test_verify_fails_on_a_wrong_state(tmp_path):
     """A state whose gradient is off must fail (exit 1): verify can say no."""
     import numpy as np
-    from cupygpt.files import read_model, read_state, write_state
+    from cupygpt.files import read_model, read_state
+    from statefile import write_state
     cfg, _ = read_model(fixture("tiny_model.bin"))
     st = read_state(fixture("tiny_debug_state.bin"), cfg)
     st["grads"][1000] += 1e-3

@@ -7,6 +7,14 @@ Conventions every backend keeps (the model relies on them):
 - backward functions overwrite the input gradient of a matmul, GELU, attention, and
   accumulate (+=) into every parameter gradient and into layernorm's and the encoder's
   input gradients, so the residual stream's gradient and micro-batch gradients add up.
+
+Nothing outside this package asks which backend runs; it asks a capability instead:
+- DTYPES, the float types it computes in; TRANSPORTS, the transports its arrays can
+  travel by, preferred first; DEFAULT_RUN, (-e, -t) when the user gives none;
+- supports_graphs: a step can be captured and replayed (capture, replay, adamw_schedule);
+- configure(tf32, device_of), device_memory() (free bytes, None for host memory),
+  memory_in_use(), numerics() (verify's tolerance row), peak_flops() (None: no MFU),
+  device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none).
 """
 import importlib
 
@@ -28,8 +36,8 @@ def get_backend(name):
         why = "a GPU is visible" if name == "cuda" else "no GPU is visible (CPU run)"
         return importlib.import_module(f".{name}_backend", __name__), f"backend {name}: {why}"
     if name == "cuda" and not gpu_available():
-        raise CupyGPTError("--backend cuda: no GPU is visible (or CuPy is not installed: "
-                           "pip install '.[cuda12]' or '.[cuda13]'); use --backend numpy")
+        raise CupyGPTError("no GPU is visible (or CuPy is not installed: pip install "
+                           "'.[cuda12]' or '.[cuda13]'); use the numpy backend", "backend", name)
     if name not in ("numpy", "cuda"):
-        raise CupyGPTError(f"--backend {name}: unknown; use auto, cuda or numpy")
+        raise CupyGPTError("unknown; use auto, cuda or numpy", "backend", name)
     return importlib.import_module(f".{name}_backend", __name__), f"backend {name}: as asked"

@@ -4,8 +4,11 @@
 Attention keeps q, k, v and its other temporaries in backend workspaces (reused by every
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
 allocates after the first step, so a whole step can be captured as a CUDA graph.
+
+One module, though longer than the others: a backend is a module (the interface is its
+functions), and cudasim loads this file whole against its stand-in CuPy.
 """
-import contextlib
+import functools
 import math
 
 import cupy as cp
@@ -16,21 +19,30 @@ from .. import CupyGPTError
 from ..kernels import OPTIONS, kernels_in, sources
 
 name = "cuda"
+# Capabilities (backends/__init__.py lists them)
 DTYPES = (np.float32,)
+TRANSPORTS = ("nvshmem", "nccl", "mpi")  # preferred first
+supports_graphs = True
+DEFAULT_RUN = ("d12", 1024)              # -e, -t when not given: llm.c's GPT-2 124M run
+# Dense (no sparsity) TF32 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; the most
+# specific name first.
+TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 494.7,
+             "H200": 494.7, "A100": 156.0, "L40S": 183.0}
+
 tf32 = False
 EW = 256          # EW_THREADS in common.cuh
 ROW_WARPS = 8     # ROW_WARPS in common.cuh
 _modules, _functions, _workspace = {}, {}, {}
-_trace = None     # a list while kernel_trace() is on: (name, start event, end event)
+_trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
-def configure(tf32=False, device=0):
-    """Uses GPU device % count; TF32 tensor-core matmuls on (training) or off (verify), on
-    CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy default
-    stream cannot be captured into a CUDA graph)."""
+def configure(tf32=False, device_of=lambda count: 0):
+    """Uses GPU device_of(visible GPUs); TF32 tensor-core matmuls on (training) or off
+    (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy
+    default stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
-    cp.cuda.Device(device % cp.cuda.runtime.getDeviceCount()).use()
+    cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount())).use()
     cp.cuda.Stream(non_blocking=True).use()
     h = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -58,25 +70,57 @@ def _launch(fn, grid, block, *args):
         _traced(fn, _k(fn), grid, block, args)
 
 
-def _traced(name, f, *args):
+def _timed(f, *args):
+    """(start, end) CUDA events around f(*args)."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record()
     f(*args)
     end.record()
-    _trace.append((name, start, end))
+    return start, end
 
 
-@contextlib.contextmanager
-def kernel_trace():
-    """Records CUDA events around every kernel and cuBLAS call inside (eager steps only: the
-    events would be captured into a graph); yields the list they are added to, as
-    (kernel or "sgemm_{op flags} MxNxK[xbatch]", start event, end event)."""
+def _traced(name, f, *args):
+    _trace["kernels"].append((_trace["op"], name, *_timed(f, *args)))
+
+
+def _op(fn):
+    """A public op: under kernel_profile it is timed whole, and the kernels and cuBLAS
+    calls inside it are counted as its own."""
+    @functools.wraps(fn)
+    def op(*args):
+        if _trace is None:
+            return fn(*args)
+        _trace["op"] = fn.__name__
+        _trace["ops"].append((fn.__name__, *_timed(fn, *args)))
+    return op
+
+
+def kernel_profile(step, steps):
+    """Where the GPU time of `steps` calls of step() goes (eager steps only: the events
+    would be captured into a graph): per op and per kernel within each op, each cuBLAS call
+    named "sgemm_{op flags} MxNxK[xbatch]". Returns (per_op, per_kernel) rows."""
     global _trace
-    _trace = []
+    _trace = {"op": None, "ops": [], "kernels": []}
     try:
-        yield _trace
+        for _ in range(steps):
+            step()
+        synchronize()
+        ops, kernels = _trace["ops"], _trace["kernels"]
     finally:
         _trace = None
+    ms = lambda s, e: cp.cuda.get_elapsed_time(s, e) / steps  # noqa: E731
+    per_op, per_kernel, calls = {}, {}, {}
+    for op, s, e in ops:
+        per_op[op] = per_op.get(op, 0.0) + ms(s, e)
+    for op, kernel, s, e in kernels:
+        per_kernel[op, kernel] = per_kernel.get((op, kernel), 0.0) + ms(s, e)
+        calls[op, kernel] = calls.get((op, kernel), 0) + 1
+    whole, inside = sum(per_op.values()), sum(per_kernel.values())
+    return ([{"op": op, "ms_per_step": t, "share": t / whole}
+             for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])],
+            [{"op": op, "kernel": k, "calls_per_step": calls[op, k] // steps,
+              "ms_per_step": t, "share": t / inside}
+             for (op, k), t in sorted(per_kernel.items(), key=lambda kv: -kv[1])])
 
 
 def _ew(fn, n, *args):
@@ -127,8 +171,8 @@ def zeros(n, dtype=np.float32):
     except cp.cuda.memory.OutOfMemoryError:
         free, total = cp.cuda.runtime.memGetInfo()
         raise CupyGPTError(f"out of GPU memory allocating {n * np.dtype(dtype).itemsize / 2**30:.2f} "
-                           f"GiB ({free / 2**30:.2f} GiB free of {total / 2**30:.2f}); lower -b or "
-                           f"-t, or use more pipeline stages") from None
+                           f"GiB ({free / 2**30:.2f} GiB free of {total / 2**30:.2f}); lower the batch "
+                           f"size or sequence length, or use more pipeline stages") from None
 
 
 # Copies name the stream: before CuPy 14 a copy without one went through the legacy
@@ -172,8 +216,27 @@ def memory_in_use():
     return cp.get_default_memory_pool().total_bytes()
 
 
-def memory_free():
+def device_memory():
+    """Free device memory, bytes (the driver's free plus what CuPy's pool holds unused)."""
     return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+
+
+def numerics():
+    """Which arithmetic this is, for verify's tolerances."""
+    return "cuda-tf32" if tf32 else "cuda"
+
+
+def device_info():
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return {"device": props["name"].decode(), "backend": name, "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "driver": cp.cuda.runtime.driverGetVersion()}
+
+
+def peak_flops():
+    """This GPU's dense TF32 peak FLOP/s (MFU's yardstick), None if not in the table."""
+    dev = device_info()["device"]
+    return next((v * 1e12 for key, v in TF32_PEAK.items() if key in dev), None)
 
 
 def all_finite(a):
@@ -182,18 +245,21 @@ def all_finite(a):
 
 # --- forward -----------------------------------------------------------------------------
 
+@_op
 def encoder_forward(out, inp, wte, wpe):
     B, T = inp.shape
     C = wte.shape[1]
     _ew("encoder_forward", B * T * C, out, inp, wte, wpe, _i(B), _i(T), _i(C))
 
 
+@_op
 def layernorm_forward(out, mean, rstd, inp, w, b):
     C = inp.shape[-1]
     N = inp.size // C
     _rows("layernorm_forward", N, out, mean, rstd, inp, w, b, _i(N), _i(C))
 
 
+@_op
 def matmul_forward(out, inp, w, bias):
     OC, C = w.shape
     N = inp.size // C
@@ -211,6 +277,7 @@ def _qkv_split(qkv, NH):
     return B, T, C, C // NH, q, k, v
 
 
+@_op
 def attention_forward(out, preatt, att, qkv, NH):
     B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
     BH = B * NH
@@ -222,14 +289,17 @@ def attention_forward(out, preatt, att, qkv, NH):
     _ew("unpermute", B * T * C, out, y, _i(B), _i(T), _i(NH), _i(HS))
 
 
+@_op
 def gelu_forward(out, inp):
     _ew("gelu_forward", inp.size, out, inp, np.int64(inp.size))
 
 
+@_op
 def residual_forward(out, a, b):
     _ew("residual_forward", a.size, out, a, b, np.int64(a.size))
 
 
+@_op
 def classifier(logits, losses, targets, V, dloss=None):
     Vp = logits.shape[-1]
     N = logits.size // Vp
@@ -237,6 +307,7 @@ def classifier(logits, losses, targets, V, dloss=None):
             np.float32(dloss or 0.0), _i(dloss is not None), _i(V), _i(Vp))
 
 
+@_op
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
     _launch("loss_accumulate", (1,), (1024,), acc, losses, _i(losses.size))
@@ -254,6 +325,7 @@ def _column_sum(out, inp, N, OC):
     _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
 
 
+@_op
 def encoder_backward(dwte, dwpe, dout, inp):
     B, T = inp.shape
     C = dwte.shape[1]
@@ -261,6 +333,7 @@ def encoder_backward(dwte, dwpe, dout, inp):
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
 
 
+@_op
 def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     C = inp.shape[-1]
     N = inp.size // C
@@ -270,6 +343,7 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     _column_sum(db, dout, N, C)
 
 
+@_op
 def matmul_backward(dinp, dw, db, dout, inp, w):
     OC, C = w.shape
     N = inp.size // C
@@ -279,6 +353,7 @@ def matmul_backward(dinp, dw, db, dout, inp, w):
         _column_sum(db, dout, N, OC)
 
 
+@_op
 def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
     BH, n = B * NH, B * T * C
@@ -293,19 +368,22 @@ def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     _ew("permute_qkv_backward", n, dqkv, dq, dk, dv, _i(B), _i(T), _i(NH), _i(HS))
 
 
+@_op
 def gelu_backward(dinp, inp, dout):
     _ew("gelu_backward", inp.size, dinp, inp, dout, np.int64(inp.size))
 
 
 # --- optimizer ---------------------------------------------------------------------------
 
-def adamw_schedule(t, lr, beta1, beta2):
-    """Uploads {lr, 1 - beta1^t, 1 - beta2^t}; a captured step reads them on replay."""
-    upload(_ws("sched", 3), np.array([lr, 1.0 - beta1 ** t, 1.0 - beta2 ** t], np.float32))
+def adamw_schedule(sched):
+    """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t) to the device, where the adamw
+    kernel reads it: a captured step reads the new values on each replay."""
+    upload(_ws("sched", 3), np.array(sched, np.float32))
 
 
-def adamw(params, grads, m, v, t, lr, beta1, beta2, eps, weight_decay):
+@_op
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
     if not cp.cuda.get_current_stream().is_capturing():
-        adamw_schedule(t, lr, beta1, beta2)
+        adamw_schedule(sched)
     _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),
         np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay))

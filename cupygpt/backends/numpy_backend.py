@@ -4,7 +4,11 @@ import math
 import numpy as np
 
 name = "numpy"
+# Capabilities (backends/__init__.py lists them)
 DTYPES = (np.float32, np.float64)
+TRANSPORTS = ("mpi",)            # host arrays travel by MPI
+supports_graphs = False
+DEFAULT_RUN = ("tiny", 64)       # -e, -t when not given: a model that trains in seconds
 # Overflow shows up as a non-finite loss, which the training loop reports in one line.
 np.seterr(over="ignore", invalid="ignore")
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -40,8 +44,32 @@ def all_finite(a):
     return bool(np.isfinite(a).all())
 
 
-def memory_free():
-    """Free device memory, bytes; None where memory is the host's."""
+def device_memory():
+    """Free device memory, bytes; None: memory is the host's."""
+    return None
+
+
+def configure(tf32=False, device_of=None):
+    """Nothing to choose on the CPU: no TF32, one host."""
+
+
+def numerics():
+    """Which arithmetic this is, for verify's tolerances."""
+    return "numpy"
+
+
+def peak_flops():
+    """The device's dense peak FLOP/s for MFU; None: not meaningful for a CPU here."""
+    return None
+
+
+def device_info():
+    import platform
+    return {"device": platform.processor() or platform.machine(), "backend": name}
+
+
+def kernel_profile(step, steps):
+    """Per-op and per-kernel device time; None: the CPU has no kernel trace."""
     return None
 
 
@@ -168,12 +196,14 @@ def gelu_backward(dinp, inp, dout):
 
 # --- optimizer ---------------------------------------------------------------------------
 
-def adamw(params, grads, m, v, t, lr, beta1, beta2, eps, weight_decay):
-    """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay."""
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
+    """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
+    sched = (lr, 1 - beta1^t, 1 - beta2^t)."""
+    lr, bc1, bc2 = sched
     m *= beta1
     m += (1.0 - beta1) * grads
     v *= beta2
     v += (1.0 - beta2) * grads * grads
-    mhat = m / (1.0 - beta1 ** t)
-    vhat = v / (1.0 - beta2 ** t)
+    mhat = m / bc1
+    vhat = v / bc2
     params -= lr * (mhat / (np.sqrt(vhat) + eps) + weight_decay * params)

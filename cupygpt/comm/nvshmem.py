@@ -1,29 +1,27 @@
 """NVSHMEM transport: activations forward and gradients back through symmetric CuPy
 arrays, every step stream-ordered on the compute stream; control values over MPI.
 
-A channel (kind) has DEPTH slots on every PE. Message n of a kind goes to slot
-(n - 1) % DEPTH of the peer with put_signal, which sets that slot's data signal to n.
+A channel (kind) has `depth` slots on every PE (prepare's). Message n of a kind goes to
+slot (n - 1) % depth of the peer with put_signal, which sets that slot's data signal to n.
 The receiver's stream waits until the signal reaches n (cuStreamWaitValue64: it works
 with two PEs on one GPU, where NVSHMEM refuses signal_wait without MPS), copies the slot
 out, then signals the sender's ack for that slot. A sender waits for the ack of message
-n - DEPTH before reusing a slot, so no slot is overwritten before it was read.
+n - depth before reusing a slot, so no slot is overwritten before it was read.
 Signals only grow, so nothing is ever reset. The host never blocks on a peer, except
 in finish_sends, which polls the stream against --peer-timeout.
 """
 import atexit
-import time
 
 from .. import CupyGPTError
-from .transport import Mpi
-
-DEPTH = 2
+from .base import poll
+from .mpi import Mpi
 
 
 class Nvshmem(Mpi):
     name = "nvshmem"
 
-    def __init__(self, be, timeout):
-        super().__init__(be, timeout)
+    def __init__(self, be, mesh, timeout):
+        super().__init__(be, mesh, timeout)
         import cupy as cp
         import nvshmem.core as nv
         from cuda.bindings import driver
@@ -31,9 +29,9 @@ class Nvshmem(Mpi):
         from nvshmem.core.direct import SignalOp
         self.cp, self.nv, self.driver, self.Buffer, self.SET = cp, nv, driver, Buffer, SignalOp.SIGNAL_SET
         ndev = cp.cuda.runtime.getDeviceCount()
-        dev = Device(self.rank % ndev)
+        dev = Device(mesh.device(ndev))
         dev.set_current()
-        cp.cuda.Device(self.rank % ndev).use()
+        cp.cuda.Device(mesh.device(ndev)).use()
         nv.init(device=dev, mpi_comm=self.comm, initializer_method="emulated_mpi")
         self.Stream, self.stream, self.stream_ptr = Stream, None, None
         self.chan, self.sent, self.got = {}, {}, {}
@@ -102,13 +100,9 @@ class Nvshmem(Mpi):
 
     def finish_sends(self):
         """Waits for this rank's stream (its puts included) with the peer timeout."""
-        stream, deadline = self.cp.cuda.get_current_stream(), time.monotonic() + self.timeout
-        while not stream.done:
-            if time.monotonic() > deadline:
-                raise CupyGPTError(f"rank {self.rank}: timed out after {self.timeout:g}s waiting "
-                                   f"for this step's transfers (a peer's data or ack); "
-                                   f"is every rank alive?")
-            time.sleep(1e-4)
+        stream = self.cp.cuda.get_current_stream()
+        poll(lambda: stream.done, self.timeout, self.rank,
+             "this step's transfers (a peer's data or ack)")
 
     def close(self):
         """Collective, at exit: frees the symmetric memory in the same order on every PE

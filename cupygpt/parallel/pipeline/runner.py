@@ -1,76 +1,84 @@
 """The rank-conditional runner: executes this rank's action list over its stage.
 
 The single process is the pipeline of one stage (no sends, no receives), so `train`,
-`verify` and `sample` have one code path for every world size.
+`verify` and `sample` have one code path for every world size. Which ranks are the
+neighbours, and which one holds the loss, the Mesh says.
 """
 import numpy as np
 
-from .. import CupyGPTError
-from ..layout import activation_layout, assemble, param_layout, scratch_layout
-from ..model import Stage
-from ..optim import AdamW
-from .schedule import SCHEDULES, forward_only, slot_plan
+from ... import CupyGPTError
+from ...layout import activation_layout, assemble, param_layout, scratch_layout
+from ...model import Stage
+from ...optim import AdamW
+from .schedule import SCHEDULES, Op, forward_only, slot_plan
 
 
 def plan_split(L, p, split=None):
     """Layer counts per stage: `split` ("6,6") or even, earlier stages taking the remainder
     (the last stage also carries the LM head)."""
     if p > L:
-        raise CupyGPTError(f"-np {p}: more pipeline stages than the model's {L} layers; "
-                           f"use at most {L} ranks")
+        raise CupyGPTError(f"{p} pipeline stages but the model has {L} layers; use at most "
+                           f"{L} ranks")
     if split:
         try:
             counts = [int(s) for s in split.split(",")]
         except ValueError:
-            raise CupyGPTError(f"--split {split}: not a comma-separated list of layer "
-                               f"counts, e.g. --split 6,6") from None
+            raise CupyGPTError("not a comma-separated list of layer counts, e.g. 6,6",
+                               "split", split) from None
         if len(counts) != p:
-            raise CupyGPTError(f"--split {split}: {len(counts)} stages but {p} ranks; "
-                               f"give one layer count per rank")
+            raise CupyGPTError(f"{len(counts)} stages but {p} ranks; give one layer count "
+                               f"per rank", "split", split)
         if sum(counts) != L or min(counts) < 1:
-            raise CupyGPTError(f"--split {split}: counts must be positive and sum to the "
-                               f"model's {L} layers")
+            raise CupyGPTError(f"counts must be positive and sum to the model's {L} layers",
+                               "split", split)
         return counts
     return [L // p + (1 if r < L % p else 0) for r in range(p)]
 
 
 class Runner:
-    def __init__(self, cfg, be, transport, B, T, micro_batches=1, schedule="1f1b", split=None,
-                 dtype=np.float32, adamw=None, graphs=False):
-        p, r = transport.size, transport.rank
-        if micro_batches < 1 or B % micro_batches:
-            raise CupyGPTError(f"--micro-batches {micro_batches}: must divide the batch "
-                               f"size -b {B}")
-        if schedule not in SCHEDULES:
-            raise CupyGPTError(f"--schedule {schedule}: unknown; use {' or '.join(SCHEDULES)}")
-        counts = plan_split(cfg.L, p, split)
+    def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
+                 counts=None, dtype=np.float32, adamw=None, graphs=False):
+        """counts: layers per stage (plan_split's, already checked); B the batch of one
+        step, divided into micro_batches."""
+        p, r = mesh.pp, mesh.stage
+        counts = counts or plan_split(cfg.L, p)
         l0 = sum(counts[:r])
-        self.cfg, self.be, self.tr, self.B, self.T, self.M = cfg, be, transport, B, T, micro_batches
-        self.Bm, self.first, self.last = B // micro_batches, r == 0, r == p - 1
-        self.counts = counts
+        self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
+        self.B, self.T, self.M, self.Bm = B, T, micro_batches, B // micro_batches
+        self.first, self.last, self.counts = mesh.first, mesh.last, counts
         self.train_actions = SCHEDULES[schedule](p, micro_batches, r)
         self.eval_actions = forward_only(p, micro_batches, r)
         self.first_actions = forward_only(p, 1, r)
         slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
         need = self.bytes_needed(l0, counts[r], slots, dtype, adamw is not None)
-        free = be.memory_free()
+        free = be.device_memory()
         if free is not None and need > free:
             raise CupyGPTError(
-                f"rank {r}: out of GPU memory at start: this stage needs {need / 2**30:.2f} GiB "
-                f"(parameters, gradients, AdamW state, activations for {slots} micro-batch(es) "
-                f"of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is free; lower -b or -t, use "
-                f"more --micro-batches, or more pipeline stages")
-        self.stage = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
-                           head=self.last, slots=slots, dtype=dtype)
+                f"rank {mesh.rank}: out of GPU memory at start: this stage needs "
+                f"{need / 2**30:.2f} GiB (parameters, gradients, AdamW state, activations for "
+                f"{slots} micro-batch(es) of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is free; "
+                f"lower the batch size or sequence length, use more micro-batches, or more "
+                f"pipeline stages")
+        self.stage = st = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
+                                head=self.last, slots=slots, dtype=dtype)
         self.opt = AdamW(self.stage, adamw) if adamw is not None else None
         self.x_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.first else None
         self.y_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.last else None
         self.loss_acc = be.zeros(1, np.float64)
-        # CUDA graphs: one process, CUDA, asked for (a pipeline's transport waits on peers)
-        self.graphs = graphs and be.name == "cuda" and p == 1
+        # CUDA graphs: one process on a backend that has them (a pipeline waits on peers)
+        self.graphs = graphs and be.supports_graphs and mesh.size == 1
         self.graph, self.steps_done = None, 0
         io = (self.Bm, T, cfg.C)
         transport.prepare({"act": (io, 2), "grad": (io, 2), "tied": ((cfg.Vp, cfg.C), 1)})
+        tr = transport
+        # The action table: an op missing here is refused (_execute), never skipped.
+        self.ops = {
+            Op.FWD: self._forward, Op.BWD: self._backward,
+            Op.SEND_ACT: lambda slot, mb: tr.send("act", st.output(slot), mesh.next, mb),
+            Op.RECV_ACT: lambda slot, mb: tr.recv("act", st.input(slot), mesh.prev, mb),
+            Op.SEND_GRAD: lambda slot, mb: tr.send("grad", st.grad_io(), mesh.prev, mb),
+            Op.RECV_GRAD: lambda slot, mb: tr.recv("grad", st.grad_io(), mesh.next, mb),
+            Op.STEP: lambda slot, mb: self.sync_tied()}
 
     def bytes_needed(self, l0, nl, slots, dtype, with_adamw):
         cfg, first, last = self.cfg, self.first, self.last
@@ -98,49 +106,51 @@ class Runner:
     def _execute(self, actions, dloss, with_targets, on_logits=None):
         """The device side of _run: no host transfers but the transport's, so a
         single-stage step can be captured as a CUDA graph."""
-        st, tr, be, Bm = self.stage, self.tr, self.be, self.Bm
+        st = self.stage
         _, release = slot_plan(actions)
         free, slot_of = list(range(len(st.acts)))[::-1], {}
         self.loss_acc.fill(0)
+        self.pass_args = (dloss, with_targets, on_logits)
         for i, a in enumerate(actions):
+            do = self.ops.get(a.op)
+            if do is None:
+                raise CupyGPTError(f"rank {self.mesh.rank}: unknown pipeline action {a.op!r} "
+                                   f"(micro-batch {a.mb}); the runner knows "
+                                   f"{', '.join(op.value for op in self.ops)}")
             if a.mb is not None and a.mb not in slot_of:
                 slot_of[a.mb] = free.pop()
-            slot, mb = slot_of.get(a.mb), a.mb
-            rows = slice(mb * Bm, (mb + 1) * Bm) if mb is not None else None
-            if a.op == "fwd":
-                targets = self.y_dev[rows] if self.last and with_targets else None
-                st.forward(slot, self.x_dev[rows] if self.first else None, targets, dloss)
-                if targets is not None:
-                    be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
-                if self.last and on_logits is not None:
-                    on_logits(mb, st.acts[slot]["logits"])
-            elif a.op == "bwd":
-                st.backward(slot, self.x_dev[rows] if self.first else None)
-            elif a.op == "send_act":
-                tr.send("act", st.output(slot), tr.rank + 1, mb)
-            elif a.op == "recv_act":
-                tr.recv("act", st.input(slot), tr.rank - 1, mb)
-            elif a.op == "send_grad":
-                tr.send("grad", st.grad_io(), tr.rank - 1, mb)
-            elif a.op == "recv_grad":
-                tr.recv("grad", st.grad_io(), tr.rank + 1, mb)
-            elif a.op == "step":
-                self.sync_tied()
+            do(slot_of.get(a.mb), a.mb)
             if i in release:
                 free.append(slot_of.pop(release[i]))
-        tr.finish_sends()
+        self.tr.finish_sends()
+
+    def _rows(self, mb):
+        return slice(mb * self.Bm, (mb + 1) * self.Bm)
+
+    def _forward(self, slot, mb):
+        dloss, with_targets, on_logits = self.pass_args
+        st = self.stage
+        targets = self.y_dev[self._rows(mb)] if self.last and with_targets else None
+        st.forward(slot, self.x_dev[self._rows(mb)] if self.first else None, targets, dloss)
+        if targets is not None:
+            self.be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
+        if self.last and on_logits is not None:
+            on_logits(mb, st.acts[slot]["logits"])
+
+    def _backward(self, slot, mb):
+        self.stage.backward(slot, self.x_dev[self._rows(mb)] if self.first else None)
 
     def sync_tied(self):
         """GPT-2 ties the LM head to wte: the first and last stage sum their wte gradients."""
-        if self.tr.size > 1 and (self.first or self.last):
-            self.tr.sum_tied(self.stage.g["wte"], self.tr.size - 1 if self.first else 0)
+        if self.mesh.tied_peer is not None:
+            self.tr.sum_tied(self.stage.g["wte"], self.mesh.tied_peer)
 
     def gradients(self, x, y):
         """Forward and backward over the batch (gradients summed, the tied wte synced);
         returns the mean loss on every rank."""
         self.stage.zero_grad()
         loss = self._run(self.train_actions, x, y, 1.0 / (self.B * self.T))
-        return self.tr.bcast(loss / (self.B * self.T), root=self.tr.size - 1)
+        return self.tr.bcast(loss / (self.B * self.T), root=self.mesh.loss_rank)
 
     def train_step(self, x, y, lr=None):
         if not self.graphs or self.steps_done == 0:  # the first step allocates workspaces
@@ -155,23 +165,22 @@ class Runner:
         """One step as a replayed CUDA graph (captured on the first call): zero the
         gradients, forward and backward over the micro-batches, AdamW. Returns once
         launched, without waiting for the GPU."""
-        be, opt, hp = self.be, self.opt, self.opt.hp
-        lr = hp.lr if lr is None else lr
+        be, opt = self.be, self.opt
         self._feed(x, y)
-        opt.t += 1
-        be.adamw_schedule(opt.t, lr, hp.beta1, hp.beta2)
+        sched = opt.advance(lr)
+        be.adamw_schedule(sched)
         if self.graph is None:
             def body():
                 self.stage.zero_grad()
                 self._execute(self.train_actions, 1.0 / (self.B * self.T), True)
-                opt.launch(lr)
+                opt.apply(sched)
             self.graph = be.capture(body)
         be.replay(self.graph)
         self.steps_done += 1
 
     def eval_loss(self, x, y, on_logits=None):
         loss = self._run(self.eval_actions, x, y, None, on_logits)
-        return self.tr.bcast(loss / (self.B * self.T), root=self.tr.size - 1)
+        return self.tr.bcast(loss / (self.B * self.T), root=self.mesh.loss_rank)
 
     def forward_first(self, x, on_logits):
         """Forward of the first micro-batch only (sampling reads one row of its logits)."""
@@ -181,4 +190,4 @@ class Runner:
         """The whole model's host parameters on rank 0 (None elsewhere)."""
         parts = self.tr.gather((self.stage.l0, self.stage.l1, self.stage.embed,
                                 self.stage.head, self.stage.export()))
-        return assemble(self.cfg, parts) if parts is not None and self.tr.rank == 0 else None
+        return assemble(self.cfg, parts) if parts is not None else None

@@ -6,44 +6,39 @@ each side. Sends run on a send stream from a ring of staging copies (the compute
 may overwrite the source at once, and a pending send never blocks the receives queued
 behind it); receives land directly on the compute stream.
 """
-import time
-
 from .. import CupyGPTError
-from .transport import Mpi
-
-DEPTH = 2
+from .base import poll
+from .mpi import Mpi
 
 
 class Nccl(Mpi):
     name = "nccl"
 
-    def __init__(self, be, timeout):
-        super().__init__(be, timeout)
+    def __init__(self, be, mesh, timeout):
+        super().__init__(be, mesh, timeout)
         import cupy as cp
         ndev = cp.cuda.runtime.getDeviceCount()
         if ndev < self.size:
-            raise CupyGPTError(f"--transport nccl: {self.size} ranks but {ndev} GPU(s); NCCL needs "
-                               f"one GPU per rank and refuses two ranks on one GPU; use "
-                               f"--transport nvshmem")
+            raise CupyGPTError(f"{self.size} ranks but {ndev} GPU(s); NCCL needs one GPU per "
+                               f"rank and refuses two ranks on one GPU; use nvshmem",
+                               "transport", "nccl")
         from cupy.cuda import nccl
-        cp.cuda.Device(self.rank).use()  # before any NCCL call; Session.configure agrees
+        cp.cuda.Device(mesh.device(ndev)).use()  # before any NCCL call; the backend agrees
         self.cp, self.nccl = cp, nccl
-        self.comms = {}
-        p, r = self.size, self.rank
-        # (a, b, name): pairs in ascending order, so initialisation cannot wait in a cycle
-        pairs = [(a, a + 1, d) for a in range(p - 1) for d in ("fwd", "bwd")] + [(0, p - 1, "tied")]
-        for a, b, d in pairs:
+        self.comms, r = {}, self.rank
+        for a, b, purpose in mesh.pairs():  # every rank takes part in every unique id
             uid = self.comm.bcast(nccl.get_unique_id() if r == 0 else None)
             if r in (a, b):
-                self.comms[(a, b, d)] = nccl.NcclCommunicator(2, uid, 0 if r == a else 1)
+                self.comms[(a, b, purpose)] = nccl.NcclCommunicator(2, uid, 0 if r == a else 1)
         self.send_stream = cp.cuda.Stream(non_blocking=True)
         self.ring, self.n = {}, {}
 
     def prepare(self, shapes):
+        """Staging rings for the two directions; NCCL itself needs no buffers."""
         cp = self.cp
         for kind in ("act", "grad"):
-            shape, _ = shapes[kind]
-            self.ring[kind] = [(cp.empty(shape, cp.float32), None) for _ in range(DEPTH)]
+            shape, depth = shapes[kind]
+            self.ring[kind] = [(cp.empty(shape, cp.float32), None) for _ in range(depth)]
             self.n[kind] = 0
 
     def _comm(self, kind, peer):
@@ -52,7 +47,7 @@ class Nccl(Mpi):
 
     def send(self, kind, arr, peer, mb=None):
         compute = self.cp.cuda.get_current_stream()
-        i = self.n[kind] % DEPTH
+        i = self.n[kind] % len(self.ring[kind])
         self.n[kind] += 1
         buf, done = self.ring[kind][i]
         if done is not None:
@@ -70,15 +65,11 @@ class Nccl(Mpi):
 
     def sum_tied(self, arr, peer):
         """A 2-rank allreduce: NCCL gives both ranks the same sum, bit for bit."""
-        comm = self.comms[(0, self.size - 1, "tied")]
+        comm = self.comms[(min(self.rank, peer), max(self.rank, peer), "tied")]
         comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.nccl.NCCL_FLOAT32,
                        self.nccl.NCCL_SUM, self.cp.cuda.get_current_stream().ptr)
 
     def finish_sends(self):
-        deadline = time.monotonic() + self.timeout
-        for stream in (self.send_stream, self.cp.cuda.get_current_stream()):
-            while not stream.done:
-                if time.monotonic() > deadline:
-                    raise CupyGPTError(f"rank {self.rank}: timed out after {self.timeout:g}s "
-                                       f"waiting for NCCL transfers; is every rank alive?")
-                time.sleep(1e-4)
+        streams = (self.send_stream, self.cp.cuda.get_current_stream())
+        poll(lambda: all(s.done for s in streams), self.timeout, self.rank,
+             "this step's NCCL transfers")

@@ -1,0 +1,59 @@
+"""The transport interface every rank's communication goes through, and the one wait loop.
+
+A transport moves a stage's activation forward and its residual gradient back, sums the
+tied wte gradient between the first and last stage, and carries small control values
+(losses, sampled tokens, verify reports). Sends may return before the receiver has the
+data; the sender may then overwrite its buffer. Every wait on a peer ends in an error
+after the peer timeout, naming what it waited for, so a lost rank never hangs the job.
+Peers are ranks; which rank is which stage is the Mesh's business (parallel/mesh.py).
+"""
+import time
+
+from .. import CupyGPTError
+
+
+def poll(done, timeout, rank, what):
+    """Waits until done() is true, or raises after timeout seconds naming `what`."""
+    deadline, nap = time.monotonic() + timeout, 1e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise CupyGPTError(f"rank {rank}: timed out after {timeout:g}s waiting for {what} "
+                               f"(the peer timeout); is every rank alive?")
+        time.sleep(nap)
+        nap = min(nap * 2, 1e-3)
+
+
+class Transport:
+    """What the runner and the commands call. `name`, `rank` and `size` are attributes."""
+    name, rank, size = "", 0, 1
+
+    def prepare(self, shapes):
+        """Collective, once: {kind: (shape, depth)} of every channel; GPU transports
+        allocate their buffers here."""
+
+    def send(self, kind, arr, peer, mb=None):
+        raise NotImplementedError
+
+    def recv(self, kind, out, peer, mb=None):
+        raise NotImplementedError
+
+    def sum_tied(self, arr, peer):
+        """arr becomes (first stage's + last stage's), bit-identical on both ranks."""
+        raise NotImplementedError
+
+    def finish_sends(self):
+        """Returns when every send of this step has been taken (or times out)."""
+
+    def bcast(self, obj, root=0):
+        raise NotImplementedError
+
+    def gather(self, obj):
+        """A list of every rank's obj on rank 0, None elsewhere."""
+        raise NotImplementedError
+
+    def barrier(self):
+        raise NotImplementedError
+
+    def any(self, flag):
+        """True on every rank when flag is true on any."""
+        raise NotImplementedError

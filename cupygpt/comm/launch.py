@@ -1,0 +1,50 @@
+"""The processes of a job: how many the launcher started, and how one of them fails."""
+import os
+import sys
+import time
+
+_FAILURES = None  # a duplicate of COMM_WORLD used only by fail(), so nothing else matches
+
+
+def launched_ranks():
+    """World size from the MPI launcher's environment (1 when not launched by mpiexec)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def world_rank():
+    """This process's rank in the job (0 when not launched by mpiexec)."""
+    if launched_ranks() == 1:
+        return 0
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def start_mpi():
+    """Collective, at the start of every command under mpiexec."""
+    global _FAILURES
+    from mpi4py import MPI
+    _FAILURES = MPI.COMM_WORLD.Dup()
+
+
+def fail(message, window=2.0):
+    """Ends this process for an error. Under mpiexec: if every rank fails within `window`
+    seconds (bad input, a NaN loss) rank 0 prints the one line and all exit 1; a rank that
+    fails alone prints its line, tagged with its rank, and aborts the job (no rank hangs)."""
+    if _FAILURES is None:
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(1)
+    req = _FAILURES.Ibarrier()
+    deadline = time.monotonic() + window
+    while not req.Test():
+        if time.monotonic() > deadline:
+            print(f"[pe{_FAILURES.rank}] {message}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            time.sleep(0.2)  # let the launcher forward the line before the abort tears down
+            _FAILURES.Abort(1)
+        time.sleep(1e-3)
+    if _FAILURES.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(1)

@@ -1,0 +1,73 @@
+"""mpi4py, host-staged: works with any backend, so CI runs real pipelines with it; the
+GPU transports (nccl, nvshmem) also carry their control values over it."""
+import numpy as np
+
+from .base import Transport, poll
+
+TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
+
+
+class Mpi(Transport):
+    name = "mpi"
+
+    def __init__(self, be, mesh, timeout):
+        from mpi4py import MPI
+        self.comm, self.be, self.timeout = MPI.COMM_WORLD, be, timeout
+        self.rank, self.size = mesh.rank, mesh.size
+        self.pending = []
+
+    def bcast(self, obj, root=0):
+        return self.comm.bcast(obj, root=root)
+
+    def gather(self, obj):
+        return self.comm.gather(obj, root=0)
+
+    def barrier(self):
+        self.wait(self.comm.Ibarrier(), "the other ranks at a barrier")
+
+    def any(self, flag):
+        """Through rank 0, point to point, so a timeout names the rank that went quiet."""
+        buf = np.array([int(flag)], np.int32)
+        if self.rank == 0:
+            for r in range(1, self.size):
+                got = np.zeros(1, np.int32)
+                self.wait(self.comm.Irecv(got, source=r, tag=TAGS["ctl"]),
+                          f"rank {r} to finish the step")
+                buf |= got
+            reqs = [self.comm.Isend(buf, dest=r, tag=TAGS["ctl"]) for r in range(1, self.size)]
+            for r, req in enumerate(reqs, 1):
+                self.wait(req, f"rank {r} to take the step's verdict")
+        else:
+            self.wait(self.comm.Isend(buf, dest=0, tag=TAGS["ctl"]), "rank 0 to finish the step")
+            self.wait(self.comm.Irecv(buf, source=0, tag=TAGS["ctl"]), "rank 0's verdict")
+        return bool(buf[0])
+
+    def wait(self, req, what):
+        """Waits on an MPI request, polling so a lost peer becomes an error, not a hang."""
+        poll(req.Test, self.timeout, self.rank, what)
+
+    def send(self, kind, arr, peer, mb=None):
+        host = np.array(self.be.to_host(arr), copy=True)
+        self.pending.append((self.comm.Isend(host, dest=peer, tag=TAGS[kind]), host))
+        self.pending = [(r, h) for r, h in self.pending if not r.Test()]
+
+    def recv(self, kind, out, peer, mb=None):
+        host = np.empty(out.shape, out.dtype)
+        self.wait(self.comm.Irecv(host, source=peer, tag=TAGS[kind]),
+                  f"{'activation' if kind == 'act' else 'gradient'} of micro-batch {mb} "
+                  f"from rank {peer}")
+        self.be.upload(out, host)
+
+    def sum_tied(self, arr, peer):
+        mine = np.array(self.be.to_host(arr), copy=True)
+        theirs = np.empty_like(mine)
+        req = self.comm.Isendrecv(mine, dest=peer, sendtag=TAGS["tied"], recvbuf=theirs,
+                                  source=peer, recvtag=TAGS["tied"])
+        self.wait(req, f"the tied wte gradient from rank {peer}")
+        first, last = (mine, theirs) if self.rank < peer else (theirs, mine)
+        self.be.upload(arr, first + last)
+
+    def finish_sends(self):
+        for req, _ in self.pending:
+            self.wait(req, "a send to be received")
+        self.pending = []

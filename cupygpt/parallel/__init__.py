@@ -1,0 +1,1 @@
+"""Parallelism: the process grid (mesh.py) and one sub-package per axis (pipeline/)."""

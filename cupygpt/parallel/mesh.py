@@ -1,0 +1,107 @@
+"""The process grid: which ranks form which pipeline, data-parallel and tensor-parallel
+group. This is the only place that does rank arithmetic; everything else asks a Mesh.
+
+Ranks are laid out as Megatron does, tensor-parallel fastest, then data-parallel, then
+pipeline: rank = (stage * dp + replica) * tp + shard, so tensor-parallel peers are
+neighbours (one node, the fastest links) and a pipeline's stages are dp * tp apart.
+
+    world 8, pp=2 dp=2 tp=2:   stage 0: [[0 1]   stage 1: [[4 5]
+                                          [2 3]]            [6 7]]   rows: replicas
+"""
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Mesh:
+    rank: int = 0
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    @cached_property
+    def grid(self):
+        """(pp, dp, tp) array of ranks."""
+        return np.arange(self.size).reshape(self.pp, self.dp, self.tp)
+
+    @property
+    def size(self):
+        return self.pp * self.dp * self.tp
+
+    @cached_property
+    def coords(self):
+        """(stage, replica, shard) of this rank."""
+        return tuple(int(c) for c in np.argwhere(self.grid == self.rank)[0])
+
+    @property
+    def stage(self):
+        return self.coords[0]
+
+    @property
+    def first(self):
+        return self.stage == 0
+
+    @property
+    def last(self):
+        return self.stage == self.pp - 1
+
+    @property
+    def pipeline(self):
+        """The ranks of this rank's pipeline, stage 0 first."""
+        _, d, t = self.coords
+        return [int(r) for r in self.grid[:, d, t]]
+
+    @property
+    def dp_group(self):
+        s, _, t = self.coords
+        return [int(r) for r in self.grid[s, :, t]]
+
+    @property
+    def tp_group(self):
+        s, d, _ = self.coords
+        return [int(r) for r in self.grid[s, d, :]]
+
+    def stage_rank(self, stage):
+        """The rank holding `stage` of this rank's pipeline."""
+        return self.pipeline[stage]
+
+    @property
+    def prev(self):
+        """Previous stage's rank (None on the first stage)."""
+        return None if self.first else self.stage_rank(self.stage - 1)
+
+    @property
+    def next(self):
+        return None if self.last else self.stage_rank(self.stage + 1)
+
+    @property
+    def loss_rank(self):
+        """Where this pipeline's loss is computed: its last stage."""
+        return self.stage_rank(self.pp - 1)
+
+    @property
+    def tied_peer(self):
+        """GPT-2 ties the head to wte: the first and last stage both hold it and sum its
+        gradient. The other end for them, None for everyone else (and for one stage)."""
+        if self.pp == 1 or not (self.first or self.last):
+            return None
+        return self.stage_rank(self.pp - 1 if self.first else 0)
+
+    def pairs(self):
+        """Every (lower rank, higher rank, purpose) point-to-point pair of the world, in
+        ascending order (a transport that sets pairs up collectively cannot wait in a
+        cycle): activations forward, gradients back, and the tied-wte pair."""
+        out = []
+        for d in range(self.dp):
+            for t in range(self.tp):
+                line = [int(r) for r in self.grid[:, d, t]]
+                out += [(a, b, k) for a, b in zip(line, line[1:]) for k in ("fwd", "bwd")]
+                out += [(line[0], line[-1], "tied")] if self.pp > 1 else []
+        return sorted(out)
+
+    def device(self, count):
+        """The GPU of this rank among `count` visible ones (ranks share them round-robin)."""
+        return self.rank % count
+

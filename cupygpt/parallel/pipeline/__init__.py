@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, their simulator, and the runner."""

@@ -1,1 +1,0 @@
-"""Pipeline parallelism: schedules as data, a runner that executes them, transports."""

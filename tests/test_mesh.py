@@ -1,0 +1,58 @@
+"""The process grid: every group derived from one arange, in Megatron's order; and the
+runner refusing an action it does not know."""
+import numpy as np
+import pytest
+
+from cupygpt import CupyGPTError
+from cupygpt.backends import numpy_backend
+from cupygpt.comm.local import Local
+from cupygpt.config import GPT2Config
+from cupygpt.parallel.mesh import Mesh
+from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.parallel.pipeline.schedule import Action, Op
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (4, 1, 1), (2, 2, 2), (3, 1, 2), (2, 3, 1)])
+def test_groups_partition_the_world(pp, dp, tp):
+    world = pp * dp * tp
+    meshes = [Mesh(r, pp, dp, tp) for r in range(world)]
+    for kind, size in (("pipeline", pp), ("dp_group", dp), ("tp_group", tp)):
+        groups = {tuple(getattr(m, kind)) for m in meshes}
+        assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
+        assert all(len(g) == size for g in groups)
+        assert all(m.rank in getattr(m, kind) for m in meshes)
+    for m in meshes:
+        stage, replica, shard = m.coords
+        assert m.rank == (stage * dp + replica) * tp + shard  # tp fastest, then dp, then pp
+        assert m.tp_group == list(range(m.rank - shard, m.rank - shard + tp))  # neighbours
+        assert m.pipeline[m.stage] == m.rank
+        assert (m.prev is None) == m.first and (m.next is None) == m.last
+        if not m.last:
+            nxt = meshes[m.next]
+            assert nxt.stage == m.stage + 1 and nxt.coords[1:] == m.coords[1:]
+            assert nxt.prev == m.rank
+        assert meshes[m.loss_rank].last and m.loss_rank in m.pipeline
+
+
+def test_tied_pair_and_point_to_point_pairs():
+    meshes = [Mesh(r, 3, 2, 1) for r in range(6)]
+    assert [m.tied_peer for m in meshes] == [4, 5, None, None, 0, 1]
+    assert Mesh(0).tied_peer is None
+    pairs = Mesh(0, 3, 2, 1).pairs()
+    assert pairs == sorted(pairs)
+    assert {(a, b) for a, b, k in pairs if k == "tied"} == {(0, 4), (1, 5)}
+    assert {(a, b) for a, b, k in pairs if k == "fwd"} == {(0, 2), (2, 4), (1, 3), (3, 5)}
+
+
+def test_device_round_robin():
+    assert [Mesh(r, 4).device(2) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_runner_refuses_an_unknown_action():
+    cfg = GPT2Config(maxT=8, V=16, Vp=16, L=1, NH=2, C=8)
+    run = Runner(cfg, numpy_backend, Local(), Mesh(), 2, 4)
+    x = np.zeros((2, 4), np.int32)
+    run.eval_loss(x, x)  # the real actions run
+    run.eval_actions = [Action(Op.FWD, 0), Action("fwd_typo", 0)]
+    with pytest.raises(CupyGPTError, match="rank 0: unknown pipeline action 'fwd_typo'"):
+        run.eval_loss(x, x)
