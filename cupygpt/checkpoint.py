@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from .files import atomic_write, write_model
 
 LATEST = "latest"
 NAME = re.compile(r"ckpt_\d{8}$")
+# What NumPy raises on a damaged .npz: bad zip, CRC mismatch, truncation, not a zip at all
+UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 
 
 def _fsync_dir(path):
@@ -89,13 +92,36 @@ def demote(tr, out, path):
 
 
 def resolve(path):
-    """--resume takes a checkpoint directory or a run's -o directory (its latest one)."""
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        path = os.path.join(path, open(latest).read().strip())
+    """--resume takes a checkpoint directory or a run's -o directory: its newest complete
+    checkpoint (a run killed while writing `latest` may have left it one behind)."""
     if not os.path.isdir(path):
         raise CupyGPTError("no such checkpoint directory", "resume", path)
+    done = _listed(path)
+    if done:
+        return os.path.join(path, done[-1])
+    if not os.path.isfile(os.path.join(path, "model.bin")):
+        raise CupyGPTError("not a checkpoint (no model.bin) and holds none (no ckpt_STEP "
+                           "directory); give a checkpoint or a run's output directory",
+                           "resume", path)
     return path
+
+
+def clean_litter(out):
+    """What a killed run leaves: a half-written `latest` and a checkpoint never renamed."""
+    for name in os.listdir(out):
+        if name.startswith(LATEST + ".") and name.endswith(".tmp"):
+            os.unlink(os.path.join(out, name))
+        elif NAME.match(name.removesuffix(".partial")) and name.endswith(".partial"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+
+
+def damaged(f, path, why):
+    """One line for a checkpoint file that cannot be read, naming the one before it."""
+    out = os.path.dirname(os.path.abspath(path))
+    older = [d for d in _listed(out) if d < os.path.basename(path)]
+    return CupyGPTError(f"{f}: damaged checkpoint file ({why}); " + (
+        f"the previous checkpoint {os.path.join(out, older[-1])} can be resumed instead"
+        if older else "no earlier checkpoint is left beside it"))
 
 
 def load_meta(path, rank):
@@ -106,8 +132,8 @@ def load_meta(path, rank):
     try:
         with np.load(f) as z:
             return json.loads(str(z["meta"])), f
-    except (OSError, ValueError, KeyError) as e:
-        raise CupyGPTError(f"{f}: unreadable checkpoint file ({e})") from None
+    except UNREADABLE as e:
+        raise damaged(f, path, type(e).__name__) from None
 
 
 def check_matches(path, meta, run):
@@ -125,11 +151,14 @@ def restore(run, path):
     check_matches(path, load_meta(path, 0)[0], run)
     meta, f = load_meta(path, run.tr.rank)
     st, opt, be = run.stage, run.opt, run.be
-    with np.load(f) as z:
-        for name, dst in (("params", st.params), ("m", opt.m), ("v", opt.v)):
-            if z[name].shape != dst.shape:
-                raise CupyGPTError(f"{f}: {name} has {z[name].size} values, the stage "
-                                   f"{dst.size}; the file does not belong to this split")
-            be.upload(dst, z[name])
+    try:
+        with np.load(f) as z:
+            for name, dst in (("params", st.params), ("m", opt.m), ("v", opt.v)):
+                if z[name].shape != dst.shape:
+                    raise CupyGPTError(f"{f}: {name} has {z[name].size} values, the stage "
+                                       f"{dst.size}; the file does not belong to this split")
+                be.upload(dst, z[name])
+    except UNREADABLE as e:
+        raise damaged(f, path, type(e).__name__) from None
     opt.t = meta["adam_t"]
     return meta

@@ -62,6 +62,13 @@ def session(cls, kw, tf32_default):
     return Session(config(cls, kw), tf32_default)
 
 
+def progress(length, label):
+    """A progress bar on stderr when it is a terminal (elsewhere a bar's label would only be
+    noise before the result or the one error line)."""
+    return click.progressbar(length=length, label=label, file=sys.stderr,
+                             hidden=not sys.stderr.isatty())
+
+
 def options(*opts):
     """A decorator adding click options, first listed first in --help."""
     def add(fn):
@@ -132,6 +139,7 @@ def verify(as_json, **kw):
 def prepare(text, out, tokenizer, name):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
+    from .config import make_dir
     from .files import write_shard
     from .tokenizer import Tokenizer, tokenize_tinyshakespeare
     try:
@@ -139,9 +147,12 @@ def prepare(text, out, tokenizer, name):
     except UnicodeDecodeError as e:
         raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tok = Tokenizer(tokenizer)
-    with click.progressbar(length=body.count("\n\n") + 1, label="tokenizing",
-                           file=sys.stderr) as bar:
-        train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
+    make_dir("out", out)
+    with progress(body.count("\n\n") + 1, "tokenizing") as bar:
+        try:
+            train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
+        except CupyGPTError as e:
+            raise CupyGPTError(f"{text}: {e}") from None
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
         path = os.path.join(out, f"{name}_{split}.bin")
         write_shard(path, toks)
@@ -167,8 +178,8 @@ def prepare(text, out, tokenizer, name):
 @click.option("-n", "steps", default=60, show_default=True, help="training steps")
 @click.option("-v", "val_every", default=20, show_default=True, help="val loss every N steps")
 @click.option("-m", "val_batches", default=4, show_default=True, help="val batches")
-@click.option("-s", "sample_every", default=0, show_default=True,
-              help="sample every N steps (always at the end)")
+@click.option("-s", "sample_every", default=None, type=int,
+              help="sample every N steps and at the end; 0: never  [default: at the end]")
 @click.option("-g", "gen_tokens", default=48, show_default=True, help="tokens to generate")
 @click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay")
 @click.option("--seed", default=1337, show_default=True, help="initialisation and sampling seed")
@@ -239,8 +250,7 @@ def sample(**kw):
     sess = session(SampleConfig, kw, tf32_default=True)
     first, prompt = sess.mesh.rank == 0, sess.config.prompt
     if sys.stdout.isatty() and first:  # a progress bar, then the text
-        with click.progressbar(length=sess.config.max_new_tokens, label="generating",
-                               file=sys.stderr) as bar:
+        with progress(sess.config.max_new_tokens, "generating") as bar:
             text = sample_text(sess, lambda n: setattr(bar, "length", n),
                                lambda piece: bar.update(1))
         sess.log(prompt + text)

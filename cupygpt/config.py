@@ -128,6 +128,15 @@ def fits(seq, shape):
         raise CupyGPTError(f"longer than the model's maxT={shape.maxT}; lower it", "seq", seq)
 
 
+def make_dir(name, path):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
+    if not os.access(path, os.W_OK):
+        raise CupyGPTError("this directory is not writable", name, path)
+
+
 def existing(name, path):
     if not os.path.isfile(path):
         raise CupyGPTError("no such file", name, path)
@@ -148,7 +157,7 @@ class TrainConfig:
     steps: int = 60
     val_every: int = 20
     val_batches: int = 4
-    sample_every: int = 0           # 0: at the end only
+    sample_every: Optional[int] = None  # None: at the end only; 0: never
     gen_tokens: int = 48
     weight_decay: float = 0.0
     seed: int = 1337
@@ -165,7 +174,7 @@ class TrainConfig:
         from . import checkpoint
         init, seq = be.DEFAULT_RUN
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq),
-                    sample_every=self.sample_every or self.steps)
+                    sample_every=default(self.sample_every, self.steps))
         positive(c, "batch", "seq", "lr")
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
                  "warmup", "checkpoint_every", "weight_decay", zero_ok=True)
@@ -173,6 +182,11 @@ class TrainConfig:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
         if c.resume:
             c = replace(c, resume=checkpoint.resolve(c.resume))
+            if self.init is not None:
+                raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
+                                   f"({os.path.join(c.resume, 'model.bin')}), not this one; "
+                                   f"leave it out to resume, or start afresh without resuming",
+                                   "init", self.init)
             shape = model_shape(os.path.join(c.resume, "model.bin"))
         else:
             shape = model_shape(c.init)
@@ -181,8 +195,10 @@ class TrainConfig:
             if getattr(c, name) and not glob.glob(getattr(c, name)):
                 raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
                                    "fix the path", name, getattr(c, name))
-        return replace(c, device=c.device.validate(be, world),
-                       pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape
+        c = replace(c, device=c.device.validate(be, world),
+                    pipeline=c.pipeline.validate(shape.L, world, c.batch))
+        make_dir("out", c.out)  # last: nothing is left behind when a check above fails
+        return c, shape
 
 
 @dataclass(frozen=True)

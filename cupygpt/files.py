@@ -25,8 +25,11 @@ def atomic_write(path):
     """Yields a file object; the file appears under path only if the block completes."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    except OSError as e:
+        raise CupyGPTError(f"{path}: cannot write here ({e.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -132,7 +135,13 @@ def read_state_header(path, cfg):
     if T > cfg.maxT:
         raise CupyGPTError(f"{path}: debug state T={T} exceeds the model's maxT={cfg.maxT}")
     n = param_layout(cfg).size
-    expect_size(path, "debug state", HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.V + 1 + n))
+    need, actual = HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.V + 1 + n), os.path.getsize(path)
+    if actual != need:  # the header has no model shape: say what this model's would be
+        raise CupyGPTError(
+            f"{path}: a debug state of this model (V={cfg.V}, {n:,} parameters) at B={B}, "
+            f"T={T} is {need:,} bytes, this file {actual:,}: " +
+            ("truncated, or the state of another model" if actual < need else
+             "the state of another model, or trailing data"))
     return B, T
 
 

@@ -4,6 +4,29 @@ import json
 from . import CupyGPTError
 
 
+def read_log(path):
+    """The log's records; a line that is not a step record is named by its number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise CupyGPTError(f"{path}: cannot read the log ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise CupyGPTError(f"{path}: not a text file; give a run's log.jsonl") from None
+    recs = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CupyGPTError(f"{path}: line {n} is not JSON ({e.msg}); is this a "
+                                   f"train log (log.jsonl)?") from None
+            if not isinstance(rec, dict) or "step" not in rec:
+                raise CupyGPTError(f"{path}: line {n} is not a step record") from None
+            recs.append(rec)
+    return recs
+
+
 def plot(log_path, out_path):
     try:
         import matplotlib
@@ -11,12 +34,7 @@ def plot(log_path, out_path):
         import matplotlib.pyplot as plt
     except ImportError:
         raise CupyGPTError("plot needs matplotlib: pip install -e '.[plot]'") from None
-    try:
-        recs = [json.loads(line) for line in open(log_path) if line.strip()]
-    except OSError as e:
-        raise CupyGPTError(f"{log_path}: cannot read the log ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise CupyGPTError(f"{log_path}: not a JSON-lines train log (line {e.lineno})") from None
+    recs = read_log(log_path)
     train = [(r["step"], r["train_loss"]) for r in recs if "train_loss" in r]
     val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
     if not train and not val:

@@ -64,4 +64,8 @@ def tokenize_tinyshakespeare(text, tok, val_tokens=32768, progress=None):
         if progress:
             progress(1)
     out = np.array(out, dtype=np.uint16)
+    if out.size <= val_tokens:
+        raise CupyGPTError(f"the text is {out.size:,} tokens, all of them the val shard's "
+                           f"(its first {val_tokens:,}): nothing is left to train on; give a "
+                           f"longer text")
     return out[val_tokens:], out[:val_tokens]

@@ -74,7 +74,8 @@ def train(sess):
                              ("stages (layers)", ",".join(map(str, run.counts))),
                              ("train shards", len(train_data.files)),
                              ("start step", start)])
-    os.makedirs(o.out, exist_ok=True)
+    if tr.rank == 0:
+        checkpoint.clean_litter(o.out)
     logf = open(o.log_file or os.path.join(o.out, "log.jsonl"), "a") if tr.rank == 0 else None
     ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
 

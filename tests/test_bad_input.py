@@ -8,6 +8,7 @@ from conftest import ROOT, cli, fixture, gpu_available
 
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
 TRAIN = os.path.join(ROOT, "data", "tiny_shakespeare_train.bin")
+TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
 
 
 def corrupt(tmp_path, src, name, edit):
@@ -59,9 +60,11 @@ CASES = [
     ("state T > maxT", lambda t: ["verify", "--model", MODEL, "--state",
                                   corrupt(t, STATE, "s.bin", set_int(3, 65))], "exceeds the model's maxT"),
     ("state truncated", lambda t: ["verify", "--model", MODEL, "--state",
-                                   corrupt(t, STATE, "s.bin", lambda r: r[:-8])], "(truncated)"),
+                                   corrupt(t, STATE, "s.bin", lambda r: r[:-8])],
+     "truncated, or the state of another model"),
     ("state for another model", lambda t: ["verify", "--model", fixture("odd_model.bin"),
-                                           "--state", STATE], "debug state file is"),
+                                           "--state", STATE],
+     "a debug state of this model (V=300, 641,152 parameters) at B=4, T=32"),
     ("shard missing", lambda t: ["train", "-i", t / "none_*.bin", "-n", "1"],
      "no token shard matches"),
     ("shard bad magic", lambda t: ["train", "-i", corrupt(t, TRAIN, "x.bin", set_int(0, 3)),
@@ -103,7 +106,37 @@ CASES = [
                                    "--max-new-tokens", "-1"], "must not be negative"),
     ("top-k too big", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
                                  "--top-k", "60000"], "--top-k 60000: must be between 1 and"),
+    ("out under a file", lambda t: ["train", "-n", "1", "-o", a_file(t) + "/run"],
+     "/run: cannot create this directory (Not a directory)"),
+    ("out in /proc", lambda t: ["train", "-n", "1", "-o", "/proc/cupygpt"],
+     "-o /proc/cupygpt: cannot create this directory"),
+    ("prepare out under a file", lambda t: ["prepare", TEXT, "--out", a_file(t)],
+     "cannot create this directory (File exists)"),
+    ("plot out under a file", lambda t: ["plot", a_log(t), "--out", a_file(t) + "/l.png"],
+     "l.png: cannot write here (File exists)"),
+    ("plot binary", lambda t: ["plot", MODEL], "not a text file"),
+    ("plot bad json line", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": 1.0}\n{oops')],
+     "line 3 is not JSON"),
+    ("negative lr", lambda t: ["train", "-l", "-0.1", "-n", "1"], "-l -0.1: must be positive"),
+    ("nan lr", lambda t: ["train", "-l", "nan", "-n", "1", "-o", t / "never"],
+     "-l nan: must be positive"),
+    ("verify negative steps", lambda t: ["verify", "--steps", "-1"], "--steps -1: must be positive"),
+    ("prepare short text", lambda t: ["prepare", a_file(t), "--out", t],
+     "nothing is left to train on"),
+    ("resume empty dir", lambda t: ["train", "--resume", t], "not a checkpoint (no model.bin)"),
 ]
+
+
+def a_file(tmp_path):
+    p = tmp_path / "plain.txt"
+    p.write_text("a short text\n\nin two sections\n")
+    return str(p)
+
+
+def a_log(tmp_path, tail=""):
+    p = tmp_path / "log.jsonl"
+    p.write_text('{"step": 1, "train_loss": 2.0}\n' + tail)
+    return str(p)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -116,6 +149,7 @@ def test_bad_input_is_one_line(tmp_path, case):
     assert "Traceback" not in res.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert expect in lines[0], lines[0]
+    assert not (tmp_path / "never").exists()  # refused before anything was written
 
 
 @pytest.mark.skipif(gpu_available(), reason="a GPU is present here")

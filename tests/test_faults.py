@@ -146,3 +146,40 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path):
     assert open(tmp_path / "latest").read() == f"ckpt_{step:08d}"
     assert sorted(os.listdir(tmp_path / f"ckpt_{step:08d}")) == ["model.bin", "rank000.npz",
                                                                   "rank001.npz"]
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path):
+    run = tmp_path / "run"
+    a = cli(*TRAIN, "-n", "4", "--checkpoint-every", "2", "-o", run)
+    assert a.returncode == 0, a.stderr
+    # what a run killed mid-checkpoint leaves: latest one behind, a .tmp, a .partial
+    (run / "latest").write_text("ckpt_00000002")
+    (run / "latest.abc123.tmp").write_text("ckpt_000")
+    (run / "ckpt_00000006.partial").mkdir()
+    b = cli(*TRAIN, "-n", "5", "--resume", run, "--checkpoint-every", "1", "-o", run)
+    assert b.returncode == 0, b.stderr
+    assert "| start step              | 4 " in b.stdout
+    assert not (run / "latest.abc123.tmp").exists()
+    assert not (run / "ckpt_00000006.partial").exists()
+    other = cli(*TRAIN, "-n", "6", "--resume", run, "-e", "tiny", "-o", run)
+    assert other.returncode == 1 and "-e tiny: a resumed run continues its checkpoint's own" \
+        " model" in other.stderr, other.stderr
+    newest = run / "ckpt_00000005" / "rank000.npz"
+    good = newest.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF
+    for damage in (bytes(flipped), good[:len(good) // 3], os.urandom(len(good))):
+        newest.write_bytes(damage)
+        res = cli(*TRAIN, "-n", "6", "--resume", run, "-o", run)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 1 and len(lines) == 1, res.stderr
+        assert f"{newest}: damaged checkpoint file" in lines[0]
+        assert f"the previous checkpoint {run / 'ckpt_00000004'} can be resumed" in lines[0]
+        assert "allow_pickle" not in lines[0]
+
+
+def test_sample_every_zero_means_never(tmp_path):
+    never = cli(*TRAIN, "-n", "2", "-g", "4", "-s", "0", "-o", tmp_path)
+    at_end = cli(*TRAIN, "-n", "2", "-g", "4", "-o", tmp_path)
+    assert never.returncode == 0 and at_end.returncode == 0, (never.stderr, at_end.stderr)
+    assert "generating" not in never.stdout and at_end.stdout.count("generating:") == 1

@@ -35,7 +35,7 @@ def test_plot_bad_log(tmp_path):
     (tmp_path / "x.jsonl").write_text("not json\n")
     res = cli("plot", tmp_path / "x.jsonl", "--out", tmp_path / "x.png")
     assert res.returncode == 1 and res.stderr.startswith("error: ")
-    assert "not a JSON-lines train log" in res.stderr and not (tmp_path / "x.png").exists()
+    assert "line 1 is not JSON" in res.stderr and not (tmp_path / "x.png").exists()
 
 
 def on_terminal(*args):
