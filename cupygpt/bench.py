@@ -12,8 +12,9 @@ def flops_per_token(cfg, T):
     return 6 * cfg.num_parameters() + 6 * cfg.L * cfg.C * T
 
 
-def bench(sess):
-    """The `bench` command over a Session holding its validated BenchConfig."""
+def bench(sess, on_step=None):
+    """The `bench` command over a Session holding its validated BenchConfig; on_step() after
+    each step, warm-up included."""
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
     run = sess.runner(cfg, init_params(cfg, 0), B, T, adamw=AdamWConfig(lr=1e-4),
@@ -33,6 +34,8 @@ def bench(sess):
         if i >= warmup:
             times.append(t2 - t0)
             launch.append(t1 - t0)
+        if on_step:
+            on_step()
     ms = statistics.median(times) * 1e3
     peak = be.peak_flops()
     achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
@@ -42,9 +45,10 @@ def bench(sess):
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
            "tf32_peak_tflops": peak / 1e12 if peak else None,
            "mfu": achieved / peak if peak else None,
-           "host_launch_ms_median": statistics.median(launch) * 1e3,
-           "host_launch_fraction": statistics.median(launch) / statistics.median(times),
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters()}
+    if be.asynchronous:  # the host's share of a step: elsewhere the host does all of it
+        out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
+                   host_launch_fraction=statistics.median(launch) / statistics.median(times))
     if c.profile:  # eager steps: a graph's replay has no per-op events
         rows = be.kernel_profile(lambda: (run.gradients(x, y), run.opt.step()), 3)
         if rows:

@@ -219,14 +219,17 @@ def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
     from .bench import bench as run_bench
     from .files import atomic_write
-    r = run_bench(session(BenchConfig, {**kw, "data": os.path.join(
-        DATA, "tiny_shakespeare_train.bin")}, tf32_default=True))
+    sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
+                   tf32_default=True)
+    with progress(sess.config.warmup + sess.config.steps, "benchmarking") as bar:
+        r = run_bench(sess, lambda: bar.update(1))
     with atomic_write(out) as f:
         f.write(json.dumps(r, indent=1).encode())
     click.echo(f"{r['device']}: {r['model']} B={r['B']} T={r['T']}: "
                f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
                + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
-               + f", host launch {100 * r['host_launch_fraction']:.1f}% of the step; wrote {out}")
+               + (f", host launch {100 * r['host_launch_fraction']:.1f}% of the step"
+                  if "host_launch_fraction" in r else "") + f"; wrote {out}")
     for row in r.get("per_op", []):
         click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
     for row in r.get("per_kernel", [])[:20]:
@@ -248,16 +251,22 @@ def sample(**kw):
     """Generate text from an llm.c model file."""
     from .sample import sample_text
     sess = session(SampleConfig, kw, tf32_default=True)
-    first, prompt = sess.mesh.rank == 0, sess.config.prompt
+    first, prompt, asked = sess.mesh.rank == 0, sess.config.prompt, sess.config.max_new_tokens
+
+    def start(n, bar=None):
+        if n < asked and first:
+            click.echo(f"note: --max-new-tokens {asked}: the model's context leaves room for "
+                       f"{n} after the prompt; generating {n}", err=True)
+        if bar:
+            bar.length = n
     if sys.stdout.isatty() and first:  # a progress bar, then the text
-        with progress(sess.config.max_new_tokens, "generating") as bar:
-            text = sample_text(sess, lambda n: setattr(bar, "length", n),
-                               lambda piece: bar.update(1))
+        with progress(asked, "generating") as bar:
+            text = sample_text(sess, lambda n: start(n, bar), lambda piece: bar.update(1))
         sess.log(prompt + text)
         return
     if prompt:  # else the text as it comes
         sess.log(prompt)
-    sample_text(sess, on_token=(lambda piece: click.echo(piece, nl=False)) if first else None)
+    sample_text(sess, start, (lambda piece: click.echo(piece, nl=False)) if first else None)
     sess.log("")
 
 

@@ -70,3 +70,23 @@ def test_progress_bars_on_a_terminal(tmp_path):
 def test_plain_lines_when_not_a_terminal(tmp_path):
     res = cli("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", tmp_path)
     assert res.returncode == 0 and "#" not in res.stderr and "%" not in res.stderr
+
+
+def test_bench_on_the_cpu_defaults_to_the_cpu_preset(tmp_path):
+    out = tmp_path / "b.json"
+    res = cli("bench", "--backend", "numpy", "-b", "1", "-t", "16", "--steps", "2",
+              "--warmup", "1", "--out", out)
+    assert res.returncode == 0, res.stderr
+    r = json.loads(out.read_text())
+    assert r["model"] == "tiny" and r["backend"] == "numpy" and r["ms_per_step_median"] > 0
+    assert "host_launch_fraction" not in r and "host launch" not in res.stdout  # no meaning here
+    rc, shown = on_terminal("bench", "--backend", "numpy", "-b", "1", "-t", "16", "--steps", "2",
+                            "--warmup", "0", "--out", out)
+    assert rc == 0 and "benchmarking" in shown and "100%" in shown
+
+
+def test_sample_says_when_the_context_cuts_it_short():
+    res = cli("sample", "--backend", "numpy", "--model", os.path.join(FIX, "gpt2v_model.bin"),
+              "--max-new-tokens", "1000")
+    assert res.returncode == 0, res.stderr
+    assert "note: --max-new-tokens 1000: the model's context leaves room for 15" in res.stderr

@@ -12,6 +12,7 @@ Nothing outside this package asks which backend runs; it asks a capability inste
 - DTYPES, the float types it computes in; TRANSPORTS, the transports its arrays can
   travel by, preferred first; DEFAULT_RUN, (-e, -t) when the user gives none;
 - supports_graphs: a step can be captured and replayed (capture, replay, adamw_schedule);
+  asynchronous: calls return before the device is done (so host launch time means something);
 - configure(tf32, device_of), device_memory() (free bytes, None for host memory),
   memory_in_use(), numerics() (verify's tolerance row), peak_flops() (None: no MFU),
   device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none).

@@ -23,6 +23,7 @@ name = "cuda"
 DTYPES = (np.float32,)
 TRANSPORTS = ("nvshmem", "nccl", "mpi")  # preferred first
 supports_graphs = True
+asynchronous = True                      # launches return before the GPU is done
 DEFAULT_RUN = ("d12", 1024)              # -e, -t when not given: llm.c's GPT-2 124M run
 # Dense (no sparsity) TF32 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; the most
 # specific name first.

@@ -8,6 +8,7 @@ name = "numpy"
 DTYPES = (np.float32, np.float64)
 TRANSPORTS = ("mpi",)            # host arrays travel by MPI
 supports_graphs = False
+asynchronous = False             # an op returns when its work is done
 DEFAULT_RUN = ("tiny", 64)       # -e, -t when not given: a model that trains in seconds
 # Overflow shows up as a non-finite loss, which the training loop reports in one line.
 np.seterr(over="ignore", invalid="ignore")
