@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import sys
+import time
 import traceback
 
 import click
@@ -245,6 +246,8 @@ def bench(out, **kw):
 @click.option("--top-k", default=None, type=int)
 @click.option("--seed", default=1337, show_default=True, help="sampling seed")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
+@click.option("--kv-cache/--no-kv-cache", default=True, show_default=True,
+              help="one position per token on cached keys and values, or a whole pass")
 @device_options
 @entry
 def sample(**kw):
@@ -252,6 +255,7 @@ def sample(**kw):
     from .sample import sample_text
     sess = session(SampleConfig, kw, tf32_default=True)
     first, prompt, asked = sess.mesh.rank == 0, sess.config.prompt, sess.config.max_new_tokens
+    began = {}
 
     def start(n, bar=None):
         if n < asked and first:
@@ -259,15 +263,22 @@ def sample(**kw):
                        f"{n} after the prompt; generating {n}", err=True)
         if bar:
             bar.length = n
+        began.update(n=n, t=time.perf_counter())
     if sys.stdout.isatty() and first:  # a progress bar, then the text
         with progress(asked, "generating") as bar:
             text = sample_text(sess, lambda n: start(n, bar), lambda piece: bar.update(1))
         sess.log(prompt + text)
-        return
-    if prompt:  # else the text as it comes
-        sess.log(prompt)
-    sample_text(sess, start, (lambda piece: click.echo(piece, nl=False)) if first else None)
-    sess.log("")
+    else:  # the text as it comes, untagged (under mpiexec only the first rank prints it)
+        echo = (lambda piece: click.echo(piece, nl=False)) if first else None
+        if echo:
+            echo(prompt)
+        sample_text(sess, start, echo)
+        if echo:
+            echo("\n")
+    if first:
+        dt = time.perf_counter() - began["t"]
+        click.echo(f"{began['n']} tokens in {dt:.2f} s ({began['n'] / dt:.1f} tok/s, "
+                   f"{'KV cache' if sess.config.kv_cache else 'whole passes'})", err=True)
 
 
 @cli.command()

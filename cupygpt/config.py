@@ -234,6 +234,7 @@ class SampleConfig:
     temperature: float = 1.0
     top_k: Optional[int] = None
     seed: int = 1337
+    kv_cache: bool = True
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # even split; one row, one pass
 

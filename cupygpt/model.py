@@ -70,29 +70,66 @@ class Stage:
     def forward(self, slot=0, tokens=None, targets=None, dloss=None):
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
         leaves dlogits in place of logits (fused classifier) ready for backward."""
-        be, p, a, NH = self.be, self.p, self.acts[slot], self.cfg.NH
+        be, a, NH = self.be, self.acts[slot], self.cfg.NH
         if self.embed:
-            be.encoder_forward(a["encoded"], tokens, p["wte"], p["wpe"])
-        x = a["encoded"]
-        for l in range(self.nl):
-            be.layernorm_forward(a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x,
-                                 p["ln1w"][l], p["ln1b"][l])
-            be.matmul_forward(a["qkv"][l], a["ln1"][l], p["qkvw"][l], p["qkvb"][l])
-            be.attention_forward(a["atty"][l], a["preatt"][l], a["att"][l], a["qkv"][l], NH)
-            be.matmul_forward(a["attproj"][l], a["atty"][l], p["attprojw"][l], p["attprojb"][l])
-            be.residual_forward(a["residual2"][l], x, a["attproj"][l])
-            be.layernorm_forward(a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
-                                 a["residual2"][l], p["ln2w"][l], p["ln2b"][l])
-            be.matmul_forward(a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])
-            be.gelu_forward(a["fch_gelu"][l], a["fch"][l])
-            be.matmul_forward(a["fcproj"][l], a["fch_gelu"][l], p["fcprojw"][l], p["fcprojb"][l])
-            be.residual_forward(a["residual3"][l], a["residual2"][l], a["fcproj"][l])
-            x = a["residual3"][l]
+            be.encoder_forward(a["encoded"], tokens, self.p["wte"], self.p["wpe"])
+
+        def whole(name, l=None):
+            return a[name] if l is None else a[name][l]
+
+        def attend(out, l):
+            be.attention_forward(out, a["preatt"][l], a["att"][l], a["qkv"][l], NH)
+        x = self._blocks(whole, attend, a["encoded"])
         if self.head:
-            be.layernorm_forward(a["lnf"], a["lnf_mean"], a["lnf_rstd"], x, p["lnfw"], p["lnfb"])
-            be.matmul_forward(a["logits"], a["lnf"], p["wte"], None)
+            self._head(whole, x)
             if targets is not None:
                 be.classifier(a["logits"], a["losses"], targets, self.cfg.V, dloss)
+
+    def decode(self, slot, t, tokens=None):
+        """Generation's forward of one position: row 0 at position t only. Every earlier
+        position's q, k, v are still in this slot's qkv activations from the passes before
+        (the KV cache), so each layer computes one row and attends over t + 1 keys. tokens
+        (1,1) on the device when embed; leaves the row's logits in logits[0, t] (head)."""
+        be, a, NH = self.be, self.acts[slot], self.cfg.NH
+
+        def row(name, l=None):  # the (1, 1, ...) view of row 0, position t
+            return (a[name] if l is None else a[name][l])[0:1, t:t + 1]
+
+        def attend(out, l):
+            be.attention_decode(out, a["qkv"][l][0:1, :t + 1], NH)
+        if self.embed:
+            be.encoder_forward(row("encoded"), tokens, self.p["wte"], self.p["wpe"][t:])
+        x = self._blocks(row, attend, row("encoded"))
+        if self.head:
+            self._head(row, x)
+
+    def _blocks(self, act, attend, x):
+        """The transformer blocks on x, writing activations act(name, layer) (whole tensors
+        for a pass, one row's views for a decode step); returns the last block's output."""
+        be, p = self.be, self.p
+        for l in range(self.nl):
+            be.layernorm_forward(act("ln1", l), act("ln1_mean", l), act("ln1_rstd", l), x,
+                                 p["ln1w"][l], p["ln1b"][l])
+            be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
+            attend(act("atty", l), l)
+            be.matmul_forward(act("attproj", l), act("atty", l), p["attprojw"][l],
+                              p["attprojb"][l])
+            be.residual_forward(act("residual2", l), x, act("attproj", l))
+            be.layernorm_forward(act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
+                                 act("residual2", l), p["ln2w"][l], p["ln2b"][l])
+            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], p["fcb"][l])
+            be.gelu_forward(act("fch_gelu", l), act("fch", l))
+            be.matmul_forward(act("fcproj", l), act("fch_gelu", l), p["fcprojw"][l],
+                              p["fcprojb"][l])
+            be.residual_forward(act("residual3", l), act("residual2", l), act("fcproj", l))
+            x = act("residual3", l)
+        return x
+
+    def _head(self, act, x):
+        """Final layernorm and the tied LM head: logits."""
+        be, p = self.be, self.p
+        be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"], p["lnfb"])
+        be.matmul_forward(act("logits"), act("lnf"), p["wte"], None)
 
     def backward(self, slot=0, tokens=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the

@@ -18,9 +18,12 @@ def next_token(logits, rng, temperature=1.0, top_k=None):
     return int(rng.choice(z.size, p=p / p.sum()))
 
 
-def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=None):
+def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=None,
+             kv_cache=True):
     """Appends up to n tokens to prompt (ids), limited by the runner's T. Every rank returns
-    the same ids; on_token(id) is called on each rank as tokens arrive."""
+    the same ids; on_token(id) is called on each rank as tokens arrive. With kv_cache one
+    pass over the prompt, then one position per token (Runner.decode); without, a whole
+    pass per token (the reference the cache is tested against)."""
     T, V, tr = run.T, run.cfg.V, run.tr
     if not prompt:
         raise CupyGPTError("the prompt is empty: generation needs at least one token")
@@ -29,15 +32,18 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
                            f"the model's context of {T}; shorten it")
     tokens = np.full((run.Bm * run.M, T), fill, np.int32)
     tokens[0, :len(prompt)] = prompt
-    out = list(prompt)
-    for t in range(len(prompt), min(len(prompt) + n, T)):
-        row = {}
+    out, row = list(prompt), {}
 
+    def at(t):  # on_logits keeping position t's logits of row 0
         def grab(mb, logits):
             if mb == 0:
-                row["logits"] = run.be.to_host(logits[0, t - 1, :V])
-
-        run.forward_first(tokens, grab)
+                row["logits"] = run.be.to_host(logits[0, t, :V])
+        return grab
+    for t in range(len(prompt), min(len(prompt) + n, T)):
+        if kv_cache and t > len(prompt):
+            run.decode(tokens, t - 1, at(t - 1))
+        else:
+            run.forward_first(tokens, at(t - 1))
         tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
         tok = tr.bcast(tok, root=run.mesh.loss_rank)
         tokens[0, t] = tok
@@ -65,5 +71,6 @@ def sample_text(sess, on_start=None, on_token=None):
     if on_start:
         on_start(min(o.max_new_tokens, T - len(prompt)))
     ids = generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),
-                   o.temperature, o.top_k, on_token and (lambda t: on_token(tok.decode([t]))))
+                   o.temperature, o.top_k, on_token and (lambda t: on_token(tok.decode([t]))),
+                   o.kv_cache)
     return tok.decode(ids[len(prompt):])

@@ -118,6 +118,13 @@ def test_kernels_match_numpy(dev, shape):
     npb.attention_backward(dq, np.empty_like(pre), np.empty_like(att), dout, qkv, att, NH)
     cu.attention_backward(dq_d, cp.empty_like(pre_d), cp.empty_like(att_d), dout_d, qkv_d, att_d, NH)
     close(dq_d, dq)
+    # generation's step: the last position over the first n (KV cache), against the whole pass
+    for n in (1, T):
+        one, one_d = np.empty((1, 1, C), np.float32), cp.empty((1, 1, C), np.float32)
+        npb.attention_decode(one, qkv[0:1, :n], NH)
+        cu.attention_decode(one_d, qkv_d[0:1, :n], NH)
+        close(one_d, one)
+        np.testing.assert_allclose(one[0, 0], out[0, n - 1], rtol=RTOL, atol=ATOL)
     # gelu, residual
     npb.gelu_forward(out, x)
     cu.gelu_forward(out_d, x_d)
@@ -237,3 +244,16 @@ def test_bench_writes_json(device, tmp_path):
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
     assert "attention_forward: softmax_forward" in res.stdout
+
+
+def test_sampling_on_the_kv_cache_gives_the_text_of_whole_passes(device, tmp_path):
+    made = cli("train", "--backend", "numpy", "-e", "tiny", "-n", "0", "-v", "0", "-g", "0",
+               "-o", tmp_path)
+    assert made.returncode == 0, made.stderr
+    texts = []
+    for cache in ("--kv-cache", "--no-kv-cache"):
+        res = run(device, "sample", "--backend", "cuda", "--model", tmp_path / "model.bin",
+                  "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3", cache)
+        assert res.returncode == 0, res.stderr
+        texts.append(res.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("Hello"), texts

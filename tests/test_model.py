@@ -76,3 +76,29 @@ def test_stages_by_hand_equal_the_whole_model():
     s0.g["wte"][...] = s1.g["wte"][...] = tied
     got = assemble(CFG, [(0, 1, True, False, s0.grads), (1, 2, False, True, s1.grads)])
     np.testing.assert_allclose(got, whole.grads, rtol=1e-12, atol=1e-15)
+
+
+def test_decoding_on_the_kv_cache_matches_whole_passes():
+    """Generation's KV cache: a pass over a prompt, then one position at a time, gives each
+    position the logits a whole pass over the finished sequence gives, and the same tokens."""
+    from cupygpt.comm.local import Local
+    from cupygpt.parallel.mesh import Mesh
+    from cupygpt.parallel.pipeline.runner import Runner
+    from cupygpt.sample import generate
+    cfg = GPT2Config(maxT=24, V=50, Vp=64, L=2, NH=4, C=32)
+    run = Runner(cfg, be, Local(), Mesh(), 2, 24)  # two rows: decoding reads row 0 only
+    run.stage.load(init_params(cfg, 5))
+    x = np.random.default_rng(0).integers(0, cfg.V, (2, 24)).astype(np.int32)
+    whole = {}
+    run.forward_first(x, lambda mb, logits: whole.setdefault("logits", logits[0].copy()))
+    prompt = x.copy()
+    prompt[:, 5:] = 0  # positions 5.. come only from the decode steps below
+    run.forward_first(prompt, lambda mb, logits: None)
+    for t in range(5, 24):
+        got = {}
+        run.decode(x, t, lambda mb, logits: got.setdefault("row", logits[0, t].copy()))
+        np.testing.assert_allclose(got["row"], whole["logits"][t], rtol=1e-5, atol=1e-5)
+    for seed in range(3):
+        ids = [generate(run, list(x[0, :3]), 20, 0, np.random.default_rng(seed), kv_cache=c)
+               for c in (True, False)]
+        assert ids[0] == ids[1] and len(ids[0]) == 23

@@ -63,3 +63,17 @@ def test_bad_pipelines_are_refused(ranks, extra, expect):
               timeout=60)
     assert res.returncode != 0
     assert expect in res.stderr and "Traceback" not in res.stderr
+
+
+def test_pipelined_sampling_streams_the_same_text_with_and_without_the_kv_cache(tmp_path):
+    made = cli("train", "-e", "tiny", "-n", "0", "-v", "0", "-g", "0", "-o", tmp_path)
+    assert made.returncode == 0, made.stderr  # a fresh tiny GPT-2: 4 layers, GPT-2's vocab
+    args = ["sample", "--model", tmp_path / "model.bin", "--prompt", "Hello",
+            "--max-new-tokens", "10", "--seed", "5"]
+    texts = []
+    for ranks, cache in ((None, "--kv-cache"), (2, "--kv-cache"), (2, "--no-kv-cache")):
+        res = cli(*args, cache, ranks=ranks)
+        assert res.returncode == 0, res.stderr
+        texts.append(res.stdout)
+    assert texts[0].startswith("Hello") and len(texts[0]) > len("Hello\n")
+    assert texts[1] == texts[0] and texts[2] == texts[0], texts  # no rank tag inside the text

@@ -291,6 +291,20 @@ def attention_forward(out, preatt, att, qkv, NH):
 
 
 @_op
+def attention_decode(out, qkv, NH):
+    """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
+    holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
+    _, n, C, HS, q, k, v = _qkv_split(qkv, NH)
+    scores, att = _ws("dec_scores", NH * n), _ws("dec_att", NH * n)
+    # per head: the last query row (1, HS) @ k^T (HS, n); heads are n*HS apart in q, k, v
+    _gemm(N_, T_, 1, n, HS, q[(n - 1) * HS:], HS, k, HS, scores, n, batch=NH, sA=n * HS,
+          sB=n * HS, sC=n)
+    _rows("softmax_decode", NH, att, scores, np.float32(1.0 / math.sqrt(HS)), _i(NH), _i(n))
+    # (1, n) @ v (n, HS) per head, straight into out: for one position (NH, HS) is (C,)
+    _gemm(N_, N_, 1, HS, n, att, n, v, HS, out, HS, batch=NH, sA=n, sB=n * HS, sC=HS)
+
+
+@_op
 def gelu_forward(out, inp):
     _ew("gelu_forward", inp.size, out, inp, np.int64(inp.size))
 

@@ -115,6 +115,19 @@ def attention_forward(out, preatt, att, qkv, NH):
     out.reshape(B, T, NH, HS)[...] = (att @ v).transpose(0, 2, 1, 3)
 
 
+def attention_decode(out, qkv, NH):
+    """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
+    holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
+    _, n, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    x = qkv.reshape(n, 3, NH, HS)
+    q, k, v = x[-1, 0][:, None, :], x[:, 1].transpose(1, 2, 0), x[:, 2].transpose(1, 0, 2)
+    s = (q @ k) * (1.0 / math.sqrt(HS))       # (NH, 1, n)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
+
+
 def gelu_forward(out, inp):
     """tanh approximation, as GPT-2."""
     np.multiply(0.5 * inp, 1.0 + np.tanh(GELU_SCALE * (inp + 0.044715 * inp ** 3)), out=out)

@@ -64,6 +64,20 @@ extern "C" __global__ void softmax_forward(float* att, const float* preatt, floa
     for (int j = lane; j < T; j += WARP) o[j] = j <= t ? expf(scale * x[j] - m) / s : 0.f;
 }
 
+// Generation's one new query per head (the KV cache holds every earlier key): att[row, j] =
+// softmax_j(scale * preatt[row, j]) over all n columns, no mask; rows = NH.
+extern "C" __global__ void softmax_decode(float* att, const float* preatt, float scale,
+                                          int rows, int n) {
+    int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row >= rows) return;
+    const float* x = preatt + (long long)row * n;
+    float m = -INFINITY, s = 0.f;
+    for (int j = lane; j < n; j += WARP) merge_max_sum(m, s, scale * x[j], 1.f);
+    warp_max_sum(m, s);
+    float* o = att + (long long)row * n;
+    for (int j = lane; j < n; j += WARP) o[j] = expf(scale * x[j] - m) / s;
+}
+
 // dpreatt = scale * att * (datt - sum(att * datt)) over j <= t, 0 after.
 extern "C" __global__ void softmax_backward(float* dpreatt, const float* datt, const float* att,
                                             float scale, int rows, int T) {

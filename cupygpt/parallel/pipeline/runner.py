@@ -87,11 +87,11 @@ class Runner:
         n += scratch_layout(cfg, self.Bm, self.T).size
         return n * np.dtype(dtype).itemsize
 
-    def _run(self, actions, x, y, dloss, on_logits=None):
+    def _run(self, actions, x, y, dloss, on_logits=None, decode=None):
         """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss
         sum over the batch on the last stage (0 elsewhere)."""
         self._feed(x, y)
-        self._execute(actions, dloss, y is not None, on_logits)
+        self._execute(actions, dloss, y is not None, on_logits, decode)
         return self._loss()
 
     def _feed(self, x, y):
@@ -103,14 +103,15 @@ class Runner:
     def _loss(self):
         return float(self.be.to_host(self.loss_acc)[0]) if self.last else 0.0
 
-    def _execute(self, actions, dloss, with_targets, on_logits=None):
+    def _execute(self, actions, dloss, with_targets, on_logits=None, decode=None):
         """The device side of _run: no host transfers but the transport's, so a
-        single-stage step can be captured as a CUDA graph."""
+        single-stage step can be captured as a CUDA graph. decode: a position, for
+        generation's one-position forwards (Stage.decode)."""
         st = self.stage
         _, release = slot_plan(actions)
         free, slot_of = list(range(len(st.acts)))[::-1], {}
         self.loss_acc.fill(0)
-        self.pass_args = (dloss, with_targets, on_logits)
+        self.pass_args = (dloss, with_targets, on_logits, decode)
         for i, a in enumerate(actions):
             do = self.ops.get(a.op)
             if do is None:
@@ -128,8 +129,13 @@ class Runner:
         return slice(mb * self.Bm, (mb + 1) * self.Bm)
 
     def _forward(self, slot, mb):
-        dloss, with_targets, on_logits = self.pass_args
+        dloss, with_targets, on_logits, t = self.pass_args
         st = self.stage
+        if t is not None:
+            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if self.first else None)
+            if self.last and on_logits is not None:
+                on_logits(mb, st.acts[slot]["logits"])
+            return
         targets = self.y_dev[self._rows(mb)] if self.last and with_targets else None
         st.forward(slot, self.x_dev[self._rows(mb)] if self.first else None, targets, dloss)
         if targets is not None:
@@ -185,6 +191,11 @@ class Runner:
     def forward_first(self, x, on_logits):
         """Forward of the first micro-batch only (sampling reads one row of its logits)."""
         self._run(self.first_actions, x, None, None, on_logits)
+
+    def decode(self, x, t, on_logits):
+        """Position t of x's row 0 alone through every stage, on the activations that
+        forward_first and the decodes before it left (the KV cache)."""
+        self._run(self.first_actions, x, None, None, on_logits, decode=t)
 
     def gather_params(self):
         """The whole model's host parameters on rank 0 (None elsewhere)."""
