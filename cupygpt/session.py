@@ -37,7 +37,7 @@ class Session:
         self.tr = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
         # after the transport, which may pick the GPU first: both ask the mesh
         self.be.configure(tf32=tf32_default if dev.tf32 is None else dev.tf32,
-                          device_of=self.mesh.device)
+                          device_of=self.mesh.device, ranks_here=world)
         self.log = Log(self.mesh.rank, self.mesh.size)
 
     def runner(self, cfg, params, B, T, dtype=np.float32, adamw=None, graphs=False):
@@ -51,7 +51,7 @@ class Session:
 
     def describe(self, cfg, run, extra=()):
         """llm.c-style header: the config, then this rank's memory, one line per rank."""
-        rows = [("backend", self.be.name), ("transport", self.tr.name),
+        rows = [*self.be.device_info().items(), ("transport", self.tr.name),
                 ("ranks", self.mesh.size), ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
                 ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]

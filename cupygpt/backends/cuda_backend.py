@@ -38,7 +38,7 @@ _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], 
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
-def configure(tf32=False, device_of=lambda count: 0):
+def configure(tf32=False, device_of=lambda count: 0, ranks_here=1):
     """Uses GPU device_of(visible GPUs); TF32 tensor-core matmuls on (training) or off
     (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy
     default stream cannot be captured into a CUDA graph)."""

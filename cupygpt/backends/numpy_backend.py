@@ -1,5 +1,6 @@
 """The reference backend: every op vectorized over B, T and C; float32 or float64."""
 import math
+import os
 
 import numpy as np
 
@@ -10,6 +11,7 @@ TRANSPORTS = ("mpi",)            # host arrays travel by MPI
 supports_graphs = False
 asynchronous = False             # an op returns when its work is done
 DEFAULT_RUN = ("tiny", 64)       # -e, -t when not given: a model that trains in seconds
+threads = None                   # BLAS threads of this process, set by configure()
 # Overflow shows up as a non-finite loss, which the training loop reports in one line.
 np.seterr(over="ignore", invalid="ignore")
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -50,8 +52,14 @@ def device_memory():
     return None
 
 
-def configure(tf32=False, device_of=None):
-    """Nothing to choose on the CPU: no TF32, one host."""
+def configure(tf32=False, device_of=None, ranks_here=1):
+    """BLAS threads: this rank's share of the machine's cores (ranks_here processes share
+    them), at least one. More threads than cores in total is ruinous: a small matmul on two
+    busy cores ran 25x slower with two threads than with one. No TF32 on the CPU."""
+    from threadpoolctl import threadpool_limits
+    global threads
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    threadpool_limits(threads, user_api="blas")
 
 
 def numerics():
@@ -66,7 +74,8 @@ def peak_flops():
 
 def device_info():
     import platform
-    return {"device": platform.processor() or platform.machine(), "backend": name}
+    return {"device": platform.processor() or platform.machine(), "backend": name,
+            "blas_threads": threads}
 
 
 def kernel_profile(step, steps):
