@@ -2,6 +2,7 @@
 the benchmarks and the nvshmem pipeline, into one report. Without a GPU it refuses."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_report_names_each_failure():
 
 
 def test_mps_server_is_started_for_the_runs_inside_and_stopped(tmp_path, monkeypatch):
-    from cupygpt.gpucheck import mps_server
+    from cupygpt.gpucheck_parts import mps_server
     calls = tmp_path / "calls"
     fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
     fake.parent.mkdir()
@@ -116,16 +117,42 @@ def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
 
 
 def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, monkeypatch):
-    from cupygpt import gpucheck
+    from cupygpt import gpucheck_parts
+    from cupygpt.gpucheck import PLANS
     runs = {"single": {"error": "out of GPU memory"},
             "nvshmem_2": {"ms_per_step_median": 1.0, "losses": [10.0, 9.0]}}
-    monkeypatch.setattr(gpucheck, "train_run", lambda work, label, plan, pre: dict(runs[label]))
+    monkeypatch.setattr(gpucheck_parts, "train_run",
+                        lambda work, label, plan, pre: dict(runs[label]))
     got = {}
-    for r in gpucheck.pipeline(str(tmp_path), str(tmp_path), gpucheck.PLANS["quick"]):
+    for r in gpucheck_parts.pipeline(str(tmp_path), str(tmp_path), PLANS["quick"]):
         got.update(r)
     assert got["single"] == runs["single"] and got["nvshmem_2"] == runs["nvshmem_2"]
     runs["single"] = {"ms_per_step_median": 1.0, "losses": [10.0, 9.9]}
     got = {}
-    for r in gpucheck.pipeline(str(tmp_path), str(tmp_path), gpucheck.PLANS["quick"]):
+    for r in gpucheck_parts.pipeline(str(tmp_path), str(tmp_path), PLANS["quick"]):
         got.update(r)
     assert got["nvshmem_2"]["max_rel_loss_diff"] == pytest.approx(0.9 / 9.9)
+
+
+def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
+    """Not in the repository (an installed wheel has none), yet importing the cupygpt that
+    runs the check, also where it is not pip-installed (the PYTHONPATH it gets)."""
+    from cupygpt import gpucheck_parts
+    rc, text = gpucheck_parts.sh(
+        [sys.executable, "-c", "import os, cupygpt; print(os.getcwd(), cupygpt.__file__)"],
+        60, str(tmp_path / "log"), str(tmp_path))
+    assert rc == 0 and text.split() == [
+        str(tmp_path), os.path.join(gpucheck_parts.PKG, "__init__.py")], text
+
+
+def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
+    """Outside a clone there are no GPU tests to run: one clear problem, not a crash."""
+    from cupygpt import gpucheck_parts
+    from cupygpt.gpucheck import PARTS, problems, summary
+    monkeypatch.setattr(gpucheck_parts, "CLONE", str(tmp_path))  # what site-packages holds
+    (result,) = gpucheck_parts.run_tests(str(tmp_path), str(tmp_path), {})
+    need = "needs the repository's tests/ (run gpucheck from a clone)"
+    assert result == {"error": need}
+    r = {"plan": "quick", "versions": {}, "tests": result, **{p: {} for p in PARTS if p != "tests"}}
+    assert problems(r) == [f"tests: {need}"]
+    assert f"result: FAIL: tests: {need}" in summary(r)
