@@ -208,9 +208,8 @@ def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
 
 
 def test_resume_matches(device, tmp_path):
-    args = ["train", "--backend", "cuda", "-e", "tiny", "-b", "4", "-t", "64", "-v", "0", "-g",
-            "0", "-n", "8"]
-    full = run(device, *args, "--checkpoint-every", "4", "-o", tmp_path / "a")
+    args = ["train", "--backend", "cuda", "-b", "4", "-t", "64", "-v", "0", "-g", "0", "-n", "8"]
+    full = run(device, *args, "-e", "tiny", "--checkpoint-every", "4", "-o", tmp_path / "a")
     part = run(device, *args, "--resume", tmp_path / "a" / "ckpt_00000004", "-o", tmp_path / "b")
     assert full.returncode == 0 and part.returncode == 0, part.stderr
     same_losses(device, losses(part.stdout), losses(full.stdout)[4:])
