@@ -45,7 +45,7 @@ MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
 class Stream:
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
-        self.recording = None
+        self._recording = None
 
     def use(self):
         _state["stream"] = self
@@ -59,32 +59,32 @@ class Stream:
         return True
 
     def is_capturing(self):
-        return self.recording is not None
+        return self._recording is not None
 
     def begin_capture(self, mode=None):
         if self.ptr == 0:
             raise RuntimeError("cudaErrorStreamCaptureUnsupported: the legacy default stream "
                                "cannot be captured")
-        self.recording = []
+        self._recording = []
 
     def end_capture(self):
-        graph, self.recording = Graph(self.recording), None
+        graph, self._recording = Graph(self._recording), None
         return graph
 
 
 class Graph:
     def __init__(self, ops):
-        self.ops = ops
+        self._ops = ops
 
     def launch(self, stream=None):
         _not_capturing("graph launch")
-        for op in self.ops:
+        for op in self._ops:
             op()
 
 
 def _enqueue(op):
     """Runs op now, or records it when the current stream is capturing."""
-    rec = _state["stream"].recording
+    rec = _state["stream"]._recording
     if rec is None:
         op()
     else:
@@ -92,7 +92,7 @@ def _enqueue(op):
 
 
 def _not_capturing(what):
-    if _state["stream"].recording is not None:
+    if _state["stream"]._recording is not None:
         raise RuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is "
                            f"capturing a graph")
 
@@ -103,17 +103,17 @@ def get_current_stream():
 
 class Event:
     def __init__(self):
-        self.t = None
+        self._t = None
 
     def record(self, stream=None):
-        _enqueue(lambda: setattr(self, "t", time.perf_counter()))
+        _enqueue(lambda: setattr(self, "_t", time.perf_counter()))
 
     def synchronize(self):
         _not_capturing("event synchronize")
 
 
-def get_elapsed_time(start, end):
-    return (end.t - start.t) * 1e3
+def get_elapsed_time(start_event, end_event):
+    return (end_event._t - start_event._t) * 1e3
 
 
 # --- memory ------------------------------------------------------------------------------
@@ -155,21 +155,21 @@ class ndarray(np.ndarray):
         _not_capturing("device memory allocation")
         free = MEMORY - _in_use()
         if self.nbytes > free:
-            raise memory.OutOfMemoryError(self.nbytes, free)
+            raise memory.OutOfMemoryError(self.nbytes, _in_use())
         _register(self.ctypes.data, self.nbytes, self)
 
     @property
     def data(self):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
-    def set(self, host, stream=None):
+    def set(self, arr, stream=None):
         _not_capturing("host-to-device copy")
-        if not isinstance(host, np.ndarray) or host.dtype != self.dtype:
-            raise TypeError(f"set: {type(host).__name__} {getattr(host, 'dtype', '')} into a "
+        if not isinstance(arr, np.ndarray) or arr.dtype != self.dtype:
+            raise TypeError(f"set: {type(arr).__name__} {getattr(arr, 'dtype', '')} into a "
                             f"{self.dtype} array (CuPy wants the same dtype)")
-        if host.shape != self.shape or not self.flags.c_contiguous:
-            raise ValueError(f"set: shape {host.shape} into {self.shape} (or a strided array)")
-        np.copyto(self.view(np.ndarray), host)
+        if arr.shape != self.shape or not self.flags.c_contiguous:
+            raise ValueError(f"set: shape {arr.shape} into {self.shape} (or a strided array)")
+        np.copyto(self.view(np.ndarray), arr)
 
     def get(self, stream=None):
         return asnumpy(self)
@@ -201,8 +201,8 @@ def zeros(shape, dtype=np.float32):
     return _alloc(shape, dtype, 0)
 
 
-def empty_like(a):
-    return empty(a.shape, a.dtype)
+def empty_like(prototype):
+    return empty(prototype.shape, prototype.dtype)
 
 
 def zeros_like(a):
@@ -213,22 +213,22 @@ def ones_like(a):
     return _alloc(a.shape, a.dtype, 1)
 
 
-def asarray(host, dtype=None):
-    host = np.ascontiguousarray(host, dtype)
+def asarray(a, dtype=None):
+    host = np.ascontiguousarray(a, dtype)
     out = empty(host.shape, host.dtype)
     out.set(host)
     return out
 
 
-def array(a, copy=True):
-    return a.copy() if isinstance(a, ndarray) else asarray(a)
+def array(obj, *, copy=True):
+    return obj.copy() if isinstance(obj, ndarray) else asarray(obj)
 
 
-def from_dlpack(buf, copy=None):
+def from_dlpack(array, *, copy=None):
     """A view of a registered buffer (cudasim's nvshmem buffers), as nvshmem4py makes."""
-    if _owner(buf.handle, buf.size) is None:
+    if _owner(array.handle, array.size) is None:
         raise RuntimeError("from_dlpack: not device memory")
-    return buf.owner.view(ndarray)
+    return array.owner.view(ndarray)
 
 
 def add(a, b, out):
@@ -310,15 +310,15 @@ def _compile(code, options):
 
 
 class RawModule:
-    def __init__(self, code, options=()):
-        self.lib, self.sigs = _compile(code, options)
+    def __init__(self, code, *, options=()):
+        self._lib, self._sigs = _compile(code, options)
 
     def get_function(self, name):
-        if name not in self.sigs:
+        if name not in self._sigs:
             raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: no kernel {name}")
-        fn = getattr(self.lib, f"cudasim_{name}")
+        fn = getattr(self._lib, f"cudasim_{name}")
         fn.restype = ctypes.c_char_p
-        return _Kernel(name, fn, self.sigs[name])
+        return _Kernel(name, fn, self._sigs[name])
 
 
 def _dims(d):
@@ -328,10 +328,10 @@ def _dims(d):
 
 class _Kernel:
     def __init__(self, name, fn, params):
-        self.name, self.fn, self.params = name, fn, params
+        self.name, self._fn, self._params = name, fn, params
 
     def _arg(self, i, value):
-        ctype, pname = self.params[i]
+        ctype, pname = self._params[i]
         where = f"kernel {self.name}, argument {i} ({ctype} {pname})"
         if ctype.endswith("*"):
             want = _C_POINTEES[ctype[:-1].strip()]
@@ -347,15 +347,15 @@ class _Kernel:
                             f"{type(value).__name__} (CuPy would pass it with another size)")
         return _CTYPES[want](value), None
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, *, shared_mem=0):
         (gx, gy, gz), (bx, by, bz) = _dims(grid), _dims(block)
         if not (0 < bx <= 1024 and 0 < by <= 1024 and 0 < bz <= 64 and bx * by * bz <= 1024
                 and 0 < gx < 2**31 and 0 < gy < 65536 and 0 < gz < 65536):
             raise RuntimeError(f"cudaErrorInvalidConfiguration: {self.name} grid "
                                f"{(gx, gy, gz)} block {(bx, by, bz)}")
-        if len(args) != len(self.params):
+        if len(args) != len(self._params):
             raise TypeError(f"kernel {self.name}: {len(args)} arguments for "
-                            f"{len(self.params)} parameters")
+                            f"{len(self._params)} parameters")
         held = [self._arg(i, a) for i, a in enumerate(args)]
         argv = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h, _ in held])
 
@@ -364,7 +364,7 @@ class _Kernel:
                 if nbytes is not None and _owner(h.value, nbytes) is None:
                     raise RuntimeError(f"kernel {self.name}, argument {i}: its buffer was "
                                        f"freed (a graph replayed past a reallocation?)")
-            err = self.fn(gx, gy, gz, bx, by, bz, argv)
+            err = self._fn(gx, gy, gz, bx, by, bz, argv)
             if err:
                 raise RuntimeError(f"kernel {self.name}: {err.decode()}")
         _enqueue(run)
@@ -389,13 +389,13 @@ def _tf32(a):
     return ((u + np.uint32(0xFFF) + ((u >> 13) & 1)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, sA, B, ldb, sB,
-                           beta, C, ldc, sC, batch):
+def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
+                           strideB, beta, C, ldc, strideC, batchCount):
     a_ = ctypes.c_float.from_address(alpha).value  # host pointer mode: read at call time
     b_ = ctypes.c_float.from_address(beta).value
-    opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, sA, batch, "A")
-    opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, sB, batch, "B")
-    outC = _matrix(C, m, n, ldc, sC, batch, "C")
+    opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A")
+    opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, strideB, batchCount, "B")
+    outC = _matrix(C, m, n, ldc, strideC, batchCount, "C")
     tf32 = _cublas_mode["math"] == cublas.CUBLAS_TF32_TENSOR_OP_MATH
 
     def run():
@@ -410,16 +410,16 @@ def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, sA, B
 _cublas_mode = {"math": 0}
 cublas = types.SimpleNamespace(
     CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0, CUBLAS_TF32_TENSOR_OP_MATH=3,
-    setPointerMode=lambda h, mode: None, setStream=lambda h, s: None,
-    setMathMode=lambda h, mode: _cublas_mode.update(math=mode),
+    setPointerMode=lambda handle, mode: None, setStream=lambda handle, stream: None,
+    setMathMode=lambda handle, mode: _cublas_mode.update(math=mode),
     sgemmStridedBatched=_sgemm_strided_batched)
 
 
 # --- the cupy.cuda namespace ---------------------------------------------------------------
 
 class Device:
-    def __init__(self, i=None):
-        self.id = _state["device"] if i is None else i
+    def __init__(self, device=None):
+        self.id = _state["device"] if device is None else device
         if not 0 <= self.id < _DEVICES:
             raise RuntimeError(f"cudaErrorInvalidDevice: device {self.id}")
 
@@ -428,8 +428,9 @@ class Device:
 
 
 class _OutOfMemoryError(MemoryError):
-    def __init__(self, size, free):
-        super().__init__(f"Out of memory allocating {size:,} bytes ({free:,} free)")
+    def __init__(self, size, total, limit=0):  # CuPy's: total is what is allocated so far
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: "
+                         f"{total:,} bytes)")
 
 
 _DEVICES = int(os.environ.get("CUDASIM_DEVICES", "1"))
@@ -439,10 +440,10 @@ memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
 runtime = types.SimpleNamespace(
     getDeviceCount=lambda: _DEVICES,
     memGetInfo=lambda: (MEMORY - _in_use(), MEMORY),
-    getDeviceProperties=lambda i: {"name": b"cudasim (CPU)", "totalGlobalMem": MEMORY},
+    getDeviceProperties=lambda device: {"name": b"cudasim (CPU)", "totalGlobalMem": MEMORY},
     driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
 cuda = types.SimpleNamespace(
-    Stream=Stream, Event=Event, Device=Device, get_current_stream=get_current_stream,
+    Stream=Stream, Event=Event, Device=Device, Graph=Graph, get_current_stream=get_current_stream,
     set_allocator=lambda allocator=None: None,  # no pool to turn off
     get_elapsed_time=get_elapsed_time, runtime=runtime, memory=memory,
     device=types.SimpleNamespace(get_cublas_handle=lambda: 1))

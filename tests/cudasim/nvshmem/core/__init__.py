@@ -43,12 +43,12 @@ class Buffer:
 
 class _Symmetric(Buffer):
     def __init__(self, size, maps):
-        self.maps = maps  # maps[pe]: that PE's mmap of this allocation
+        self._maps = maps  # maps[pe]: that PE's mmap of this allocation
         local = np.frombuffer(maps[_job["comm"].Get_rank()], np.uint8, count=size)
         super().__init__(local.ctypes.data, size, local)
 
-    def peer(self, pe):
-        return ctypes.addressof(ctypes.c_char.from_buffer(self.maps[pe]))
+    def _peer(self, pe):
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._maps[pe]))
 
 
 def init(device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializer_method=""):
@@ -90,11 +90,11 @@ def array(shape, dtype="float32", release=False, morder="C", except_on_del=True)
     return arr
 
 
-def array_get_buffer(arr):
-    buf = _job["buffers"].get(arr.data.ptr)
+def array_get_buffer(array):
+    buf = _job["buffers"].get(array.data.ptr)
     if buf is None:
         raise RuntimeError("Tried to retrieve buffer from Array not tracked by nvshmem")
-    return buf, arr.nbytes, str(arr.dtype)
+    return buf, array.nbytes, str(array.dtype)
 
 
 def _as_buffer(x):
@@ -102,7 +102,7 @@ def _as_buffer(x):
 
 
 def _signal(sig, value, op, pe):
-    word = ctypes.c_uint64.from_address(sig.peer(pe))
+    word = ctypes.c_uint64.from_address(sig._peer(pe))
     word.value = value if op == SignalOp.SIGNAL_SET else word.value + value
 
 
@@ -113,7 +113,7 @@ def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream
     n = min(dst.size, src.size)
 
     def op():
-        ctypes.memmove(dst.peer(remote_pe), src.handle, n)
+        ctypes.memmove(dst._peer(remote_pe), src.handle, n)
         _signal(signal_var, signal_val, signal_op, remote_pe)
     cupy._enqueue(op)
 
@@ -124,13 +124,13 @@ def signal_op(signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
     cupy._enqueue(lambda: _signal(signal_var, signal_val, signal_op, remote_pe))
 
 
-def free(buf):
+def free(buffer):
     _job["comm"].Barrier()
-    cupy._forget(buf.handle)
+    cupy._forget(buffer.handle)
 
 
-def free_array(arr):
-    free(_job["buffers"].pop(arr.data.ptr))
+def free_array(array):
+    free(_job["buffers"].pop(array.data.ptr))
 
 
 def finalize():
@@ -148,8 +148,8 @@ def _unlink_own():
 # --- cuda.core and cuda.bindings.driver, as far as the transport uses them ------------------
 
 class Device:
-    def __init__(self, i=0):
-        self.device_id = i
+    def __init__(self, device_id=0):
+        self.device_id = device_id
 
     def set_current(self):
         cupy.cuda.Device(self.device_id).use()
@@ -167,9 +167,9 @@ class Stream:
         return (0, self.handle)
 
 
-def _wait_value64(stream, ptr, value, flags):
+def _wait_value64(stream, addr, value, flags):
     def op():
-        word, deadline = ctypes.c_uint64.from_address(int(ptr)), time.monotonic() + WAIT_S
+        word, deadline = ctypes.c_uint64.from_address(int(addr)), time.monotonic() + WAIT_S
         while word.value < value:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cudasim: cuStreamWaitValue64 waited {WAIT_S:g}s for "

@@ -1,0 +1,169 @@
+"""Conformance: cupygpt's CUDA code, and cudasim, against the real CuPy, nvshmem4py and
+cuda-python (installed by the test extra; they install and import without a GPU).
+
+cudasim runs the CUDA backend on the CPU by imitating CuPy and nvshmem4py, so a call it
+accepts and the real library rejects would pass CI and fail on a GPU. Here:
+
+1. every cupygpt module that imports cupy, cupy_backends, cupyx, nvshmem or cuda.* (found by
+   glob and ast, so moved files are still found): each library attribute it uses exists in
+   the real package, and each call's positional count and keyword names bind to the real
+   signature (inspect.signature, else the signature a Cython docstring starts with);
+2. cudasim offers nothing the real packages lack: each public name of its stand-ins (their
+   functions, classes, methods, constants, the public attributes their methods set on self,
+   and the members of the classes only calls return, placed by STANDS_FOR) exists at the
+   same place in the real package; a function's parameters have the real names at the real
+   places; a property is no method there, a function no attribute;
+3. the checker reports a misspelt attribute, a wrong keyword and an extra positional
+   argument made in the real source.
+
+Covered: attributes reached from the imports (module level or in functions, through local
+variables, tuple assignments and `self.cp = cp`), calls of them, methods of what they
+return (a class call gives an instance; CuPy's array functions give arrays; the few others
+are in conformance.RETURNS or the real return annotation), methods called on parameters of
+unknown type (the backend's arrays, an NCCL communicator) tried against the library classes
+the same module uses, `f(*args)` where args is a tuple literal in the same function, and
+library code held in a string (gpucheck's sanitizer command).
+Not covered: kernel launches (cudasim checks their arguments against the C parameters and
+test_kernels_compile compiles them), argument types and values, attributes read from
+receivers of unknown type (arr.data.ptr), functions passed as values and called elsewhere.
+Each check that cannot be made (a real callee with neither signature nor docstring one,
+cuda.bindings' CUdeviceptr) or is made in part (*args of unknown length: keywords only) is
+named in a warning, with why. A mismatch found in cupygpt and not yet fixed is in KNOWN,
+and must stay found until it is taken out.
+
+Measured (2 cores, Python 3.11, a fresh venv holding the rest of the test extra): the
+packages added for this (cupy-cuda13x, nvshmem4py-cu13, cuda-core, nvidia-cublas,
+nvidia-nccl-cu13 and their dependencies, ~1.5 GB unpacked) install in 41-47 s without a pip
+cache and 32-34 s with a warm one; this file's tests run in about 2 s.
+"""
+import glob
+import os
+import re
+import types
+import warnings
+
+import pytest
+
+import conformance as cf
+from conftest import ROOT, SIM
+
+# Known mismatches, reported and waiting for a fix in cupygpt (each must still be found, so
+# the entry goes once the code is fixed): {real name: why it matters}
+KNOWN = {"cupy_backends.cuda.libs.cublas.CUBLAS_TF32_TENSOR_OP_MATH":
+         "CuPy's cublas has CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH only; configure("
+         "tf32=True) raises AttributeError on a GPU (cuBLAS's value is 3); cudasim keeps it "
+         "until then so the TF32 tests still run"}
+# cudasim classes that no public name reaches, and the real class each stands for
+STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
+              ("cupy", "_Kernel"): ("cupy", "RawKernel"),
+              ("nvshmem.core", "_Symmetric"): ("cuda.core", "Buffer")}
+
+
+@pytest.fixture(scope="module")
+def real():
+    """The real packages are importable (a skip without them, a failure in CI)."""
+    try:
+        import cupy  # noqa: F401
+        import cuda.bindings.driver  # noqa: F401
+        import cuda.core  # noqa: F401
+        import nvshmem.core  # noqa: F401
+        from cupy.cuda import nccl
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+        assert nccl.available, "CuPy finds no NCCL library (nvidia-nccl-cu13)"
+    except Exception as e:
+        why = f"the real CUDA packages are not installed (pip install -e '.[test]'): {e!r}"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def sources():
+    """{file relative to the repository: text} for each cupygpt module using a library."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "cupygpt", "**", "*.py"), recursive=True)):
+        text = open(path).read()
+        if cf.imports_a_library(text):
+            out[os.path.relpath(path, ROOT)] = text
+    return out
+
+
+def report(texts):
+    """The check of several modules' sources, as one Report."""
+    total = cf.Report()
+    for where, text in texts.items():
+        rep = cf.check(cf.read(text, where))
+        total.checked += rep.checked
+        for field in ("errors", "skipped", "partial"):
+            getattr(total, field).extend(getattr(rep, field))
+    return total
+
+
+def unknown_errors(rep):
+    """rep's errors less the KNOWN ones, each of which must be among them."""
+    for name in KNOWN:
+        assert any(name in e for e in rep.errors), f"{name} is fixed: take it out of KNOWN"
+    return [e for e in rep.errors if not any(name in e for name in KNOWN)]
+
+
+def tell(title, rep):
+    """Names, in a warning, each check that was not made or made in part, and why."""
+    lines = [f"not checked: {s}" for s in rep.skipped] + [f"in part: {s}" for s in rep.partial]
+    if lines:
+        warnings.warn(f"{title}: {rep.checked} checked, and\n" + "\n".join(lines))
+
+
+def test_cupygpt_uses_the_real_api(real):
+    texts = sources()
+    found = {lib for t in texts.values() for lib in cf.LIBS
+             if re.search(rf"^\s*(import|from) {lib}\b", t, re.M)}
+    assert {"cupy", "nvshmem", "cuda"} <= found, f"the search found only {sorted(texts)}"
+    rep = report(texts)
+    assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
+    tell("cupygpt's library calls", rep)
+
+
+def test_cudasim_offers_nothing_the_real_packages_lack(real):
+    mods = cf.standins(SIM)
+    stands_for = {getattr(mods[m], name): place for (m, name), place in STANDS_FOR.items()}
+    entries, unplaced = cf.offered(mods, stands_for)
+    assert not unplaced, f"cudasim classes at no real place: {unplaced}; add them to STANDS_FOR"
+    rep = cf.check_offer(entries)
+    assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
+    tell("cudasim's offer", rep)
+
+
+def test_the_offer_check_reports_what_cudasim_must_not_offer(real):
+    fake = types.ModuleType("cupy")
+    fake.__file__ = __file__
+    fake.cuda = types.SimpleNamespace(Stream=None, Strem=None,
+                                      get_elapsed_time=lambda start, end: 0.0)
+    entries, _ = cf.offered({"cupy": fake}, {})
+    errors = "\n".join(cf.check_offer(entries).errors)
+    assert "cupy.cuda.Strem: the real package lacks it" in errors
+    assert "cupy.cuda.get_elapsed_time: parameter 0 is 'start'" in errors
+    assert "cuda.Stream:" not in errors
+
+
+# One mistake each, made in the real source (wherever it now lives): (what to change, into
+# what, a word its report must contain)
+MISTAKES = {
+    "misspelt attribute": (r"\bsgemmStridedBatched\b", "sgemmStridedBatchd", "sgemmStridedBatchd"),
+    "wrong keyword": (r"(put_signal\([^)]*)\bremote_pe=", r"\1peer=", "'peer'"),
+    "extra positional": (r"(\.signal_op\()", r"\g<1>0, ", "multiple values"),
+    "extra positional via *args": (r"\bargs = \(h, ", "args = (h, h, ", "too many positional"),
+    "extra positional, method of an untyped receiver": (r"(\.allReduce\()", r"\g<1>0, ",
+                                                        "allReduce"),
+    "wrong keyword, method of an array parameter": (r"\.get\(stream=", ".get(strm=", "'strm'"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_in_the_source_is_reported(real, mistake):
+    pattern, replacement, said = MISTAKES[mistake]
+    texts = sources()
+    where = [w for w, t in texts.items() if re.search(pattern, t)]
+    assert len(where) == 1, f"{pattern!r} is in {where}, not in exactly one module"
+    before = set(report({where[0]: texts[where[0]]}).errors)
+    wrong = re.sub(pattern, replacement, texts[where[0]], count=1)
+    new = [e for e in report({where[0]: wrong}).errors if e not in before]
+    assert any(said in e for e in new), f"{mistake} in {where[0]} not reported: {new}"
