@@ -9,12 +9,17 @@ import pytest
 from conftest import cli, device_env, gpu_available, requires_sim
 
 
+# The dry run proves the check's plumbing; the GPU tests themselves already run on cudasim
+# as their "sim" variants, so its nested pytest takes a subset (pytest reads PYTEST_ADDOPTS).
+NESTED = "-k 'kernels_match or verify_cuda'"
+
+
 @requires_sim
-@pytest.mark.timeout(1500)  # it runs the GPU tests again, inside
+@pytest.mark.timeout(1500)
 def test_gpucheck_dry_run_on_cudasim(tmp_path):
     """In two pieces, as on a machine with a per-command time limit: the second merges
     into the first's report, and only the whole check exits 0."""
-    env = device_env("sim")
+    env = {**device_env("sim"), "PYTEST_ADDOPTS": NESTED}
     first = cli("gpucheck", "--quick", "--out", tmp_path, "--part", "tests", "--part",
                 "sanitizer", "--part", "verify", env=env, timeout=1500)
     assert first.returncode == 1, first.stdout + first.stderr
@@ -34,7 +39,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     assert v["tiny_no_tf32"]["ok"] and v["tiny_no_tf32"]["logits"] < 1e-5, v
     assert v["tiny_tf32"]["ok"] and v["tiny_tf32"]["logits"] > 10 * v["tiny_no_tf32"]["logits"]
     t = r["tests"]
-    assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 20, t
+    assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 8, t  # 4 kernels, 4 verify
     assert r["bench"] and all("error" not in b for b in r["bench"].values()), r["bench"]
     for run in ("nvshmem_2", "nvshmem_2_mps"):
         assert r["pipeline"][run]["max_rel_loss_diff"] < 1e-5, r["pipeline"]
