@@ -1,0 +1,96 @@
+"""How the commands are built: the shipped files' paths, the one error line, a config from
+the flags, the options several commands share, and progress bars."""
+import dataclasses
+import functools
+import os
+import sys
+import traceback
+
+import click
+
+from . import CupyGPTError
+from .comm.launch import fail, launched_ranks, start_mpi
+from .config import Device, Pipeline
+from .parallel.pipeline.schedule import SCHEDULES
+
+PKG = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(PKG, "data")            # shipped: tokenizer, tinyshakespeare, its shards
+REFERENCE = os.path.join(PKG, "reference")  # shipped: llm.c model + debug-state files
+TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
+
+
+def as_flag(e):
+    """A library error names a config field (CupyGPTError.option): show it as its flag."""
+    if e.option is None:
+        return str(e)
+    ctx = click.get_current_context(silent=True)
+    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    return f"{params.get(e.option, e.option)} {e.value}: {e.args[0]}"
+
+
+def entry(fn):
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank."""
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        if launched_ranks() > 1:
+            start_mpi()
+        try:
+            return fn(**kw)
+        except CupyGPTError as e:
+            fail(f"error: {as_flag(e)}")
+        except Exception:
+            fail(traceback.format_exc().rstrip())
+    return wrapper
+
+
+def config(cls, kw):
+    """cls (a config dataclass) from the flags: each field is the flag's parameter name;
+    the device and pipeline parts are filled the same way."""
+    parts = {"device": Device, "pipeline": Pipeline}
+    args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
+    for name, part in parts.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
+                                 if f.name in kw})
+    return cls(**args)
+
+
+def session(cls, kw, tf32_default):
+    from .session import Session
+    return Session(config(cls, kw), tf32_default)
+
+
+def progress(length, label):
+    """A progress bar on stderr when it is a terminal (elsewhere a bar's label would only be
+    noise before the result or the one error line)."""
+    return click.progressbar(length=length, label=label, file=sys.stderr,
+                             hidden=not sys.stderr.isatty())
+
+
+def options(*opts):
+    """A decorator adding click options, first listed first in --help."""
+    def add(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return add
+
+
+backend_option = click.option("--backend", default="auto", show_default=True,
+                              type=click.Choice(["auto", "cuda", "numpy"]))
+device_options = options(
+    backend_option,
+    click.option("--transport", default="auto", show_default=True,
+                 type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
+                 help="stage-to-stage transport under mpiexec (auto: the backend's first "
+                      "choice: nvshmem on a GPU, mpi on the CPU)"),
+    click.option("--peer-timeout", default=300.0, show_default=True,
+                 help="seconds to wait on another rank before failing"),
+    click.option("--tf32/--no-tf32", default=None,
+                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"))
+pipeline_options = options(
+    click.option("--micro-batches", default=1, show_default=True,
+                 help="micro-batches per step (must divide the batch)"),
+    click.option("--schedule", default="1f1b", show_default=True,
+                 type=click.Choice(list(SCHEDULES))),
+    click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"))
