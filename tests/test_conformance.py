@@ -49,10 +49,7 @@ from conftest import ROOT, SIM
 
 # Known mismatches, reported and waiting for a fix in cupygpt (each must still be found, so
 # the entry goes once the code is fixed): {real name: why it matters}
-KNOWN = {"cupy_backends.cuda.libs.cublas.CUBLAS_TF32_TENSOR_OP_MATH":
-         "CuPy's cublas has CUBLAS_DEFAULT_MATH and CUBLAS_TENSOR_OP_MATH only; configure("
-         "tf32=True) raises AttributeError on a GPU (cuBLAS's value is 3); cudasim keeps it "
-         "until then so the TF32 tests still run"}
+KNOWN = {}
 # cudasim classes that no public name reaches, and the real class each stands for
 STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
               ("cupy", "_Kernel"): ("cupy", "RawKernel"),

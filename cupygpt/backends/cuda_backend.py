@@ -30,6 +30,7 @@ DEFAULT_RUN = ("d12", 1024)              # -e, -t when not given: llm.c's GPT-2 
 TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 494.7,
              "H200": 494.7, "A100": 156.0, "L40S": 183.0}
 
+CUBLAS_TF32_TENSOR_OP_MATH = 3  # cublas_api.h; CuPy's cublas module does not export it
 tf32 = False
 EW = 256          # EW_THREADS in common.cuh
 ROW_WARPS = 8     # ROW_WARPS in common.cuh
@@ -47,7 +48,7 @@ def configure(tf32=False, device_of=lambda count: 0, ranks_here=1):
     cp.cuda.Stream(non_blocking=True).use()
     h = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
-    cublas.setMathMode(h, cublas.CUBLAS_TF32_TENSOR_OP_MATH if tf32 else cublas.CUBLAS_DEFAULT_MATH)
+    cublas.setMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH if tf32 else cublas.CUBLAS_DEFAULT_MATH)
 
 
 def _k(fn):

@@ -396,7 +396,7 @@ def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strid
     opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A")
     opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, strideB, batchCount, "B")
     outC = _matrix(C, m, n, ldc, strideC, batchCount, "C")
-    tf32 = _cublas_mode["math"] == cublas.CUBLAS_TF32_TENSOR_OP_MATH
+    tf32 = _cublas_mode["math"] == 3  # cuBLAS's CUBLAS_TF32_TENSOR_OP_MATH
 
     def run():
         x = opA if transa == 0 else opA.transpose(0, 2, 1)
@@ -409,7 +409,7 @@ def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strid
 
 _cublas_mode = {"math": 0}
 cublas = types.SimpleNamespace(
-    CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0, CUBLAS_TF32_TENSOR_OP_MATH=3,
+    CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0,
     setPointerMode=lambda handle, mode: None, setStream=lambda handle, stream: None,
     setMathMode=lambda handle, mode: _cublas_mode.update(math=mode),
     sgemmStridedBatched=_sgemm_strided_batched)
