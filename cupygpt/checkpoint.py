@@ -31,8 +31,10 @@ def _fsync_dir(path):
 
 def identity(run):
     """What a resume must match: the model's shape and how it is cut and batched."""
-    return {"config": run.cfg.__dict__, "ranks": run.mesh.size, "split": run.counts,
-            "B": run.B, "T": run.T, "micro_batches": run.M}
+    m = run.mesh
+    return {"config": run.cfg.__dict__, "ranks": m.size, "grid": [m.dp, m.tp, m.pp],
+            "zero": int(run.zero), "split": run.counts, "B": run.B, "T": run.T,
+            "micro_batches": run.M}
 
 
 def save(run, out, step, state, keep=2):

@@ -9,7 +9,7 @@ import click
 
 from . import CupyGPTError
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, backend_option, device_options, entry,
-                      pipeline_options, progress, session)
+                      grid_options, pipeline_options, progress, session)
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
 from .parallel.pipeline.schedule import LABEL, SCHEDULES
@@ -34,6 +34,7 @@ def cli():
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @device_options
+@grid_options
 @pipeline_options
 @entry
 def verify(as_json, **kw):
@@ -109,6 +110,7 @@ def prepare(text, out, tokenizer, name):
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="replay each step as a CUDA graph (one process on a GPU)")
 @device_options
+@grid_options
 @pipeline_options
 @entry
 def train(**kw):

@@ -10,7 +10,7 @@ import click
 
 from . import CupyGPTError
 from .comm.launch import fail, launched_ranks, start_mpi
-from .config import Device, Pipeline
+from .config import Device, Grid, Pipeline
 from .parallel.pipeline.schedule import SCHEDULES
 
 PKG = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +46,7 @@ def entry(fn):
 def config(cls, kw):
     """cls (a config dataclass) from the flags: each field is the flag's parameter name;
     the device and pipeline parts are filled the same way."""
-    parts = {"device": Device, "pipeline": Pipeline}
+    parts = {"device": Device, "pipeline": Pipeline, "grid": Grid}
     args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
     for name, part in parts.items():
         if name in {f.name for f in dataclasses.fields(cls)}:
@@ -90,7 +90,16 @@ device_options = options(
                  help="TF32 matmuls on the GPU (default: on for train, off for verify)"))
 pipeline_options = options(
     click.option("--micro-batches", default=1, show_default=True,
-                 help="micro-batches per step (must divide the batch)"),
+                 help="micro-batches per step (must divide the batch; per replica with --dp)"),
     click.option("--schedule", default="1f1b", show_default=True,
                  type=click.Choice(list(SCHEDULES))),
     click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"))
+grid_options = options(
+    click.option("--dp", type=int, default=None,
+                 help="data-parallel replicas (each takes -b/DP rows)  [default: 1]"),
+    click.option("--tp", type=int, default=None,
+                 help="tensor-parallel ranks per stage (must divide the heads)  [default: 1]"),
+    click.option("--pp", type=int, default=None,
+                 help="pipeline stages  [default: the ranks dp and tp leave]"),
+    click.option("--zero", type=int, default=0, show_default=True,
+                 help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"))

@@ -92,6 +92,56 @@ class Device:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """How many ranks split the model each way: data-parallel replicas (dp), tensor-parallel
+    shards of each stage (tp), pipeline stages (pp); dp * tp * pp = the ranks. An omitted
+    degree is inferred: the pipeline takes what dp and tp leave, so a plain mpiexec -n 2 is
+    a 2-stage pipeline. zero=1 shards AdamW's state across the replicas (llm.c's -z 1)."""
+    dp: Optional[int] = None
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    zero: int = 0
+
+    def validate(self, shape, world):
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise CupyGPTError("must be at least 1", name, v)
+        dp, tp, pp = self.dp, self.tp, self.pp
+        if pp is None:
+            dp, tp = dp or 1, tp or 1
+            pp = world // (dp * tp)
+        elif dp is None:
+            tp = tp or 1
+            dp = world // (tp * pp)
+        elif tp is None:
+            tp = world // (dp * pp)
+        if dp * tp * pp != world or min(dp, tp, pp) < 1:
+            given = " x ".join(f"--{k} {v}" for k, v in asdict(self).items()
+                               if v is not None and k != "zero")
+            raise CupyGPTError(f"{given} does not multiply out to the {world} rank(s) of this "
+                               f"launch; dp x tp x pp must equal the number of ranks")
+        if shape.NH % tp:
+            raise CupyGPTError(f"each tensor-parallel rank holds whole heads: {tp} must divide "
+                               f"the model's {shape.NH} heads", "tp", tp)
+        if self.zero not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (AdamW state sharded across --dp replicas)",
+                               "zero", self.zero)
+        if self.zero and dp == 1:
+            raise CupyGPTError("shards the optimizer state across data-parallel replicas, "
+                               "and there is one (--dp 1); add --dp 2 or more, or leave it "
+                               "out", "zero", self.zero)
+        return replace(self, dp=dp, tp=tp, pp=pp)
+
+    def rows(self, batch):
+        """Each replica computes batch / dp rows of the step's batch."""
+        if batch % self.dp:
+            raise CupyGPTError(f"must divide the batch size {batch}: each data-parallel "
+                               f"replica takes an equal part of it", "dp", self.dp)
+        return batch // self.dp
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """How one step is cut across the pipeline's stages and micro-batches."""
     micro_batches: int = 1
@@ -103,8 +153,8 @@ class Pipeline:
         from .parallel.pipeline.runner import plan_split
         from .parallel.pipeline.schedule import SCHEDULES
         if self.micro_batches < 1 or batch % self.micro_batches:
-            raise CupyGPTError(f"must divide the batch size {batch}", "micro_batches",
-                               self.micro_batches)
+            raise CupyGPTError(f"must divide the batch size {batch} (per data-parallel "
+                               f"replica)", "micro_batches", self.micro_batches)
         if self.schedule not in SCHEDULES:
             raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
                                self.schedule)
@@ -168,6 +218,7 @@ class TrainConfig:
     graphs: bool = True
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
+    grid: Grid = field(default_factory=Grid)
 
     def validate(self, be, world):
         """Returns the config with every default resolved and the model's shape (`shape`)."""
@@ -195,8 +246,8 @@ class TrainConfig:
             if getattr(c, name) and not glob.glob(getattr(c, name)):
                 raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
                                    "fix the path", name, getattr(c, name))
-        c = replace(c, device=c.device.validate(be, world),
-                    pipeline=c.pipeline.validate(shape.L, world, c.batch))
+        c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
+        c = replace(c, pipeline=c.pipeline.validate(shape.L, c.grid.pp, c.grid.rows(c.batch)))
         make_dir("out", c.out)  # last: nothing is left behind when a check above fails
         return c, shape
 
@@ -212,6 +263,7 @@ class VerifyConfig:
     dtype: str = "float32"
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
+    grid: Grid = field(default_factory=Grid)
 
     def validate(self, be, world):
         from .files import read_state_header
@@ -221,8 +273,9 @@ class VerifyConfig:
             existing("expected", self.expected)
         shape = model_shape(self.model)
         B, _ = read_state_header(self.state, shape)
-        return replace(self, device=self.device.validate(be, world),
-                       pipeline=self.pipeline.validate(shape.L, world, B)), shape
+        grid = self.grid.validate(shape, world)
+        return replace(self, device=self.device.validate(be, world), grid=grid,
+                       pipeline=self.pipeline.validate(shape.L, grid.pp, grid.rows(B))), shape
 
 
 @dataclass(frozen=True)
@@ -237,6 +290,7 @@ class SampleConfig:
     kv_cache: bool = True
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # even split; one row, one pass
+    grid: Grid = field(default_factory=Grid)              # a pipeline of every rank
 
     def validate(self, be, world):
         positive(self, "max_new_tokens", "temperature", zero_ok=True)
@@ -245,6 +299,7 @@ class SampleConfig:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
                                self.top_k)
         return replace(self, device=self.device.validate(be, world),
+                       grid=self.grid.validate(shape, world),
                        pipeline=self.pipeline.validate(shape.L, world, 1)), shape
 
 
@@ -260,6 +315,7 @@ class BenchConfig:
     profile: bool = False
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
+    grid: Grid = field(default_factory=Grid)
 
     def validate(self, be, world):
         init, seq = be.DEFAULT_RUN
@@ -268,5 +324,5 @@ class BenchConfig:
         positive(c, "warmup", zero_ok=True)
         shape = preset(c.init)
         fits(c.seq, shape)
-        return replace(c, device=c.device.validate(be, world),
+        return replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world),
                        pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape

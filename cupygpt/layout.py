@@ -1,7 +1,8 @@
 """Flat-buffer layouts: named views in llm.c's ParameterTensors / ActivationTensors order.
 
-A layout covers a layer range [l0, l1), with or without the embedding and the head, which
-is exactly what one pipeline stage owns. The whole model is the range [0, L) with both.
+A layout covers a Part: a layer range [l0, l1), with or without the embedding and the head
+(what one pipeline stage owns), and one tensor-parallel shard of those tensors. The whole
+model is the range [0, L) with both, unsharded.
 """
 from dataclasses import dataclass
 
@@ -33,90 +34,131 @@ class Layout:
 
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+WHOLE = ("wte", "wpe", "lnfw", "lnfb")  # not per layer
 
 
-def param_shapes(cfg, nl):
-    """All 16 llm.c parameter tensors for nl layers."""
-    C, Vp = cfg.C, cfg.Vp
-    return {"wte": (Vp, C), "wpe": (cfg.maxT, C), "ln1w": (nl, C), "ln1b": (nl, C),
-            "qkvw": (nl, 3 * C, C), "qkvb": (nl, 3 * C), "attprojw": (nl, C, C),
-            "attprojb": (nl, C), "ln2w": (nl, C), "ln2b": (nl, C), "fcw": (nl, 4 * C, C),
-            "fcb": (nl, 4 * C), "fcprojw": (nl, C, 4 * C), "fcprojb": (nl, C),
-            "lnfw": (C,), "lnfb": (C,)}
+@dataclass(frozen=True)
+class Part:
+    """What one rank holds: layers [l0, l1), the embedding and/or the head (a pipeline
+    stage), and tensor-parallel shard `shard` of `tp` of each of those tensors."""
+    l0: int
+    l1: int
+    embed: bool = True
+    head: bool = True
+    tp: int = 1
+    shard: int = 0
+
+    @staticmethod
+    def whole(cfg):
+        return Part(0, cfg.L)
+
+    def vocab(self, cfg):
+        """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp (split as
+        evenly as possible) and how many of them are real tokens (< V), not padding."""
+        base, extra = divmod(cfg.Vp, self.tp)
+        v0 = self.shard * base + min(self.shard, extra)
+        rows = base + (self.shard < extra)
+        return v0, rows, max(0, min(rows, cfg.V - v0))
 
 
-def owns(name, embed, head):
+def owns(name, part):
     """Which tensors a stage holds: wte is tied, so both the embedding and the head hold it."""
     if name == "wte":
-        return embed or head
+        return part.embed or part.head
     if name == "wpe":
-        return embed
+        return part.embed
     if name in ("lnfw", "lnfb"):
-        return head
+        return part.head
     return True
 
 
-def param_layout(cfg, l0=0, l1=None, embed=True, head=True):
-    l1 = cfg.L if l1 is None else l1
-    shapes = param_shapes(cfg, l1 - l0)
-    return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, embed, head))
+def param_shapes(cfg, part):
+    """The 16 llm.c parameter tensors as `part` holds them. Megatron's split: qkvw/qkvb by
+    heads (NH/tp whole heads of each of q, k, v), fcw/fcb by output rows, attprojw and
+    fcprojw by input columns (row-parallel), wte by vocab rows; the rest replicated."""
+    C, nl, t = cfg.C, part.l1 - part.l0, part.tp
+    return {"wte": (part.vocab(cfg)[1], C), "wpe": (cfg.maxT, C), "ln1w": (nl, C),
+            "ln1b": (nl, C), "qkvw": (nl, 3 * C // t, C), "qkvb": (nl, 3 * C // t),
+            "attprojw": (nl, C, C // t), "attprojb": (nl, C), "ln2w": (nl, C),
+            "ln2b": (nl, C), "fcw": (nl, 4 * C // t, C), "fcb": (nl, 4 * C // t),
+            "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
-def activation_layout(cfg, B, T, nl, head):
-    """One micro-batch's activations for nl layers; per-layer tensors are what backward reads.
+def param_layout(cfg, part=None):
+    part = part or Part.whole(cfg)
+    shapes = param_shapes(cfg, part)
+    return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
+
+
+def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None):
+    """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
+    columns, its vocab rows); per-layer tensors are what backward reads.
 
     encoded is the stage input: the embedding's output on stage 0, the received
     activation elsewhere. The head's logits are overwritten in place by dlogits.
     """
-    C, NH, Vp = cfg.C, cfg.NH, cfg.Vp
+    C, NH = cfg.C, cfg.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
-         ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C)), ("atty", (nl, B, T, C)),
+         ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C // tp)), ("atty", (nl, B, T, C // tp)),
          ("preatt", (nl, B, NH, T, T)), ("att", (nl, B, NH, T, T)), ("attproj", (nl, B, T, C)),
          ("residual2", (nl, B, T, C)), ("ln2", (nl, B, T, C)), ("ln2_mean", (nl, B, T)),
-         ("ln2_rstd", (nl, B, T)), ("fch", (nl, B, T, 4 * C)), ("fch_gelu", (nl, B, T, 4 * C)),
-         ("fcproj", (nl, B, T, C)), ("residual3", (nl, B, T, C))]
+         ("ln2_rstd", (nl, B, T)), ("fch", (nl, B, T, 4 * C // tp)),
+         ("fch_gelu", (nl, B, T, 4 * C // tp)), ("fcproj", (nl, B, T, C)),
+         ("residual3", (nl, B, T, C))]
     if head:
         e += [("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
-              ("logits", (B, T, Vp)), ("losses", (B, T))]
+              ("logits", (B, T, vocab_rows or cfg.Vp)), ("losses", (B, T))]
     return Layout.of(e)
 
 
-def scratch_layout(cfg, B, T):
+def scratch_layout(cfg, B, T, tp=1):
     """Backward temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
-    for the previous one.
+    for the previous one. lstats holds each shard's softmax statistics per position (max,
+    sum of exponentials, target logit), gathered from the tensor-parallel group.
     """
-    C, NH = cfg.C, cfg.NH
+    C, NH = cfg.C, cfg.NH // tp
     return Layout.of([("dresidual", (B, T, C)), ("dbt_c", (B, T, C)),
-                      ("dbt_3c", (B, T, 3 * C)), ("dbt_4c", (B, T, 4 * C)),
-                      ("dbt_4c2", (B, T, 4 * C)), ("datt", (B, NH, T, T)),
-                      ("dpreatt", (B, NH, T, T))])
+                      ("dbt_3c", (B, T, 3 * C // tp)), ("dbt_4c", (B, T, 4 * C // tp)),
+                      ("dbt_4c2", (B, T, 4 * C // tp)), ("datt", (B, NH, T, T)),
+                      ("dpreatt", (B, NH, T, T)), ("lstats", (tp, B, T, 3))])
 
 
-def stage_slices(stage_layout, l0):
-    """(name, index into the whole model's tensor) for each tensor a stage owns."""
-    for name, shape in zip(stage_layout.names, stage_layout.shapes):
-        whole = name in ("wte", "wpe", "lnfw", "lnfb")
-        yield name, slice(None) if whole else slice(l0, l0 + shape[0])
+def held(cfg, name, whole, part):
+    """The view of a whole-model tensor (whole: all L layers) that part holds: its layers,
+    then its shard, shaped as param_shapes says or as a view that reshapes to it."""
+    x = whole if name in WHOLE else whole[part.l0:part.l1]
+    t, s, C = part.tp, part.shard, cfg.C
+    if name == "wte":
+        v0, rows, _ = part.vocab(cfg)
+        return x[v0:v0 + rows]
+    if name in ("qkvw", "qkvb"):  # (nl, 3, NH, HS[, C]): this shard's heads of q, k and v
+        h = cfg.NH // t
+        return x.reshape(x.shape[0], 3, cfg.NH, -1)[:, :, s * h:(s + 1) * h]
+    if name in ("fcw", "fcb"):
+        return x[:, s * 4 * C // t:(s + 1) * 4 * C // t]
+    if name == "attprojw":
+        return x[:, :, s * C // t:(s + 1) * C // t]
+    if name == "fcprojw":
+        return x[:, :, s * 4 * C // t:(s + 1) * 4 * C // t]
+    return x
 
 
-def copy_layer_range(dst, dst_layout, src, src_layout, l0):
-    """Copy the tensors dst owns out of src, a host buffer whose layers start at layer 0."""
-    sv, dv = src_layout.views(src), dst_layout.views(dst)
-    for name, idx in stage_slices(dst_layout, l0):
-        dv[name][...] = sv[name][idx]
+def copy_part(dst, part, src, cfg):
+    """dst (part's layout) = the tensors part holds of src (a whole model's host buffer)."""
+    sv, dv = param_layout(cfg).views(src), param_layout(cfg, part).views(dst)
+    for name, d in dv.items():
+        d[...] = held(cfg, name, sv[name], part).reshape(d.shape)
     return dst
 
 
 def assemble(cfg, parts):
-    """The whole model's parameters from stages' (l0, l1, embed, head, host params)."""
-    full_layout = param_layout(cfg)
-    full = np.zeros(full_layout.size, parts[0][4].dtype)
-    fv = full_layout.views(full)
-    for l0, l1, embed, head, params in parts:
-        lay = param_layout(cfg, l0, l1, embed, head)
-        pv = lay.views(params)
-        for name, idx in stage_slices(lay, l0):
-            fv[name][idx] = pv[name]
+    """The whole model's parameters from (part, host params) pairs that cover it."""
+    full = np.zeros(param_layout(cfg).size, parts[0][1].dtype)
+    fv = param_layout(cfg).views(full)
+    for part, params in parts:
+        for name, p in param_layout(cfg, part).views(params).items():
+            view = held(cfg, name, fv[name], part)
+            view[...] = p.reshape(view.shape)
     return full

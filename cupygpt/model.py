@@ -1,36 +1,53 @@
-"""GPT-2 as a stage: layers [l0, l1), with the embedding (first stage) and/or the head (last).
+"""GPT-2 as a stage: layers [l0, l1), with the embedding (first stage) and/or the head (last),
+one tensor-parallel shard of it (Megatron's split, layout.Part).
 
-The single-process model is the stage [0, L) with both. The model calls only the backend
-interface, so NumPy and CUDA run the same code; it never knows whether it is pipelined.
-Activations live in `slots` copies of one micro-batch's layout, so a pipeline stage keeps
-the micro-batches that are in flight.
+The single process is the stage [0, L) with both, unsharded. The model calls only the
+backend interface, so NumPy and CUDA run the same code; it never knows whether it is
+pipelined. Tensor parallelism adds four sums over the shard's group per layer and pass (the
+row-parallel outputs forward, the column-parallel inputs' gradients backward), made through
+`comm` (a transport; with one shard they are no-ops), and the vocab-parallel embedding and
+cross-entropy. Activations live in `slots` copies of one micro-batch's layout, so a
+pipeline stage keeps the micro-batches that are in flight.
 """
 import numpy as np
 
 from . import CupyGPTError
-from .layout import activation_layout, copy_layer_range, param_layout, scratch_layout
+from .comm.local import Local
+from .layout import Part, activation_layout, copy_part, param_layout, scratch_layout
 
 
 class Stage:
-    def __init__(self, cfg, be, B, T, l0=0, l1=None, embed=True, head=True, slots=1,
-                 dtype=np.float32):
+    def __init__(self, cfg, be, B, T, part=None, slots=1, dtype=np.float32, comm=None):
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
                                f"{', '.join(np.dtype(d).name for d in be.DTYPES)}", "dtype",
                                np.dtype(dtype).name)
+        part = part or Part.whole(cfg)
         self.cfg, self.be, self.B, self.T, self.dtype = cfg, be, B, T, dtype
-        self.l0, self.l1 = l0, cfg.L if l1 is None else l1
-        self.nl, self.embed, self.head = self.l1 - l0, embed, head
-        self.layout = param_layout(cfg, l0, self.l1, embed, head)
+        self.part, self.comm = part, comm or Local()
+        self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
+        self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
+        self.v0, rows, self.valid = part.vocab(cfg)
+        self.layout = param_layout(cfg, part)
         self.params = be.zeros(self.layout.size, dtype)
         self.grads = be.zeros(self.layout.size, dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
-        alay = activation_layout(cfg, B, T, self.nl, head)
+        alay = activation_layout(cfg, B, T, self.nl, self.head, part.tp, rows)
         self.acts_buf = be.zeros(alay.size * slots, dtype)
         self.acts = [alay.views(self.acts_buf, i * alay.size) for i in range(slots)]
-        slay = scratch_layout(cfg, B, T)
+        slay = scratch_layout(cfg, B, T, part.tp)
         self.scratch_buf = be.zeros(slay.size, dtype)
         self.s = slay.views(self.scratch_buf)
+        # attention output's gradient (C/tp wide) lives in dbt_c's memory: it is read once,
+        # by attention_backward, before dbt_c is written
+        self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
+            B, T, cfg.C // part.tp)
+        # row-parallel biases: every shard's partial sum, shard 0's with the bias, is summed
+        self.bias_here = part.shard == 0
+
+    def tp_sum(self, arr):
+        """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
+        self.comm.all_reduce(arr, "tp")
 
     def memory_bytes(self):
         """Bytes of parameters, gradients and activations (+ scratch) this stage allocated."""
@@ -39,14 +56,13 @@ class Stage:
                 "activations": (self.acts_buf.size + self.scratch_buf.size) * item}
 
     def load(self, full_params):
-        """This stage's slice of a whole model's host parameters (array or memmap), in one
+        """This stage's part of a whole model's host parameters (array or memmap), in one
         upload; the whole model goes straight from the file into the flat buffer."""
-        full = param_layout(self.cfg)
-        if self.layout == full:
+        if self.part == Part.whole(self.cfg):
             host = full_params
         else:
-            host = np.empty(self.layout.size, full_params.dtype)
-            copy_layer_range(host, self.layout, full_params, full, self.l0)
+            host = copy_part(np.empty(self.layout.size, full_params.dtype), self.part,
+                             full_params, self.cfg)
         self.be.upload(self.params, host)
 
     def export(self):
@@ -70,9 +86,9 @@ class Stage:
     def forward(self, slot=0, tokens=None, targets=None, dloss=None):
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
         leaves dlogits in place of logits (fused classifier) ready for backward."""
-        be, a, NH = self.be, self.acts[slot], self.cfg.NH
+        be, a, NH = self.be, self.acts[slot], self.NH
         if self.embed:
-            be.encoder_forward(a["encoded"], tokens, self.p["wte"], self.p["wpe"])
+            self._embed(a["encoded"], tokens, self.p["wpe"])
 
         def whole(name, l=None):
             return a[name] if l is None else a[name][l]
@@ -83,14 +99,31 @@ class Stage:
         if self.head:
             self._head(whole, x)
             if targets is not None:
-                be.classifier(a["logits"], a["losses"], targets, self.cfg.V, dloss)
+                self._cross_entropy(a["logits"], a["losses"], targets, dloss)
+
+    def _embed(self, out, tokens, wpe):
+        """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
+        rest), shard 0 adds the positions; the sum over shards is wte[token] + wpe exactly
+        (the other terms are zeros)."""
+        self.be.encoder_forward(out, tokens, self.p["wte"], wpe if self.bias_here else None,
+                                self.v0)
+        self.tp_sum(out)
+
+    def _cross_entropy(self, logits, losses, targets, dloss):
+        """Vocab-parallel softmax cross-entropy: each shard's (max, sum of exponentials,
+        target logit) per position are gathered, every shard combines them in shard order,
+        and the (B, T, Vp) logits are never gathered."""
+        be, st = self.be, self.s["lstats"]
+        be.classifier_stats(st[self.part.shard], logits, targets, self.v0, self.valid)
+        self.comm.all_gather(st[self.part.shard], st, "tp")
+        be.classifier(logits, losses, st, targets, self.v0, self.valid, dloss)
 
     def decode(self, slot, t, tokens=None):
         """Generation's forward of one position: row 0 at position t only. Every earlier
         position's q, k, v are still in this slot's qkv activations from the passes before
         (the KV cache), so each layer computes one row and attends over t + 1 keys. tokens
         (1,1) on the device when embed; leaves the row's logits in logits[0, t] (head)."""
-        be, a, NH = self.be, self.acts[slot], self.cfg.NH
+        be, a, NH = self.be, self.acts[slot], self.NH
 
         def row(name, l=None):  # the (1, 1, ...) view of row 0, position t
             return (a[name] if l is None else a[name][l])[0:1, t:t + 1]
@@ -98,7 +131,7 @@ class Stage:
         def attend(out, l):
             be.attention_decode(out, a["qkv"][l][0:1, :t + 1], NH)
         if self.embed:
-            be.encoder_forward(row("encoded"), tokens, self.p["wte"], self.p["wpe"][t:])
+            self._embed(row("encoded"), tokens, self.p["wpe"][t:])
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
             self._head(row, x)
@@ -112,18 +145,24 @@ class Stage:
                                  p["ln1w"][l], p["ln1b"][l])
             be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
             attend(act("atty", l), l)
-            be.matmul_forward(act("attproj", l), act("atty", l), p["attprojw"][l],
-                              p["attprojb"][l])
+            self._row_parallel(act("attproj", l), act("atty", l), p["attprojw"][l],
+                               p["attprojb"][l])
             be.residual_forward(act("residual2", l), x, act("attproj", l))
             be.layernorm_forward(act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
                                  act("residual2", l), p["ln2w"][l], p["ln2b"][l])
             be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], p["fcb"][l])
             be.gelu_forward(act("fch_gelu", l), act("fch", l))
-            be.matmul_forward(act("fcproj", l), act("fch_gelu", l), p["fcprojw"][l],
-                              p["fcprojb"][l])
+            self._row_parallel(act("fcproj", l), act("fch_gelu", l), p["fcprojw"][l],
+                               p["fcprojb"][l])
             be.residual_forward(act("residual3", l), act("residual2", l), act("fcproj", l))
             x = act("residual3", l)
         return x
+
+    def _row_parallel(self, out, inp, w, bias):
+        """out = inp @ w^T + bias with inp and w split by columns: each shard's partial
+        product (shard 0's with the bias, added once), summed over the shards."""
+        self.be.matmul_forward(out, inp, w, bias if self.bias_here else None)
+        self.tp_sum(out)
 
     def _head(self, act, x):
         """Final layernorm and the tied LM head: logits."""
@@ -133,12 +172,15 @@ class Stage:
 
     def backward(self, slot=0, tokens=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
-        gradient of output(slot). Leaves the gradient of input(slot) in grad_io()."""
+        gradient of output(slot). Leaves the gradient of input(slot) in grad_io(). The
+        input gradients of the column-parallel products (the head's, qkv's, fc's) are
+        partial sums over the shard's columns: summed over the shards before layernorm."""
         be, p, g, a, s = self.be, self.p, self.g, self.acts[slot], self.s
         dres = s["dresidual"]
         if self.head:
             dres.fill(0)
             be.matmul_backward(s["dbt_c"], g["wte"], None, a["logits"], a["lnf"], p["wte"])
+            self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["lnfw"], g["lnfb"], s["dbt_c"], self.output(slot),
                                   p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
         for l in reversed(range(self.nl)):
@@ -148,19 +190,21 @@ class Stage:
             be.gelu_backward(s["dbt_4c2"], a["fch"][l], s["dbt_4c"])
             be.matmul_backward(s["dbt_c"], g["fcw"][l], g["fcb"][l], s["dbt_4c2"], a["ln2"][l],
                                p["fcw"][l])
+            self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], s["dbt_c"],
                                   a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l],
                                   a["ln2_rstd"][l])
-            be.matmul_backward(s["dbt_c"], g["attprojw"][l], g["attprojb"][l], dres,
+            be.matmul_backward(s["datty"], g["attprojw"][l], g["attprojb"][l], dres,
                                a["atty"][l], p["attprojw"][l])
-            be.attention_backward(s["dbt_3c"], s["dpreatt"], s["datt"], s["dbt_c"], a["qkv"][l],
-                                  a["att"][l], self.cfg.NH)
+            be.attention_backward(s["dbt_3c"], s["dpreatt"], s["datt"], s["datty"],
+                                  a["qkv"][l], a["att"][l], self.NH)
             be.matmul_backward(s["dbt_c"], g["qkvw"][l], g["qkvb"][l], s["dbt_3c"], a["ln1"][l],
                                p["qkvw"][l])
+            self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],
                                   a["ln1_mean"][l], a["ln1_rstd"][l])
         if self.embed:
-            be.encoder_backward(g["wte"], g["wpe"], dres, tokens)
+            be.encoder_backward(g["wte"], g["wpe"], dres, tokens, self.v0)
 
 
 def init_params(cfg, seed):
@@ -173,7 +217,7 @@ def init_params(cfg, seed):
     for name, view in views.items():
         if name in ("ln1w", "ln2w", "lnfw"):
             view[...] = 1
-        elif name.endswith("w") or name == "wpe":
+        elif name.endswith("w") or name in ("wte", "wpe"):
             std = 0.02 / np.sqrt(2 * cfg.L) if name in ("attprojw", "fcprojw") else 0.02
             view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
     views["wte"][cfg.V:] = 0

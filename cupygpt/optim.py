@@ -15,12 +15,18 @@ class AdamWConfig:
 
 class AdamW:
     """The update and its step count t (the only copy: backends see lr and the bias
-    corrections, never t)."""
+    corrections, never t).
 
-    def __init__(self, stage, hp):
-        self.stage, self.hp, self.t = stage, hp, 0
-        self.m = stage.be.zeros(stage.params.size, stage.dtype)
-        self.v = stage.be.zeros(stage.params.size, stage.dtype)
+    part=(a, b) is ZeRO-1 (llm.c's -z 1): this replica updates params[a:b] only, so m and v
+    hold that slice; the replicas' gradients are reduce-scattered into it first and the
+    updated slices all-gathered after, through the transport's "dp" group. The update is
+    elementwise, so the parameters are bit-identical to the unsharded step's."""
+
+    def __init__(self, stage, hp, transport=None, part=None):
+        self.stage, self.hp, self.t, self.tr, self.part = stage, hp, 0, transport, part
+        be, n = stage.be, stage.params.size if part is None else part[1] - part[0]
+        self.m, self.v = be.zeros(n, stage.dtype), be.zeros(n, stage.dtype)
+        self.gpart = be.zeros(n, stage.dtype) if part is not None else None
 
     def advance(self, lr=None):
         """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
@@ -34,9 +40,21 @@ class AdamW:
     def apply(self, sched):
         """The update with schedule sched (inside a CUDA graph capture the backend reads it
         from the device instead, where the runner uploads each step's before replay)."""
-        hp = self.hp
-        self.stage.be.adamw(self.stage.params, self.stage.grads, self.m, self.v, sched,
-                            hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
+        hp, st = self.hp, self.stage
+        params, grads = st.params, st.grads
+        if self.part is not None:
+            a, b = self.part
+            self.tr.reduce_scatter(st.grads, self.gpart, "dp")
+            params, grads = st.params[a:b], self.gpart
+        if params.size:
+            st.be.adamw(params, grads, self.m, self.v, sched, hp.beta1, hp.beta2, hp.eps,
+                        hp.weight_decay)
+        if self.part is not None:
+            self.tr.all_gather(params, st.params, "dp")
+
+    def state_bytes(self):
+        """Bytes of m and v on this rank (1/dp of the stage's with ZeRO-1)."""
+        return self.m.nbytes + self.v.nbytes
 
 
 def lr_at(step, lr, warmup, steps, final_frac):

@@ -33,7 +33,8 @@ class Session:
         world = launched_ranks()
         self.config, self.shape = config.validate(self.be, world)
         dev = self.config.device
-        self.mesh = Mesh(rank=world_rank(), pp=world)
+        g = self.config.grid
+        self.mesh = Mesh(rank=world_rank(), pp=g.pp, dp=g.dp, tp=g.tp)
         self.tr = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
         # after the transport, which may pick the GPU first: both ask the mesh
         self.be.configure(tf32=tf32_default if dev.tf32 is None else dev.tf32,
@@ -44,15 +45,17 @@ class Session:
         """params: the whole model's host parameters (None: a resume fills the stage)."""
         p = self.config.pipeline
         run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
-                     list(p.counts), dtype, adamw, graphs)
+                     list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero))
         if params is not None:
             run.stage.load(params)
         return run
 
     def describe(self, cfg, run, extra=()):
         """llm.c-style header: the config, then this rank's memory, one line per rank."""
+        m = self.mesh
         rows = [*self.be.device_info().items(), ("transport", self.tr.name),
-                ("ranks", self.mesh.size), ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
+                ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
+                ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
                 ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]
         bar = "+" + "-" * 25 + "+" + "-" * 52 + "+"
@@ -60,7 +63,8 @@ class Session:
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))
         st = run.stage
         mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in st.memory_bytes().items())
-        opt = f", optimizer {2 * st.params.nbytes / 2**20:.1f} MiB" if run.opt else ""
-        self.log(f"stage {self.mesh.stage} (pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
+        opt = f", optimizer {run.opt.state_bytes() / 2**20:.1f} MiB" if run.opt else ""
+        self.log(f"rank {m.rank} = stage {m.stage} replica {m.replica} shard {m.shard} "
+                 f"(pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
                  f"{' +embedding' if st.embed else ''}{' +head' if st.head else ''}: {mem}{opt}",
                  every_rank=True)

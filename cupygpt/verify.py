@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from .files import read_model, read_state
-from .layout import copy_layer_range, param_layout
+from .layout import copy_part, param_layout
 from .optim import AdamWConfig
 
 # Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
@@ -31,19 +31,24 @@ def verify(sess):
 
     logit_diff = [0.0]
 
-    def check_logits(mb, logits):
-        rows = slice(mb * run.Bm, (mb + 1) * run.Bm)
-        got = sess.be.to_host(logits)[..., :cfg.V]
-        logit_diff[0] = max(logit_diff[0], float(np.abs(got - st["logits"][rows]).max()))
+    def check_logits(mb, logits):  # this rank's rows, and columns (its vocab shard)
+        got = sess.be.to_host(logits)[..., :run.stage.valid]
+        ref = st["logits"][run.rows(mb), :, run.stage.v0:run.stage.v0 + run.stage.valid]
+        logit_diff[0] = max(logit_diff[0], float(np.abs(got - ref).max()))
 
     fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
-    logit_diff = tr.bcast(logit_diff[0], root=mesh.loss_rank)
+    logit_diff = max(tr.gather(logit_diff[0]) or [0.0])  # every shard's columns
     loss = run.gradients(st["x"], st["y"])
 
-    ref = np.empty(run.stage.layout.size, np.float32)
-    copy_layer_range(ref, run.stage.layout, st["grads"], param_layout(cfg), run.stage.l0)
+    grads = run.stage.g
+    if run.zero:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
+        whole = run.stage.grads.copy()
+        tr.all_reduce(whole, "dp")
+        grads = run.stage.layout.views(whole)
+    ref = copy_part(np.empty(run.stage.layout.size, np.float32), run.stage.part, st["grads"],
+                    cfg)
     refv, mine = run.stage.layout.views(ref), {}
-    for name, g in run.stage.g.items():
+    for name, g in grads.items():
         gh = sess.be.to_host(g)
         mine[name] = (float(np.abs(gh - refv[name]).max()), float(np.abs(refv[name]).max()))
     merged = {}

@@ -71,6 +71,13 @@ def test_kernels_match_numpy(dev, shape):
     cu.encoder_backward(g1d, g2d, dout_d, tok_d)
     close(g1d, g1)
     close(g2d, g2)
+    # a vocab shard (rows 100..299), no positions: the tokens it does not hold give zeros
+    npb.encoder_forward(out, tok, wte[100:300], None, 100)
+    cu.encoder_forward(out_d, tok_d, wte_d[100:300], None, 100)
+    close(out_d, out)
+    npb.encoder_backward(g1[100:300], g2, dout, tok, 100)
+    cu.encoder_backward(g1d[100:300], g2d, dout_d, tok_d, 100)
+    close(g1d, g1)
     # layernorm
     x, x_d = pair(rng, (B, T, C), 2.0)
     w, w_d = pair(rng, (C,))
@@ -136,15 +143,29 @@ def test_kernels_match_numpy(dev, shape):
     cu.residual_forward(out_d, x_d, dout_d)
     close(out_d, out)
     # classifier, forward only and fused backward
-    lg, lg_d = pair(rng, (B, T, Vp), 3.0)
+    lg = pair(rng, (B, T, Vp), 3.0)[0]
     tgt = rng.integers(0, V, (B, T)).astype(np.int32)
     ls, ls_d = np.empty((B, T), np.float32), cp.empty((B, T), np.float32)
-    for dloss in (None, 1.0 / (B * T)):
-        h, d = lg.copy(), lg_d.copy()
-        npb.classifier(h, ls, tgt, V, dloss)
-        cu.classifier(d, ls_d, cp.asarray(tgt), V, dloss)
-        close(ls_d, ls)
-        close(d, h)
+    tgt_d = cp.asarray(tgt)
+    # the whole vocab, and three vocab shards (the last with 84 real tokens and padding)
+    for shards in (((0, Vp),), ((0, 128), (128, 128), (256, 128))):
+        for dloss in (None, 1.0 / (B * T)):
+            h = lg.copy()
+            st, st_d = np.empty((len(shards), B, T, 3), np.float32), cp.empty(
+                (len(shards), B, T, 3), np.float32)
+            valid = [max(0, min(n, V - v0)) for v0, n in shards]
+            for k, (v0, n) in enumerate(shards):
+                npb.classifier_stats(st[k], h[..., v0:v0 + n], tgt, v0, valid[k])
+                cu.classifier_stats(st_d[k], cp.asarray(lg[..., v0:v0 + n].copy()), tgt_d,
+                                    v0, valid[k])
+            close(st_d, st)
+            for k, (v0, n) in enumerate(shards):
+                hs = h[..., v0:v0 + n].copy()
+                ds = cp.asarray(hs)
+                npb.classifier(hs, ls, st, tgt, v0, valid[k], dloss)
+                cu.classifier(ds, ls_d, st_d, tgt_d, v0, valid[k], dloss)
+                close(ls_d, ls)
+                close(ds, hs)
     acc = cp.zeros(1, np.float64)
     cu.loss_accumulate(acc, ls_d)
     assert float(acc[0]) == pytest.approx(float(ls.sum(dtype=np.float64)), rel=1e-6)
@@ -239,7 +260,7 @@ def test_bench_writes_json(device, tmp_path):
     assert kernels["attention_forward", "softmax_forward"]["calls_per_step"] == L
     assert kernels["attention_forward", f"sgemm_NT 32x32x{C // NH}x{2 * NH}"]["calls_per_step"] == L
     assert kernels["matmul_forward", f"sgemm_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
-    assert kernels["classifier", "fused_classifier"]["calls_per_step"] == 1
+    assert kernels["classifier", "classifier"]["calls_per_step"] == 1
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
     assert "attention_forward: softmax_forward" in res.stdout

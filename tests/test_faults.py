@@ -113,7 +113,7 @@ def test_killed_rank_ends_the_run(tmp_path):
     out, took = finish(p, 30)
     assert p.returncode != 0 and took < 30
     assert f"PID {victims[0]} RUNNING" in out, out[-2000:]
-    assert f"[pe1] stage 1 (pid {victims[0]})" in p.stdout_head
+    assert f"[pe1] rank 1 = stage 1 replica 0 shard 0 (pid {victims[0]})" in p.stdout_head
     assert not rank_pids(str(tmp_path), 0) and not rank_pids(str(tmp_path), 1), "no rank left"
 
 

@@ -40,4 +40,4 @@ def test_estimate_matches_what_the_stage_allocates():
     st = run.stage
     allocated = (st.params.nbytes + st.grads.nbytes + st.acts_buf.nbytes +
                  st.scratch_buf.nbytes + run.opt.m.nbytes + run.opt.v.nbytes)
-    assert run.bytes_needed(0, 4, len(st.acts), np.float32, True) == allocated
+    assert run.bytes_needed(len(st.acts), np.float32, True) == allocated

@@ -31,7 +31,11 @@ def test_groups_partition_the_world(pp, dp, tp):
             nxt = meshes[m.next]
             assert nxt.stage == m.stage + 1 and nxt.coords[1:] == m.coords[1:]
             assert nxt.prev == m.rank
-        assert meshes[m.loss_rank].last and m.loss_rank in m.pipeline
+        loss = meshes[m.loss_rank]  # one rank reports the loss for the whole world
+        assert loss.last and loss.replica == 0 and loss.shard == 0
+    for axis, kind in (("pp", "pipeline"), ("dp", "dp_group"), ("tp", "tp_group")):
+        assert sorted(map(tuple, Mesh(0, pp, dp, tp).groups(axis))) == \
+            sorted({tuple(getattr(m, kind)) for m in meshes})
 
 
 def test_tied_pair_and_point_to_point_pairs():

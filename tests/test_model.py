@@ -4,7 +4,7 @@ import numpy as np
 
 from cupygpt.backends import numpy_backend as be
 from cupygpt.config import GPT2Config
-from cupygpt.layout import assemble, param_layout
+from cupygpt.layout import Part, assemble, param_layout
 from cupygpt.model import Stage, init_params
 
 CFG = GPT2Config(maxT=8, V=11, Vp=16, L=2, NH=2, C=8)
@@ -60,8 +60,8 @@ def test_stages_by_hand_equal_the_whole_model():
     whole.forward(0, x, y, dloss=1.0 / (B * T))
     whole.backward(0, x)
 
-    s0 = Stage(CFG, be, B, T, 0, 1, embed=True, head=False, dtype=np.float64)
-    s1 = Stage(CFG, be, B, T, 1, 2, embed=False, head=True, dtype=np.float64)
+    s0 = Stage(CFG, be, B, T, Part(0, 1, embed=True, head=False), dtype=np.float64)
+    s1 = Stage(CFG, be, B, T, Part(1, 2, embed=False, head=True), dtype=np.float64)
     for s in (s0, s1):
         s.load(full)
         s.zero_grad()
@@ -74,7 +74,7 @@ def test_stages_by_hand_equal_the_whole_model():
     s0.backward(0, x)
     tied = s0.g["wte"] + s1.g["wte"]
     s0.g["wte"][...] = s1.g["wte"][...] = tied
-    got = assemble(CFG, [(0, 1, True, False, s0.grads), (1, 2, False, True, s1.grads)])
+    got = assemble(CFG, [(s0.part, s0.grads), (s1.part, s1.grads)])
     np.testing.assert_allclose(got, whole.grads, rtol=1e-12, atol=1e-15)
 
 
@@ -102,3 +102,15 @@ def test_decoding_on_the_kv_cache_matches_whole_passes():
         ids = [generate(run, list(x[0, :3]), 20, 0, np.random.default_rng(seed), kv_cache=c)
                for c in (True, False)]
         assert ids[0] == ids[1] and len(ids[0]) == 23
+
+
+def test_fresh_init_is_llmc_s():
+    """N(0, 0.02) weights including the embeddings, 0.02/sqrt(2L) residual projections,
+    layernorms 1/0, biases 0, padding rows of wte 0."""
+    cfg = GPT2Config(maxT=64, V=300, Vp=384, L=4, NH=4, C=64)
+    v = param_layout(cfg).views(init_params(cfg, 1))
+    for name in ("wte", "wpe", "qkvw", "fcw"):
+        w = v[name][:cfg.V] if name == "wte" else v[name]
+        assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002, name
+    assert abs(v["fcprojw"].std() - 0.02 / np.sqrt(8)) < 0.001
+    assert np.all(v["wte"][cfg.V:] == 0) and np.all(v["ln1w"] == 1) and np.all(v["qkvb"] == 0)

@@ -87,19 +87,62 @@ def test_gelu():
     close(dinp, numgrad(f, inp))
 
 
+def cross_entropy(logits, losses, tgt, V, dloss=None, shards=((0, None),)):
+    """The model's vocab-parallel cross-entropy in one process: each shard (v0, rows) of
+    the logits' columns makes its stats, every shard combines the stacked stats."""
+    Vp = logits.shape[-1]
+    parts = [(v0, logits[..., v0:v0 + (rows or Vp)]) for v0, rows in shards]
+    parts = [(v0, p.copy(), max(0, min(p.shape[-1], V - v0))) for v0, p in parts]
+    stats = np.empty((len(parts), B, T, 3))
+    for k, (v0, p, valid) in enumerate(parts):
+        be.classifier_stats(stats[k], p, tgt, v0, valid)
+    for v0, p, valid in parts:
+        be.classifier(p, losses, stats, tgt, v0, valid, dloss)
+    if dloss is not None:
+        logits[...] = np.concatenate([p for _, p, _ in parts], -1)
+
+
 def test_classifier_ignores_padding():
     V, Vp = 7, 9
     logits, tgt = r(B, T, Vp), rng.integers(0, V, (B, T)).astype(np.int32)
     losses = np.empty((B, T))
-    f = lambda: (be.classifier(logits, losses, tgt, V), losses.sum())[1]  # noqa: E731
+    f = lambda: (cross_entropy(logits, losses, tgt, V), losses.sum())[1]  # noqa: E731
     expect = numgrad(f, logits)
     assert np.all(expect[..., V:] == 0), "padding logits must not affect the loss"
     lg = logits.copy()
-    be.classifier(lg, losses, tgt, V, dloss=1.0)
+    cross_entropy(lg, losses, tgt, V, dloss=1.0)
     close(lg, expect)
     full = logits[..., :V]
     ref = -np.take_along_axis(full - np.log(np.exp(full).sum(-1, keepdims=True)), tgt[..., None], -1)
     close(losses, ref[..., 0])
+
+
+@pytest.mark.parametrize("shards", [((0, 3), (3, 3), (6, 3)), ((0, 5), (5, 4)),
+                                    ((0, 4), (4, 3), (7, 2))])
+def test_vocab_parallel_cross_entropy_and_embedding_equal_the_whole(shards):
+    """Shards of the vocab (the last one holding only padding in one case) give the whole
+    vocab's losses and dlogits, and their embeddings sum to the whole one's."""
+    V, Vp = 7, 9
+    logits, tgt = r(B, T, Vp), rng.integers(0, V, (B, T)).astype(np.int32)
+    whole, split = np.empty((B, T)), np.empty((B, T))
+    lw, ls = logits.copy(), logits.copy()
+    cross_entropy(lw, whole, tgt, V, 0.5)
+    cross_entropy(ls, split, tgt, V, 0.5, shards)
+    close(split, whole)
+    close(ls, lw)
+    wte, wpe, inp = r(Vp, C), r(T, C), rng.integers(0, V, (B, T)).astype(np.int32)
+    out, got = np.empty((B, T, C)), np.zeros((B, T, C))
+    be.encoder_forward(out, inp, wte, wpe)
+    dwte = np.zeros_like(wte)
+    for k, (v0, rows) in enumerate(shards):
+        part = np.empty((B, T, C))
+        be.encoder_forward(part, inp, wte[v0:v0 + rows], wpe if k == 0 else None, v0)
+        got += part
+        be.encoder_backward(dwte[v0:v0 + rows], np.zeros_like(wpe), out, inp, v0)
+    assert np.array_equal(got, out), "the shards' sum is the whole embedding, exactly"
+    want = np.zeros_like(wte)
+    be.encoder_backward(want, np.zeros_like(wpe), out, inp)
+    assert np.array_equal(dwte, want)
 
 
 def test_adamw_matches_formula():

@@ -42,7 +42,7 @@ def test_pipelined_train_equals_single_process(tmp_path, ranks, extra):
     va, vb = losses(single.stdout, "val loss"), losses(piped.stdout, "val loss")
     assert len(va) == len(vb) == 3 and vb == pytest.approx(va, rel=1e-5)
     assert piped.stdout.count("generating:") == 1, "the pipeline samples, one rank prints"
-    assert "[pe1] stage 1" in piped.stdout
+    assert "[pe1] rank 1 = stage 1" in piped.stdout
     from cupygpt.files import read_model
     cfg_a, pa = read_model(tmp_path / "a" / "model.bin")
     cfg_b, pb = read_model(tmp_path / "b" / "model.bin")

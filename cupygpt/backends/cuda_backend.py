@@ -248,10 +248,11 @@ def all_finite(a):
 # --- forward -----------------------------------------------------------------------------
 
 @_op
-def encoder_forward(out, inp, wte, wpe):
+def encoder_forward(out, inp, wte, wpe, v0=0):
     B, T = inp.shape
-    C = wte.shape[1]
-    _ew("encoder_forward", B * T * C, out, inp, wte, wpe, _i(B), _i(T), _i(C))
+    rows, C = wte.shape
+    _ew("encoder_forward", B * T * C, out, inp, wte, wte if wpe is None else wpe, _i(B),
+        _i(T), _i(C), _i(v0), _i(rows), _i(wpe is not None))
 
 
 @_op
@@ -316,11 +317,19 @@ def residual_forward(out, a, b):
 
 
 @_op
-def classifier(logits, losses, targets, V, dloss=None):
-    Vp = logits.shape[-1]
-    N = logits.size // Vp
-    _launch("fused_classifier", (N,), (1024,), logits, losses, targets,
-            np.float32(dloss or 0.0), _i(dloss is not None), _i(V), _i(Vp))
+def classifier_stats(stats, logits, targets, v0, valid):
+    Vs = logits.shape[-1]
+    _launch("classifier_stats", (logits.size // Vs,), (1024,), stats, logits, targets,
+            _i(v0), _i(valid), _i(Vs))
+
+
+@_op
+def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
+    Vs = logits.shape[-1]
+    N = logits.size // Vs
+    _launch("classifier", (N,), (1024,), logits, losses, stats, targets,
+            np.float32(dloss or 0.0), _i(dloss is not None), _i(v0), _i(valid), _i(Vs),
+            _i(stats.shape[0]), _i(N))
 
 
 @_op
@@ -342,10 +351,11 @@ def _column_sum(out, inp, N, OC):
 
 
 @_op
-def encoder_backward(dwte, dwpe, dout, inp):
+def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     B, T = inp.shape
-    C = dwte.shape[1]
-    _ew("encoder_backward_wte", B * T * C, dwte, dout, inp, _i(B), _i(T), _i(C))
+    rows, C = dwte.shape
+    _ew("encoder_backward_wte", B * T * C, dwte, dout, inp, _i(B), _i(T), _i(C), _i(v0),
+        _i(rows))
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
 
 

@@ -89,9 +89,22 @@ def _rows(a):
 
 # --- forward -----------------------------------------------------------------------------
 
-def encoder_forward(out, inp, wte, wpe):
-    """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32."""
-    np.add(wte[inp], wpe[: inp.shape[1]], out=out)
+def _held(inp, v0, rows):
+    """Token ids as rows of a vocab shard holding [v0, v0 + rows), and which it holds."""
+    r = inp - v0
+    held = (r >= 0) & (r < rows)
+    return np.where(held, r, 0), held
+
+
+def encoder_forward(out, inp, wte, wpe, v0=0):
+    """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32. wte holds vocab rows v0.. (a
+    tensor-parallel shard): tokens it does not hold get zeros; wpe None: no positions."""
+    r, held = _held(inp, v0, wte.shape[0])
+    x = wte[r] if held.all() else np.where(held[..., None], wte[r], 0)
+    if wpe is None:
+        out[...] = x
+    else:
+        np.add(x, wpe[: inp.shape[1]], out=out)
 
 
 def layernorm_forward(out, mean, rstd, inp, w, b):
@@ -146,23 +159,46 @@ def residual_forward(out, a, b):
     np.add(a, b, out=out)
 
 
-def classifier(logits, losses, targets, V, dloss=None):
-    """Softmax + cross-entropy over the first V of Vp logits; losses (B,T).
-
-    With dloss (the loss gradient each position gets, 1/(B*T) for a mean), logits are
-    overwritten in place by dlogits, zero over the padding V..Vp-1.
-    """
-    lg = logits[..., :V]
+def classifier_stats(stats, logits, targets, v0, valid):
+    """Per position, over this vocab shard's first `valid` logits (its real tokens):
+    stats (B,T,3) = max, sum of exp(logit - max), and the target's logit when the shard
+    holds the target (0 elsewhere)."""
+    if valid == 0:
+        stats[...] = (-np.inf, 0, 0)
+        return
+    lg = logits[..., :valid]
     mx = lg.max(-1, keepdims=True)
-    e = np.exp(lg - mx)
-    s = e.sum(-1, keepdims=True)
-    tgt = targets[..., None]
-    losses[...] = (np.log(s) + mx - np.take_along_axis(lg, tgt, -1))[..., 0]
+    stats[..., 0] = mx[..., 0]
+    stats[..., 1] = np.exp(lg - mx).sum(-1)
+    r, held = _held(targets, v0, valid)
+    stats[..., 2] = np.where(held, np.take_along_axis(lg, r[..., None], -1)[..., 0], 0)
+
+
+def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
+    """Softmax + cross-entropy from every vocab shard's stats (tp,B,T,3), combined in shard
+    order: max M, sum S = sum of s * exp(m - M), target logit t; losses (B,T) = log S + M - t.
+
+    With dloss (the loss gradient each position gets, 1/(B*T) for a mean), this shard's
+    logits are overwritten in place by dlogits, zero over its padding columns.
+    """
+    m, s, t = stats[..., 0], stats[..., 1], stats[..., 2]
+    M = m.max(0)
+    S, tgt = s[0] * np.exp(m[0] - M), t[0].copy()
+    for k in range(1, len(stats)):
+        S += s[k] * np.exp(m[k] - M)
+        tgt += t[k]
+    losses[...] = np.log(S) + M - tgt
+    if dloss is not None and valid:
+        lg = logits[..., :valid]
+        np.subtract(lg, M[..., None], out=lg)
+        np.exp(lg, out=lg)
+        lg /= S[..., None]
+        r, held = _held(targets, v0, valid)
+        np.put_along_axis(lg, r[..., None], np.take_along_axis(lg, r[..., None], -1)
+                          - held[..., None], -1)
+        lg *= dloss
     if dloss is not None:
-        e /= s
-        np.put_along_axis(e, tgt, np.take_along_axis(e, tgt, -1) - 1.0, -1)
-        np.multiply(e, dloss, out=lg)
-        logits[..., V:] = 0
+        logits[..., valid:] = 0
 
 
 def loss_accumulate(acc, losses):
@@ -172,9 +208,11 @@ def loss_accumulate(acc, losses):
 
 # --- backward ----------------------------------------------------------------------------
 
-def encoder_backward(dwte, dwpe, dout, inp):
-    """dwte[inp] += dout; dwpe[:T] += dout summed over B."""
-    np.add.at(dwte, inp.ravel(), _rows(dout))
+def encoder_backward(dwte, dwpe, dout, inp, v0=0):
+    """dwte[inp] += dout (for the tokens this vocab shard holds); dwpe[:T] += dout summed
+    over B."""
+    r, held = _held(inp, v0, dwte.shape[0])
+    np.add.at(dwte, r[held], dout[held])
     dwpe[: inp.shape[1]] += dout.sum(0)
 
 

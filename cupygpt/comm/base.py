@@ -1,8 +1,9 @@
 """The transport interface every rank's communication goes through, and the one wait loop.
 
 A transport moves a stage's activation forward and its residual gradient back, sums the
-tied wte gradient between the first and last stage, and carries small control values
-(losses, sampled tokens, verify reports). Sends may return before the receiver has the
+tied wte gradient between the first and last stage, runs the collectives of the data- and
+tensor-parallel groups, and carries small control values (losses, sampled tokens, verify
+reports). Sends may return before the receiver has the
 data; the sender may then overwrite its buffer. Every wait on a peer ends in an error
 after the peer timeout, naming what it waited for, so a lost rank never hangs the job.
 Peers are ranks; which rank is which stage is the Mesh's business (parallel/mesh.py).
@@ -23,6 +24,13 @@ def poll(done, timeout, rank, what):
         nap = min(nap * 2, 1e-3)
 
 
+def chunks(n, parts):
+    """[start, stop) of each member's part of an n-element flat array: ceil(n / parts)
+    each, the last ones shorter (or empty). Reduce-scatter and all-gather cut this way."""
+    c = -(-n // parts)
+    return [(min(i * c, n), min((i + 1) * c, n)) for i in range(parts)]
+
+
 class Transport:
     """What the runner and the commands call. `name`, `rank` and `size` are attributes."""
     name, rank, size = "", 0, 1
@@ -40,6 +48,23 @@ class Transport:
     def sum_tied(self, arr, peer):
         """arr becomes (first stage's + last stage's), bit-identical on both ranks."""
         raise NotImplementedError
+
+    # Collectives over the mesh's groups, axis "dp" or "tp". Sums are taken in the group's
+    # order (member 0 + member 1 + ...), whatever the timing, so every member gets the same
+    # bits and a run repeats exactly. With one member they are copies (the base class).
+
+    def all_reduce(self, arr, axis):
+        """arr (any shape) becomes the sum of the group's arrs, in place."""
+
+    def reduce_scatter(self, arr, out, axis):
+        """out (flat) = the sum over the group of this member's chunk of arr (chunks())."""
+        out[...] = arr.reshape(-1)[:out.size]
+
+    def all_gather(self, part, out, axis):
+        """out (flat) = every member's part, in group order; part is this member's chunk of
+        out (chunks()) and may be a view of it."""
+        if part.size:
+            out.reshape(-1)[:part.size] = part.reshape(-1)
 
     def finish_sends(self):
         """Returns when every send of this step has been taken (or times out)."""

@@ -2,7 +2,7 @@
 GPU transports (nccl, nvshmem) also carry their control values over it."""
 import numpy as np
 
-from .base import Transport, poll
+from .base import Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 
@@ -15,6 +15,11 @@ class Mpi(Transport):
         self.comm, self.be, self.timeout = MPI.COMM_WORLD, be, timeout
         self.rank, self.size = mesh.rank, mesh.size
         self.pending = []
+        # one communicator per group; Split is collective, every rank calls it per axis
+        self.groups = {}
+        for axis in ("dp", "tp"):
+            mine = [i for i, g in enumerate(mesh.groups(axis)) if self.rank in g][0]
+            self.groups[axis] = self.comm.Split(mine, self.rank)
 
     def bcast(self, obj, root=0):
         return self.comm.bcast(obj, root=root)
@@ -66,6 +71,49 @@ class Mpi(Transport):
         self.wait(req, f"the tied wte gradient from rank {peer}")
         first, last = (mine, theirs) if self.rank < peer else (theirs, mine)
         self.be.upload(arr, first + last)
+
+    def _reduce_chunk(self, arr, comm, axis):
+        """This member's chunk of the group's sum, on the host: every member sends each
+        member its chunk (all-to-all), which adds what it got in member order."""
+        n, flat = comm.size, np.asarray(self.be.to_host(arr)).reshape(-1)
+        c = -(-flat.size // n)
+        send = np.zeros(n * c, flat.dtype)
+        send[:flat.size] = flat
+        got = np.empty_like(send).reshape(n, c)
+        self.wait(comm.Ialltoall(send, got), f"the {axis} group's reduce (all-to-all)")
+        acc = got[0].copy()
+        for part in got[1:]:
+            acc += part
+        return acc
+
+    def _gather_chunks(self, chunk, comm, axis, n_out):
+        c = -(-n_out // comm.size)
+        send = np.zeros(c, chunk.dtype)
+        send[:chunk.size] = chunk
+        got = np.empty(comm.size * c, chunk.dtype)
+        self.wait(comm.Iallgather(send, got), f"the {axis} group's all-gather")
+        return got[:n_out]
+
+    def all_reduce(self, arr, axis):
+        comm = self.groups[axis]
+        if comm.size > 1:
+            acc = self._reduce_chunk(arr, comm, axis)
+            self.be.upload(arr, self._gather_chunks(acc, comm, axis, arr.size).reshape(arr.shape))
+
+    def reduce_scatter(self, arr, out, axis):
+        comm = self.groups[axis]
+        if comm.size == 1:
+            return super().reduce_scatter(arr, out, axis)
+        self.be.upload(out, self._reduce_chunk(arr, comm, axis)[:out.size])
+
+    def all_gather(self, part, out, axis):
+        comm = self.groups[axis]
+        if comm.size == 1:
+            return super().all_gather(part, out, axis)
+        a, b = chunks(out.size, comm.size)[comm.rank]
+        assert part.size == b - a, "all_gather: part is not this member's chunk"
+        host = np.asarray(self.be.to_host(part)).reshape(-1)
+        self.be.upload(out, self._gather_chunks(host, comm, axis, out.size).reshape(out.shape))
 
     def finish_sends(self):
         for req, _ in self.pending:

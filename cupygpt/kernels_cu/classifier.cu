@@ -1,28 +1,50 @@
-// Softmax + cross-entropy over the first V of Vp logits, one block per (b, t) row.
+// Softmax + cross-entropy over a vocab-parallel head, one block per (b, t) row: each
+// tensor-parallel shard holds Vs columns of the logits (vocab rows [v0, v0 + Vs)), the
+// first `valid` of them real tokens, the rest padding.
 #include "common.cuh"
 #define CLS_THREADS 1024  // V is ~50k for GPT-2: ~49 logits per thread, two passes
 
-// losses[row] = logsumexp(logits[row, :V]) - logits[row, target]. With write_dlogits the
-// row is replaced in place by dloss * (softmax - onehot(target)), and 0 over V..Vp-1.
-extern "C" __global__ void fused_classifier(float* logits, float* losses, const int* targets,
-                                            float dloss, int write_dlogits, int V, int Vp) {
-    __shared__ float sm[CLS_THREADS / WARP], ss[CLS_THREADS / WARP], target_logit;
+// stats[row] = (max, sum of exp(x - max) over the shard's valid columns, the target's
+// logit if this shard holds the target else 0).
+extern "C" __global__ void classifier_stats(float* stats, const float* logits,
+                                            const int* targets, int v0, int valid, int Vs) {
+    __shared__ float sm[CLS_THREADS / WARP], ss[CLS_THREADS / WARP];
     long long row = blockIdx.x;
-    float* x = logits + row * Vp;
+    const float* x = logits + row * Vs;
     float m = -INFINITY, s = 0.f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) merge_max_sum(m, s, x[i], 1.f);
+    for (int i = threadIdx.x; i < valid; i += blockDim.x) merge_max_sum(m, s, x[i], 1.f);
     warp_max_sum(m, s);
     int w = threadIdx.x / WARP, lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
     if (lane == 0) { sm[w] = m; ss[w] = s; }
-    if (threadIdx.x == 0) target_logit = x[targets[row]];
     __syncthreads();
+    if (threadIdx.x != 0) return;
     m = -INFINITY; s = 0.f;
     for (int k = 0; k < nw; k++) merge_max_sum(m, s, sm[k], ss[k]);  // same order everywhere
-    if (threadIdx.x == 0) losses[row] = logf(s) + m - target_logit;
+    int r = targets[row] - v0;
+    stats[row * 3] = m;
+    stats[row * 3 + 1] = s;
+    stats[row * 3 + 2] = (r >= 0 && r < valid) ? x[r] : 0.f;
+}
+
+// losses[row] = log S + M - target logit, from the tp shards' stats (tp, N, 3) combined in
+// shard order. With write_dlogits this shard's row is replaced in place by
+// dloss * (softmax - onehot(target)), and 0 over its padding.
+extern "C" __global__ void classifier(float* logits, float* losses, const float* stats,
+                                      const int* targets, float dloss, int write_dlogits,
+                                      int v0, int valid, int Vs, int tp, int N) {
+    long long row = blockIdx.x;
+    float m = -INFINITY, s = 0.f, t = 0.f;
+    for (int k = 0; k < tp; k++) {
+        const float* st = stats + ((long long)k * N + row) * 3;
+        merge_max_sum(m, s, st[0], st[1]);
+        t += st[2];
+    }
+    if (threadIdx.x == 0) losses[row] = logf(s) + m - t;
     if (!write_dlogits) return;
-    int tgt = targets[row];
-    for (int i = threadIdx.x; i < Vp; i += blockDim.x)
-        x[i] = i < V ? (expf(x[i] - m) / s - (i == tgt ? 1.f : 0.f)) * dloss : 0.f;
+    float* x = logits + row * Vs;
+    int tgt = targets[row] - v0;
+    for (int i = threadIdx.x; i < Vs; i += blockDim.x)
+        x[i] = i < valid ? (expf(x[i] - m) / s - (i == tgt ? 1.f : 0.f)) * dloss : 0.f;
 }
 
 // acc[0] += sum of n losses, in double, one block of 1024 threads (deterministic).

@@ -40,6 +40,16 @@ class Mesh:
         return self.coords[0]
 
     @property
+    def replica(self):
+        """Which data-parallel replica: the batch rows this rank's pipeline computes."""
+        return self.coords[1]
+
+    @property
+    def shard(self):
+        """Which tensor-parallel shard of its stage this rank holds."""
+        return self.coords[2]
+
+    @property
     def first(self):
         return self.stage == 0
 
@@ -55,13 +65,27 @@ class Mesh:
 
     @property
     def dp_group(self):
+        """The ranks holding the same part of the model in every replica, replica 0 first."""
         s, _, t = self.coords
         return [int(r) for r in self.grid[s, :, t]]
 
     @property
     def tp_group(self):
+        """The ranks sharing this rank's stage of this replica, shard 0 first."""
         s, d, _ = self.coords
         return [int(r) for r in self.grid[s, d, :]]
+
+    def groups(self, axis):
+        """Every group of the world along axis "pp", "dp" or "tp", members in order (a
+        transport makes one communicator per group, each rank calling with its own)."""
+        g = {"pp": self.grid.transpose(1, 2, 0), "dp": self.grid.transpose(0, 2, 1),
+             "tp": self.grid}[axis]
+        return [[int(r) for r in row] for row in g.reshape(-1, g.shape[-1])]
+
+    def describe(self):
+        """The run table's rows: which ranks form each pipeline and group."""
+        return [(f"{name}", " ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups(axis)))
+                for name, axis in (("pipelines", "pp"), ("dp groups", "dp"), ("tp groups", "tp"))]
 
     def stage_rank(self, stage):
         """The rank holding `stage` of this rank's pipeline."""
@@ -78,8 +102,9 @@ class Mesh:
 
     @property
     def loss_rank(self):
-        """Where this pipeline's loss is computed: its last stage."""
-        return self.stage_rank(self.pp - 1)
+        """The rank that reports the step's loss: the last stage of replica 0, shard 0 (after
+        the data-parallel sum, every last-stage rank holds the whole batch's loss)."""
+        return int(self.grid[-1, 0, 0])
 
     @property
     def tied_peer(self):

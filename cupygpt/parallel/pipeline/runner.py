@@ -7,8 +7,9 @@ neighbours, and which one holds the loss, the Mesh says.
 import numpy as np
 
 from ... import CupyGPTError
-from ...layout import activation_layout, assemble, param_layout, scratch_layout
+from ...layout import Part, activation_layout, assemble, param_layout, scratch_layout
 from ...model import Stage
+from ...comm.base import chunks
 from ...optim import AdamW
 from .schedule import SCHEDULES, Op, forward_only, slot_plan
 
@@ -37,20 +38,25 @@ def plan_split(L, p, split=None):
 
 class Runner:
     def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
-                 counts=None, dtype=np.float32, adamw=None, graphs=False):
+                 counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False):
         """counts: layers per stage (plan_split's, already checked); B the batch of one
-        step, divided into micro_batches."""
+        step: each data-parallel replica computes B / dp of its rows, in micro_batches.
+        zero: AdamW's state sharded across the replicas (ZeRO-1)."""
         p, r = mesh.pp, mesh.stage
         counts = counts or plan_split(cfg.L, p)
         l0 = sum(counts[:r])
         self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
-        self.B, self.T, self.M, self.Bm = B, T, micro_batches, B // micro_batches
+        self.B, self.T, self.M = B, T, micro_batches
+        self.Bl = B // mesh.dp                  # this replica's rows
+        self.Bm = self.Bl // micro_batches
+        self.zero = zero
         self.first, self.last, self.counts = mesh.first, mesh.last, counts
         self.train_actions = SCHEDULES[schedule](p, micro_batches, r)
         self.eval_actions = forward_only(p, micro_batches, r)
         self.first_actions = forward_only(p, 1, r)
         slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
-        need = self.bytes_needed(l0, counts[r], slots, dtype, adamw is not None)
+        self.part = Part(l0, l0 + counts[r], mesh.first, mesh.last, mesh.tp, mesh.shard)
+        need = self.bytes_needed(slots, dtype, adamw is not None)
         free = be.device_memory()
         if free is not None and need > free:
             raise CupyGPTError(
@@ -58,18 +64,20 @@ class Runner:
                 f"{need / 2**30:.2f} GiB (parameters, gradients, AdamW state, activations for "
                 f"{slots} micro-batch(es) of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is free; "
                 f"lower the batch size or sequence length, use more micro-batches, or more "
-                f"pipeline stages")
-        self.stage = st = Stage(cfg, be, self.Bm, T, l0, l0 + counts[r], embed=self.first,
-                                head=self.last, slots=slots, dtype=dtype)
-        self.opt = AdamW(self.stage, adamw) if adamw is not None else None
-        self.x_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.first else None
-        self.y_dev = be.zeros(B * T, np.int32).reshape(B, T) if self.last else None
+                f"pipeline stages or tensor-parallel ranks")
+        self.stage = st = Stage(cfg, be, self.Bm, T, self.part, slots, dtype, transport)
+        part = chunks(st.params.size, mesh.dp)[mesh.replica] if zero else None
+        self.opt = AdamW(st, adamw, transport, part) if adamw is not None else None
+        Bl = self.Bl
+        self.x_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.first else None
+        self.y_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.last else None
         self.loss_acc = be.zeros(1, np.float64)
         # CUDA graphs: one process on a backend that has them (a pipeline waits on peers)
         self.graphs = graphs and be.supports_graphs and mesh.size == 1
         self.graph, self.steps_done = None, 0
         io = (self.Bm, T, cfg.C)
-        transport.prepare({"act": (io, 2), "grad": (io, 2), "tied": ((cfg.Vp, cfg.C), 1)})
+        transport.prepare({"act": (io, 2), "grad": (io, 2),
+                           "tied": ((self.part.vocab(cfg)[1], cfg.C), 1)})
         tr = transport
         # The action table: an op missing here is refused (_execute), never skipped.
         self.ops = {
@@ -78,13 +86,16 @@ class Runner:
             Op.RECV_ACT: lambda slot, mb: tr.recv("act", st.input(slot), mesh.prev, mb),
             Op.SEND_GRAD: lambda slot, mb: tr.send("grad", st.grad_io(), mesh.prev, mb),
             Op.RECV_GRAD: lambda slot, mb: tr.recv("grad", st.grad_io(), mesh.next, mb),
-            Op.STEP: lambda slot, mb: self.sync_tied()}
+            Op.STEP: lambda slot, mb: self.sync_grads()}
 
-    def bytes_needed(self, l0, nl, slots, dtype, with_adamw):
-        cfg, first, last = self.cfg, self.first, self.last
-        n = param_layout(cfg, l0, l0 + nl, first, last).size * (4 if with_adamw else 2)
-        n += activation_layout(cfg, self.Bm, self.T, nl, last).size * slots
-        n += scratch_layout(cfg, self.Bm, self.T).size
+    def bytes_needed(self, slots, dtype, with_adamw):
+        cfg, pt = self.cfg, self.part
+        n_params = param_layout(cfg, pt).size
+        adam = 2 * (-(-n_params // self.mesh.dp) if self.zero else n_params)
+        n = n_params * 2 + (adam if with_adamw else 0)
+        n += activation_layout(cfg, self.Bm, self.T, pt.l1 - pt.l0, pt.head, pt.tp,
+                               pt.vocab(cfg)[1]).size * slots
+        n += scratch_layout(cfg, self.Bm, self.T, pt.tp).size
         return n * np.dtype(dtype).itemsize
 
     def _run(self, actions, x, y, dloss, on_logits=None, decode=None):
@@ -94,14 +105,23 @@ class Runner:
         self._execute(actions, dloss, y is not None, on_logits, decode)
         return self._loss()
 
+    def rows(self, mb=None):
+        """Rows of the step's batch that this replica (or its micro-batch mb) computes."""
+        a = self.mesh.replica * self.Bl + (0 if mb is None else mb * self.Bm)
+        return slice(a, a + (self.Bl if mb is None else self.Bm))
+
     def _feed(self, x, y):
         if self.first:
-            self.be.upload(self.x_dev, x)
+            self.be.upload(self.x_dev, x[self.rows()])
         if self.last and y is not None:
-            self.be.upload(self.y_dev, y)
+            self.be.upload(self.y_dev, y[self.rows()])
 
     def _loss(self):
-        return float(self.be.to_host(self.loss_acc)[0]) if self.last else 0.0
+        """The loss sum over the whole batch (the replicas' sums added) on the last stage."""
+        if not self.last:
+            return 0.0
+        self.tr.all_reduce(self.loss_acc, "dp")
+        return float(self.be.to_host(self.loss_acc)[0])
 
     def _execute(self, actions, dloss, with_targets, on_logits=None, decode=None):
         """The device side of _run: no host transfers but the transport's, so a
@@ -146,10 +166,14 @@ class Runner:
     def _backward(self, slot, mb):
         self.stage.backward(slot, self.x_dev[self._rows(mb)] if self.first else None)
 
-    def sync_tied(self):
-        """GPT-2 ties the LM head to wte: the first and last stage sum their wte gradients."""
+    def sync_grads(self):
+        """After the step's last backward: GPT-2 ties the LM head to wte, so the first and
+        last stage sum their wte gradients; then the replicas sum theirs (with ZeRO-1 the
+        optimizer reduce-scatters them instead)."""
         if self.mesh.tied_peer is not None:
             self.tr.sum_tied(self.stage.g["wte"], self.mesh.tied_peer)
+        if not self.zero:
+            self.tr.all_reduce(self.stage.grads, "dp")
 
     def gradients(self, x, y):
         """Forward and backward over the batch (gradients summed, the tied wte synced);
@@ -199,6 +223,6 @@ class Runner:
 
     def gather_params(self):
         """The whole model's host parameters on rank 0 (None elsewhere)."""
-        parts = self.tr.gather((self.stage.l0, self.stage.l1, self.stage.embed,
-                                self.stage.head, self.stage.export()))
-        return assemble(self.cfg, parts) if parts is not None else None
+        st = self.stage  # replicas hold the same parameters: replica 0's are sent
+        parts = self.tr.gather((st.part, st.export()) if self.mesh.replica == 0 else None)
+        return assemble(self.cfg, [p for p in parts if p]) if parts is not None else None

@@ -1,0 +1,140 @@
+"""The data x tensor x pipeline grid on the CPU (NumPy + mpi under mpiexec): every layout
+trains to the single process's losses and passes verify; ZeRO-1 is bit-identical to the
+unsharded step; bad grids are refused in one line."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cli, fixture, losses, mpiexec
+from test_verify import FILES, verify_numpy
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(mpiexec() is None and not os.environ.get("CI"),
+                                 reason="needs mpiexec (pip install mpich)")]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A model shaped for grids (4 layers; 6 heads: TP 2 and 3; a vocab of 301 padded to
+    320, divisible by neither) and shards of the shipped text's tokens folded into it."""
+    from cupygpt.config import GPT2Config
+    from cupygpt.files import read_shard, write_model, write_shard
+    from cupygpt.model import init_params
+    d = tmp_path_factory.mktemp("grid")
+    cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
+    write_model(d / "model.bin", cfg, init_params(cfg, 7))
+    toks = read_shard(os.path.join(os.path.dirname(fixture("x")), "..", "data",
+                                   "tiny_shakespeare_val.bin"))
+    for name, part in (("train", toks[:20000]), ("val", toks[20000:26000])):
+        write_shard(d / f"{name}.bin", part % cfg.V)
+    return d
+
+
+def train(made, out, *grid, ranks=None, steps=4):
+    res = cli("train", "-e", made / "model.bin", "-i", made / "train.bin", "-j",
+              made / "val.bin", "-b", "4", "-t", "16", "-n", steps, "-v", "2", "-m", "1",
+              "-g", "0", "-l", "3e-3", "-o", out, *grid, ranks=ranks)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def log(out):
+    return [r for r in map(json.loads, open(out / "log.jsonl")) if "train_loss" in r]
+
+
+@pytest.mark.parametrize("ranks,grid", [
+    (2, ["--dp", "2"]),
+    (2, ["--tp", "2"]),
+    (3, ["--tp", "3"]),
+    (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2", "--zero", "1"]),
+    (6, ["--tp", "3", "--pp", "2", "--micro-batches", "2", "--schedule", "gpipe"]),
+    (8, ["--tp", "2", "--pp", "4", "--micro-batches", "4"]),
+])
+def test_grid_trains_like_one_process(made, tmp_path, ranks, grid):
+    one = train(made, tmp_path / "one")
+    res = train(made, tmp_path / "grid", *grid, ranks=ranks)
+    a, b = losses(one.stdout), losses(res.stdout)
+    assert len(a) == len(b) == 4 and b == pytest.approx(a, rel=1e-5)
+    assert losses(res.stdout, "val loss") == pytest.approx(losses(one.stdout, "val loss"),
+                                                         rel=1e-5)
+    assert res.stdout.count("train loss") == 4, "one rank prints the step lines"
+    assert "dp groups" in res.stdout
+    from cupygpt.files import read_model
+    _, pa = read_model(tmp_path / "one" / "model.bin")
+    _, pb = read_model(tmp_path / "grid" / "model.bin")
+    # AdamW divides by sqrt(v): where a gradient is ~0, summation-order noise becomes a
+    # visible fraction of one step (-l 3e-3), so weights agree to 1% of a step
+    assert pb == pytest.approx(pa, rel=1e-4, abs=3e-5)
+
+
+def test_zero1_is_bit_identical_and_halves_the_optimizer(made, tmp_path):
+    """ZeRO-1 updates each replica's slice with the same elementwise AdamW on the same
+    reduced gradients: the same bits as the unsharded step, with half the m and v."""
+    plain = train(made, tmp_path / "plain", "--dp", "2", ranks=2)
+    zero = train(made, tmp_path / "zero", "--dp", "2", "--zero", "1", ranks=2)
+    assert [r["train_loss"] for r in log(tmp_path / "plain")] == \
+        [r["train_loss"] for r in log(tmp_path / "zero")]
+    assert (tmp_path / "plain" / "model.bin").read_bytes() == \
+        (tmp_path / "zero" / "model.bin").read_bytes()
+    again = train(made, tmp_path / "again", "--dp", "2", "--zero", "1", ranks=2)
+    assert (tmp_path / "again" / "model.bin").read_bytes() == \
+        (tmp_path / "zero" / "model.bin").read_bytes(), "a grid repeats itself exactly"
+
+    def optimizer_mib(text):
+        return sorted(float(ln.split("optimizer ")[1].split()[0])
+                      for ln in text.splitlines() if "optimizer " in ln)
+    full, half = optimizer_mib(plain.stdout), optimizer_mib(zero.stdout)
+    assert len(full) == len(half) == 2 and again.returncode == 0
+    assert half == pytest.approx([f / 2 for f in full], rel=1e-3)
+
+
+@pytest.mark.parametrize("ranks,grid", [
+    (2, ["--dp", "2"]),
+    (2, ["--tp", "2"]),
+    (4, ["--dp", "2", "--tp", "2"]),
+    (4, ["--tp", "2", "--pp", "2"]),
+    (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2", "--schedule", "1f1b",
+         "--zero", "1"]),
+])
+def test_grid_verifies_against_llmc(ranks, grid):
+    res, r = verify_numpy(FILES[0], *grid, ranks=ranks)
+    assert res.returncode == 0 and r["ok"] and r["ranks"] == ranks, res.stdout + res.stderr
+    assert len(r["grads"]) == 16 and all(s["ok"] for s in r["steps"])
+
+
+@pytest.mark.parametrize("ranks,grid,expect", [
+    (2, ["--dp", "3"], "--dp 3 does not multiply out to the 2 rank(s)"),
+    (4, ["--dp", "2", "--pp", "3"], "does not multiply out to the 4 rank(s)"),
+    (3, ["--tp", "3"], "--tp 3: each tensor-parallel rank holds whole heads: 3 must divide "
+                       "the model's 4 heads"),
+    (None, ["--zero", "1"], "--zero 1: shards the optimizer state across data-parallel "
+                            "replicas, and there is one"),
+    (2, ["--dp", "2", "--zero", "2"], "--zero 2: 0 (off) or 1"),
+    (4, ["--dp", "4"], "--dp 4: must divide the batch size 3"),
+])
+def test_bad_grids_are_refused(ranks, grid, expect):
+    files = FILES[1] if "--dp 4" in " ".join(grid) else FILES[0]  # odd: B = 3
+    res = cli("verify", "--model", fixture(files[0]), "--state", fixture(files[1]),
+              "--backend", "numpy", *grid, ranks=ranks, timeout=60)
+    assert res.returncode != 0
+    assert expect in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert np.all([ln.startswith(("error", "[pe")) for ln in res.stderr.splitlines()])
+
+
+def test_tensor_parallel_shards_hold_less_and_agree_on_replicated_gradients(made):
+    """Per-rank memory shrinks with --tp 3; layernorms, wpe and the row-parallel biases get
+    the same gradient bits on every shard (tests/tp_replicas.py)."""
+    res = cli_script("tp_replicas.py", made / "model.bin", ranks=3)
+    assert res.returncode == 0 and "replicated gradients identical on 3 shards" in res.stdout, \
+        res.stdout + res.stderr
+
+
+def cli_script(name, *args, ranks):
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([mpiexec(), "-n", str(ranks), sys.executable,
+                           os.path.join(ROOT, "tests", name), *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=env)
