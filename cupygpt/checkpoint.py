@@ -1,5 +1,7 @@
-"""Checkpoints: OUT/ckpt_STEP/ holds model.bin (llm.c's format, the whole model) and one
-rankNNN.npz per pipeline rank (its parameter slice, AdamW m and v, and the run's state).
+"""Checkpoints: OUT/ckpt_STEP/ holds model.bin (llm.c's format, the whole model) and
+adamw.npz (AdamW's m and v for the whole model, in model.bin's order, and the run's state).
+Neither depends on the grid that wrote them: a run resumes on any grid, each rank taking
+its part (and with ZeRO-1 its replica's slice) of the whole tensors.
 
 A checkpoint is written under ckpt_STEP.partial/ and renamed when every rank has written
 its files, then OUT/latest names it; a crash at any moment leaves the previous one intact.
@@ -29,34 +31,31 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+STATE = "adamw.npz"
+
+
 def identity(run):
-    """What a resume must match: the model's shape and how it is cut and batched."""
-    m = run.mesh
-    return {"config": run.cfg.__dict__, "ranks": m.size, "grid": [m.dp, m.tp, m.pp],
-            "zero": int(run.zero), "split": run.counts, "B": run.B, "T": run.T,
-            "micro_batches": run.M}
+    """What a resume must match: the model's shape and the step's batch (the grid, split and
+    micro-batches may differ: the checkpoint holds whole tensors)."""
+    return {"config": run.cfg.__dict__, "B": run.B, "T": run.T}
 
 
 def save(run, out, step, state, keep=2):
-    """Collective over all ranks. state: JSON-able run state of this rank (loader, RNG...).
-    Returns the checkpoint's directory."""
+    """Collective over all ranks. state: JSON-able run state (loader, RNG...), the same on
+    every rank; rank 0's is written. Returns the checkpoint's directory."""
     tr, rank = run.tr, run.tr.rank
     final = os.path.join(out, f"ckpt_{step:08d}")
     tmp = final + ".partial"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    tr.barrier()
-    full = run.gather_params()
+    full, (m, v) = run.gather_params(), run.gather_adamw()
     if rank == 0:
         write_model(os.path.join(tmp, "model.bin"), run.cfg, full)
-    st, opt = run.stage, run.opt
-    meta = {**identity(run), "rank": rank, "step": step, "adam_t": opt.t, **state}
-    with atomic_write(os.path.join(tmp, f"rank{rank:03d}.npz")) as f:
-        np.savez(f, params=st.be.to_host(st.params), m=st.be.to_host(opt.m),
-                 v=st.be.to_host(opt.v), meta=np.array(json.dumps(meta)))
-    tr.barrier()
-    if rank == 0:
+        meta = {**identity(run), "step": step, "adam_t": run.opt.t,
+                "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
+        with atomic_write(os.path.join(tmp, STATE)) as f:
+            np.savez(f, m=m, v=v, meta=np.array(json.dumps(meta)))
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -126,16 +125,13 @@ def damaged(f, path, why):
         if older else "no earlier checkpoint is left beside it"))
 
 
-def load_meta(path, rank):
-    f = os.path.join(path, f"rank{rank:03d}.npz")
+def _state_file(path):
+    f = os.path.join(path, STATE)
     if not os.path.isfile(f):
-        raise CupyGPTError(f"no {os.path.basename(f)}; was this checkpoint written by a run "
-                           f"with fewer ranks?", "resume", path)
-    try:
-        with np.load(f) as z:
-            return json.loads(str(z["meta"])), f
-    except UNREADABLE as e:
-        raise damaged(f, path, type(e).__name__) from None
+        raise CupyGPTError(f"no {STATE} beside model.bin: not a checkpoint written by train "
+                           f"--checkpoint-every (a model file alone has no optimizer state)",
+                           "resume", path)
+    return f
 
 
 def check_matches(path, meta, run):
@@ -148,19 +144,18 @@ def check_matches(path, meta, run):
 
 
 def restore(run, path):
-    """Loads this rank's slice and optimizer state; returns its saved meta. Every rank
-    first checks the run against rank 0's file, so all ranks report the same difference."""
-    check_matches(path, load_meta(path, 0)[0], run)
-    meta, f = load_meta(path, run.tr.rank)
-    st, opt, be = run.stage, run.opt, run.be
+    """Loads this rank's part of the whole parameters (model.bin) and AdamW state; returns
+    the saved meta. Every rank reads the same files, so all report the same difference."""
+    from .files import read_model
+    f = _state_file(path)
     try:
         with np.load(f) as z:
-            for name, dst in (("params", st.params), ("m", opt.m), ("v", opt.v)):
-                if z[name].shape != dst.shape:
-                    raise CupyGPTError(f"{f}: {name} has {z[name].size} values, the stage "
-                                       f"{dst.size}; the file does not belong to this split")
-                be.upload(dst, z[name])
+            meta = json.loads(str(z["meta"]))
+            check_matches(path, meta, run)
+            m, v = z["m"], z["v"]
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
-    opt.t = meta["adam_t"]
+    run.stage.load(read_model(os.path.join(path, "model.bin"), mmap=True)[1])
+    run.load_adamw(m, v)
+    run.opt.t = meta["adam_t"]
     return meta

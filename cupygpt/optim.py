@@ -3,6 +3,8 @@ llm.c's learning-rate schedule."""
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class AdamWConfig:
@@ -51,6 +53,24 @@ class AdamW:
                         hp.weight_decay)
         if self.part is not None:
             self.tr.all_gather(params, st.params, "dp")
+
+    def stage_state(self):
+        """(m, v) over the whole stage's flat buffer, on the host (ZeRO-1: the replicas'
+        slices all-gathered; collective over the dp group)."""
+        out = []
+        for x in (self.m, self.v):
+            if self.part is not None:
+                whole = self.stage.be.zeros(self.stage.params.size, self.stage.dtype)
+                self.tr.all_gather(x, whole, "dp")
+                x = whole
+            out.append(np.array(self.stage.be.to_host(x), np.float32))
+        return out
+
+    def load_stage_state(self, m, v):
+        """m, v: host arrays over the whole stage's flat buffer; this rank keeps its slice."""
+        a, b = self.part or (0, self.stage.params.size)
+        self.stage.be.upload(self.m, m[a:b])
+        self.stage.be.upload(self.v, v[a:b])
 
     def state_bytes(self):
         """Bytes of m and v on this rank (1/dp of the stage's with ZeRO-1)."""

@@ -22,8 +22,7 @@ def test_resume_is_bit_identical(tmp_path, ranks):
     full, part = tmp_path / "full", tmp_path / "part"
     a = cli(*TRAIN, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full, ranks=ranks)
     assert a.returncode == 0, a.stderr
-    assert sorted(os.listdir(full / "ckpt_00000004")) == (
-        ["model.bin"] + [f"rank{r:03d}.npz" for r in range(ranks or 1)])
+    assert sorted(os.listdir(full / "ckpt_00000004")) == ["adamw.npz", "model.bin"]
     b = cli(*TRAIN, "-n", "8", "--resume", full / "ckpt_00000004", "-o", part, ranks=ranks)
     assert b.returncode == 0, b.stderr
     la, lb = log_losses(full / "log.jsonl"), log_losses(part / "log.jsonl")
@@ -39,8 +38,9 @@ def test_resume_mismatch_is_refused(tmp_path):
                         (["-b", "2"], "B: checkpoint 4 vs now 2")):
         res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, *extra, "-o", tmp_path / "x")
         assert res.returncode == 1 and what in res.stderr and len(res.stderr.splitlines()) == 1
-    res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "x", ranks=2)
-    assert res.returncode != 0 and "ranks: checkpoint 1 vs now 2" in res.stderr
+    (tmp_path / "ckpt_00000002" / "adamw.npz").unlink()
+    res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "x")
+    assert res.returncode == 1 and "no adamw.npz beside model.bin: not a checkpoint" in res.stderr
 
 
 @pytest.mark.parametrize("ranks", [None, 2])
@@ -144,8 +144,7 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(tmp_path):
     assert "interrupted after step" in out and "resume from" in out
     step = int(out.split("interrupted after step ")[1].split(";")[0])
     assert open(tmp_path / "latest").read() == f"ckpt_{step:08d}"
-    assert sorted(os.listdir(tmp_path / f"ckpt_{step:08d}")) == ["model.bin", "rank000.npz",
-                                                                  "rank001.npz"]
+    assert sorted(os.listdir(tmp_path / f"ckpt_{step:08d}")) == ["adamw.npz", "model.bin"]
 
 
 def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path):
@@ -164,7 +163,7 @@ def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path
     other = cli(*TRAIN, "-n", "6", "--resume", run, "-e", "tiny", "-o", run)
     assert other.returncode == 1 and "-e tiny: a resumed run continues its checkpoint's own" \
         " model" in other.stderr, other.stderr
-    newest = run / "ckpt_00000005" / "rank000.npz"
+    newest = run / "ckpt_00000005" / "adamw.npz"
     good = newest.read_bytes()
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0xFF

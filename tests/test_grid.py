@@ -33,9 +33,10 @@ def made(tmp_path_factory):
 
 
 def train(made, out, *grid, ranks=None, steps=4):
-    res = cli("train", "-e", made / "model.bin", "-i", made / "train.bin", "-j",
-              made / "val.bin", "-b", "4", "-t", "16", "-n", steps, "-v", "2", "-m", "1",
-              "-g", "0", "-l", "3e-3", "-o", out, *grid, ranks=ranks)
+    model = [] if "--resume" in grid else ["-e", made / "model.bin"]
+    res = cli("train", *model, "-i", made / "train.bin", "-j", made / "val.bin", "-b", "4",
+              "-t", "16", "-n", steps, "-v", "2", "-m", "1", "-g", "0", "-l", "3e-3", "-o", out,
+              *grid, ranks=ranks)
     assert res.returncode == 0, res.stdout + res.stderr
     return res
 
@@ -129,6 +130,28 @@ def test_tensor_parallel_shards_hold_less_and_agree_on_replicated_gradients(made
     res = cli_script("tp_replicas.py", made / "model.bin", ranks=3)
     assert res.returncode == 0 and "replicated gradients identical on 3 shards" in res.stdout, \
         res.stdout + res.stderr
+
+
+def test_checkpoints_move_between_grids(made, tmp_path):
+    """A checkpoint holds whole tensors: written on --dp 2 --tp 2 --zero 1, it resumes on the
+    same grid bit for bit, on one rank and on --tp 3 to the same losses, and its parameters
+    come back unchanged through another grid."""
+    ck = ["--checkpoint-every", "2"]
+    a = tmp_path / "a"
+    train(made, a, "--dp", "2", "--tp", "2", "--zero", "1", *ck, ranks=4)
+    assert sorted(os.listdir(a / "ckpt_00000002")) == ["adamw.npz", "model.bin"]
+    resume = ["--resume", a / "ckpt_00000002"]
+    train(made, tmp_path / "same", "--dp", "2", "--tp", "2", "--zero", "1", *resume, ranks=4)
+    assert [r["train_loss"] for r in log(tmp_path / "same")] == \
+        [r["train_loss"] for r in log(a)[2:]]
+    assert (tmp_path / "same" / "model.bin").read_bytes() == (a / "model.bin").read_bytes()
+    for name, grid, ranks in (("one", [], None), ("tp3", ["--tp", "3"], 3)):
+        train(made, tmp_path / name, *grid, *resume, ranks=ranks)
+        got = [r["train_loss"] for r in log(tmp_path / name)]
+        assert got == pytest.approx([r["train_loss"] for r in log(a)[2:]], rel=1e-5), name
+    through = tmp_path / "through"
+    train(made, through, "--tp", "3", *resume, ranks=3, steps=2)  # no step: load, write
+    assert (through / "model.bin").read_bytes() == (a / "ckpt_00000002" / "model.bin").read_bytes()
 
 
 def cli_script(name, *args, ranks):

@@ -7,7 +7,8 @@ neighbours, and which one holds the loss, the Mesh says.
 import numpy as np
 
 from ... import CupyGPTError
-from ...layout import Part, activation_layout, assemble, param_layout, scratch_layout
+from ...layout import (Part, activation_layout, assemble, copy_part, param_layout,
+                       scratch_layout)
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
@@ -221,8 +222,25 @@ class Runner:
         forward_first and the decodes before it left (the KV cache)."""
         self._run(self.first_actions, x, None, None, on_logits, decode=t)
 
+    def _gather_whole(self, *host):
+        """Whole-model tensors from every part's host buffers (stage layout), on rank 0
+        (None elsewhere); replicas hold the same ones, so replica 0's are sent."""
+        mine = (self.stage.part, host) if self.mesh.replica == 0 else None
+        parts = [p for p in self.tr.gather(mine) or [] if p]
+        if self.tr.rank != 0:
+            return [None] * len(host)
+        return [assemble(self.cfg, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
+
     def gather_params(self):
         """The whole model's host parameters on rank 0 (None elsewhere)."""
-        st = self.stage  # replicas hold the same parameters: replica 0's are sent
-        parts = self.tr.gather((st.part, st.export()) if self.mesh.replica == 0 else None)
-        return assemble(self.cfg, [p for p in parts if p]) if parts is not None else None
+        return self._gather_whole(self.stage.export())[0]
+
+    def gather_adamw(self):
+        """AdamW's m and v in the whole model's layout on rank 0 (None elsewhere)."""
+        return self._gather_whole(*self.opt.stage_state())
+
+    def load_adamw(self, m, v):
+        """m, v: whole-model host arrays (a checkpoint's); this rank takes its part."""
+        st = self.stage
+        self.opt.load_stage_state(*(copy_part(np.empty(st.layout.size, np.float32), st.part,
+                                              x, self.cfg) for x in (m, v)))
