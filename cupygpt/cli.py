@@ -130,6 +130,9 @@ def train(**kw):
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("--profile", is_flag=True,
               help="add per-op and per-kernel GPU time tables (CUDA events, eager steps)")
+@click.option("--comm", is_flag=True,
+              help="under mpiexec: time each transport's collectives and a stage handoff "
+                   "from 1 KiB to 64 MiB and at this model's step sizes, instead")
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
 @backend_option
 @click.option("--tf32/--no-tf32", default=True, show_default=True)
@@ -140,6 +143,15 @@ def bench(out, **kw):
     from .files import atomic_write
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
+    if sess.config.comm:
+        from .bench_comm import comm_bench, format_rows
+        with progress(len(sess.be.TRANSPORTS) * 11, "timing transfers") as bar:
+            rows = comm_bench(sess, lambda: bar.update(1))
+        if rows is not None:
+            with atomic_write(out) as f:
+                f.write(json.dumps(rows, indent=1).encode())
+            click.echo(format_rows(rows) + f"\nwrote {out}")
+        return
     with progress(sess.config.warmup + sess.config.steps, "benchmarking") as bar:
         r = run_bench(sess, lambda: bar.update(1))
     with atomic_write(out) as f:

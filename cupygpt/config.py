@@ -313,6 +313,7 @@ class BenchConfig:
     warmup: int = 3
     graphs: bool = True
     profile: bool = False
+    comm: bool = False              # the transports' collectives and handoff instead
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
     grid: Grid = field(default_factory=Grid)
@@ -324,5 +325,11 @@ class BenchConfig:
         positive(c, "warmup", zero_ok=True)
         shape = preset(c.init)
         fits(c.seq, shape)
-        return replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world),
+        c = replace(c, device=c.device.validate(be, world))
+        if c.comm:  # every rank in one group: the collectives span the world
+            if world < 2:
+                raise CupyGPTError("bench --comm measures communication between ranks: run "
+                                   "it under mpiexec -n 2 or more")
+            return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
+        return replace(c, grid=c.grid.validate(shape, world),
                        pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape

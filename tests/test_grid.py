@@ -161,3 +161,17 @@ def cli_script(name, *args, ranks):
     return subprocess.run([mpiexec(), "-n", str(ranks), sys.executable,
                            os.path.join(ROOT, "tests", name), *map(str, args)],
                           capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_bench_comm_times_every_size_and_refuses_one_rank(tmp_path):
+    res = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "c.json", ranks=2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.load(open(tmp_path / "c.json"))
+    assert [r["bytes"] for r in rows[:9]] == [2 ** k for k in range(10, 27, 2)]
+    assert all(r["transport"] == "mpi" and r["ranks"] == 2 for r in rows)
+    assert rows[-1]["bytes"] == 4 * 7_265_024  # tiny's gradient: its parameter count
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))
+    assert "handoff" in res.stdout and "dp gradient" in res.stdout
+    one = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "d.json")
+    assert one.returncode == 1 and "bench --comm measures communication between ranks" in \
+        one.stderr and not (tmp_path / "d.json").exists()
