@@ -20,9 +20,43 @@ def bench(sess, on_step=None):
     run = sess.runner(cfg, init_params(cfg, 0), B, T, adamw=AdamWConfig(lr=1e-4),
                       graphs=c.graphs)
     x, y = DataLoader(c.data, B, T, cfg.V).next_batch()
+    times, launch = _timed_steps(run, be, x, y, warmup, steps, on_step)
+    out_extra = {}
+    if run.overlap:  # the same steps with the replicas' gradient sum after the backward
+        run.overlap = False
+        plain = _timed_steps(run, be, x, y, 1, steps, on_step)[0]
+        run.overlap = True
+        out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
+    ms = statistics.median(times) * 1e3
+
+    peak = be.peak_flops()
+    achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
+    out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
+           "numerics": be.numerics(), "steps": steps, "warmup": warmup,
+           "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
+           "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
+           "tf32_peak_tflops": peak / 1e12 if peak else None,
+           "mfu": achieved / peak if peak else None,
+           "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
+           "grid": {"dp": run.mesh.dp, "tp": run.mesh.tp, "pp": run.mesh.pp,
+                    "micro_batches": run.M, "zero": int(run.zero), "overlap": run.overlap},
+           **out_extra}
+    if be.asynchronous:  # the host's share of a step: elsewhere the host does all of it
+        out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
+                   host_launch_fraction=statistics.median(launch) / statistics.median(times))
+    if c.profile:  # eager steps: a graph's replay has no per-op events
+        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.opt.step()), 3)
+        if rows:
+            out["per_op"], out["per_kernel"] = rows
+    return out
+
+
+def _timed_steps(run, be, x, y, warmup, steps, on_step):
+    """Seconds of each step after warm-up, and of its host side (launch) alone."""
     times, launch = [], []
     for i in range(warmup + steps):
         be.synchronize()
+        run.tr.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         if run.graphs and run.steps_done > 0:
             run.launch_graph_step(x, y)
@@ -36,21 +70,4 @@ def bench(sess, on_step=None):
             launch.append(t1 - t0)
         if on_step:
             on_step()
-    ms = statistics.median(times) * 1e3
-    peak = be.peak_flops()
-    achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
-    out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
-           "numerics": be.numerics(), "steps": steps, "warmup": warmup,
-           "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
-           "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
-           "tf32_peak_tflops": peak / 1e12 if peak else None,
-           "mfu": achieved / peak if peak else None,
-           "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters()}
-    if be.asynchronous:  # the host's share of a step: elsewhere the host does all of it
-        out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
-                   host_launch_fraction=statistics.median(launch) / statistics.median(times))
-    if c.profile:  # eager steps: a graph's replay has no per-op events
-        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.opt.step()), 3)
-        if rows:
-            out["per_op"], out["per_kernel"] = rows
-    return out
+    return times, launch

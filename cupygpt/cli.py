@@ -136,6 +136,8 @@ def train(**kw):
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
 @backend_option
 @click.option("--tf32/--no-tf32", default=True, show_default=True)
+@grid_options
+@pipeline_options
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
@@ -154,13 +156,18 @@ def bench(out, **kw):
         return
     with progress(sess.config.warmup + sess.config.steps, "benchmarking") as bar:
         r = run_bench(sess, lambda: bar.update(1))
+    if sess.mesh.rank != 0:
+        return
     with atomic_write(out) as f:
         f.write(json.dumps(r, indent=1).encode())
     click.echo(f"{r['device']}: {r['model']} B={r['B']} T={r['T']}: "
                f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
                + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
                + (f", host launch {100 * r['host_launch_fraction']:.1f}% of the step"
-                  if "host_launch_fraction" in r else "") + f"; wrote {out}")
+                  if "host_launch_fraction" in r else "")
+               + (f"; without overlapping the replicas' gradient sum "
+                  f"{r['ms_per_step_no_overlap']:.2f} ms" if "ms_per_step_no_overlap" in r
+                  else "") + f"; wrote {out}")
     for row in r.get("per_op", []):
         click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
     for row in r.get("per_kernel", [])[:20]:

@@ -102,4 +102,7 @@ grid_options = options(
     click.option("--pp", type=int, default=None,
                  help="pipeline stages  [default: the ranks dp and tp leave]"),
     click.option("--zero", type=int, default=0, show_default=True,
-                 help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"))
+                 help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"),
+    click.option("--overlap/--no-overlap", default=True, show_default=True,
+                 help="sum the replicas' gradients layer by layer during the last backward "
+                      "(not with --zero 1)"))

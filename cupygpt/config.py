@@ -101,6 +101,7 @@ class Grid:
     tp: Optional[int] = None
     pp: Optional[int] = None
     zero: int = 0
+    overlap: bool = True            # the replicas' gradient sum during the last backward
 
     def validate(self, shape, world):
         for name in ("dp", "tp", "pp"):
@@ -117,8 +118,8 @@ class Grid:
         elif tp is None:
             tp = world // (dp * pp)
         if dp * tp * pp != world or min(dp, tp, pp) < 1:
-            given = " x ".join(f"--{k} {v}" for k, v in asdict(self).items()
-                               if v is not None and k != "zero")
+            given = " x ".join(f"--{k} {getattr(self, k)}" for k in ("dp", "tp", "pp")
+                               if getattr(self, k) is not None)
             raise CupyGPTError(f"{given} does not multiply out to the {world} rank(s) of this "
                                f"launch; dp x tp x pp must equal the number of ranks")
         if shape.NH % tp:
@@ -331,5 +332,6 @@ class BenchConfig:
                 raise CupyGPTError("bench --comm measures communication between ranks: run "
                                    "it under mpiexec -n 2 or more")
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
-        return replace(c, grid=c.grid.validate(shape, world),
-                       pipeline=c.pipeline.validate(shape.L, world, c.batch)), shape
+        c = replace(c, grid=c.grid.validate(shape, world))
+        return replace(c, pipeline=c.pipeline.validate(shape.L, c.grid.pp,
+                                                       c.grid.rows(c.batch))), shape

@@ -170,11 +170,12 @@ class Stage:
         be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"], p["lnfb"])
         be.matmul_forward(act("logits"), act("lnf"), p["wte"], None)
 
-    def backward(self, slot=0, tokens=None):
+    def backward(self, slot=0, tokens=None, layer_done=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
         gradient of output(slot). Leaves the gradient of input(slot) in grad_io(). The
         input gradients of the column-parallel products (the head's, qkv's, fc's) are
-        partial sums over the shard's columns: summed over the shards before layernorm."""
+        partial sums over the shard's columns: summed over the shards before layernorm.
+        layer_done(l), when given, is called as soon as layer l's gradients are added."""
         be, p, g, a, s = self.be, self.p, self.g, self.acts[slot], self.s
         dres = s["dresidual"]
         if self.head:
@@ -203,6 +204,8 @@ class Stage:
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],
                                   a["ln1_mean"][l], a["ln1_rstd"][l])
+            if layer_done:
+                layer_done(l)
         if self.embed:
             be.encoder_backward(g["wte"], g["wpe"], dres, tokens, self.v0)
 

@@ -45,7 +45,8 @@ class Session:
         """params: the whole model's host parameters (None: a resume fills the stage)."""
         p = self.config.pipeline
         run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
-                     list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero))
+                     list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero),
+                     self.config.grid.overlap)
         if params is not None:
             run.stage.load(params)
         return run
@@ -55,6 +56,8 @@ class Session:
         m = self.mesh
         rows = [*self.be.device_info().items(), ("transport", self.tr.name),
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
+                ("dp gradient sum", "-" if m.dp == 1 else "reduce-scatter (zero 1)"
+                 if run.zero else "overlapped, per layer" if run.overlap else "after backward"),
                 ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
                 ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]

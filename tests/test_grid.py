@@ -201,6 +201,25 @@ def cli_script(name, *args, ranks):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+def test_overlapped_gradient_sum_is_bit_identical_and_benched(made, tmp_path):
+    """The replicas' per-layer sums started during the last backward give the bits of the
+    sum after it; bench times the step both ways."""
+    grid = ["--dp", "2", "--tp", "2", "--micro-batches", "2"]
+    over = train(made, tmp_path / "over", *grid, ranks=4)
+    plain = train(made, tmp_path / "plain", *grid, "--no-overlap", ranks=4)
+    assert "overlapped, per layer" in over.stdout and "after backward" in plain.stdout
+    assert [r["train_loss"] for r in log(tmp_path / "over")] == \
+        [r["train_loss"] for r in log(tmp_path / "plain")]
+    assert (tmp_path / "over" / "model.bin").read_bytes() == \
+        (tmp_path / "plain" / "model.bin").read_bytes()
+    res = cli("bench", "--backend", "numpy", "--dp", "2", "-t", "16", "--steps", "2",
+              "--warmup", "1", "--out", tmp_path / "b.json", ranks=2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.load(open(tmp_path / "b.json"))
+    assert r["grid"]["dp"] == 2 and r["grid"]["overlap"]
+    assert r["ms_per_step_median"] > 0 and r["ms_per_step_no_overlap"] > 0
+
+
 def test_bench_comm_times_every_size_and_refuses_one_rank(tmp_path):
     res = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "c.json", ranks=2)
     assert res.returncode == 0, res.stdout + res.stderr

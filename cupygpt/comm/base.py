@@ -31,6 +31,17 @@ def chunks(n, parts):
     return [(min(i * c, n), min((i + 1) * c, n)) for i in range(parts)]
 
 
+class Done:
+    """A finished collective's handle."""
+
+    def progress(self):
+        """Advances it without blocking; False while it waits on its first phase."""
+        return True
+
+    def wait(self):
+        pass
+
+
 class Transport:
     """What the runner and the commands call. `name`, `rank` and `size` are attributes."""
     name, rank, size = "", 0, 1
@@ -55,6 +66,14 @@ class Transport:
 
     def all_reduce(self, arr, axis):
         """arr (any shape) becomes the sum of the group's arrs, in place."""
+
+    def start_all_reduce(self, arrs, axis):
+        """Starts summing the arrays (one message, every member passing the same shapes)
+        and returns a handle; handle.wait() finishes it. The sums are all_reduce's bits.
+        Here: done at once (one member, or a transport without non-blocking collectives)."""
+        for a in arrs:
+            self.all_reduce(a, axis)
+        return Done()
 
     def reduce_scatter(self, arr, out, axis):
         """out (flat) = the sum over the group of this member's chunk of arr (chunks())."""

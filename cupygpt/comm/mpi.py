@@ -20,6 +20,10 @@ class Mpi(Transport):
         for axis in ("dp", "tp"):
             mine = [i for i, g in enumerate(mesh.groups(axis)) if self.rank in g][0]
             self.groups[axis] = self.comm.Split(mine, self.rank)
+        # overlapped all-reduces start their all-gathers when their all-to-all has landed,
+        # which may interleave with later all-to-alls: on a communicator of their own, so
+        # each communicator's collectives start in the same order on every member
+        self.gather_groups = {axis: c.Dup() for axis, c in self.groups.items()}
 
     def bcast(self, obj, root=0):
         return self.comm.bcast(obj, root=root)
@@ -75,16 +79,27 @@ class Mpi(Transport):
     def _reduce_chunk(self, arr, comm, axis):
         """This member's chunk of the group's sum, on the host: every member sends each
         member its chunk (all-to-all), which adds what it got in member order."""
-        n, flat = comm.size, np.asarray(self.be.to_host(arr)).reshape(-1)
+        req, bufs = self._exchange(np.asarray(self.be.to_host(arr)).reshape(-1), comm)
+        self.wait(req, f"the {axis} group's reduce (all-to-all)")
+        return _member_sum(bufs[1])
+
+    @staticmethod
+    def _exchange(flat, comm):
+        """Starts the all-to-all; returns the request and (send, receive) buffers, which
+        must outlive it (MPI reads and writes them until it completes)."""
+        n = comm.size
         c = -(-flat.size // n)
         send = np.zeros(n * c, flat.dtype)
         send[:flat.size] = flat
         got = np.empty_like(send).reshape(n, c)
-        self.wait(comm.Ialltoall(send, got), f"the {axis} group's reduce (all-to-all)")
-        acc = got[0].copy()
-        for part in got[1:]:
-            acc += part
-        return acc
+        return comm.Ialltoall(send, got), (send, got)
+
+    def start_all_reduce(self, arrs, axis):
+        comm = self.groups[axis]
+        if comm.size == 1:
+            return super().start_all_reduce(arrs, axis)
+        flat = np.concatenate([np.asarray(self.be.to_host(a)).reshape(-1) for a in arrs])
+        return _Overlapped(self, comm, axis, arrs, *self._exchange(flat, comm))
 
     def _gather_chunks(self, chunk, comm, axis, n_out):
         c = -(-n_out // comm.size)
@@ -119,3 +134,40 @@ class Mpi(Transport):
         for req, _ in self.pending:
             self.wait(req, "a send to be received")
         self.pending = []
+
+
+def _member_sum(parts):
+    acc = parts[0].copy()
+    for part in parts[1:]:
+        acc += part
+    return acc
+
+
+class _Overlapped:
+    """An all-reduce in flight: the all-to-all, then (once it has landed, at a progress()
+    or the wait) the member-order sum and the all-gather; wait() writes the arrays back."""
+
+    def __init__(self, tr, comm, axis, arrs, req, bufs):
+        self.tr, self.comm, self.axis, self.arrs = tr, comm, axis, arrs
+        self.req, self.bufs, self.gathered = req, bufs, None  # bufs: alive while in flight
+
+    def progress(self):
+        """Advances without blocking: once the all-to-all has landed, adds and starts the
+        all-gather. True when the all-gather has started. Callers advance handles in the
+        order they were started and stop at the first that is not ready, so the gathers
+        start in the same order on every member."""
+        if self.gathered is None and self.req.Test():
+            mine = _member_sum(self.bufs[1])
+            self.gathered = np.empty(self.comm.size * mine.size, mine.dtype)
+            comm = self.tr.gather_groups[self.axis]
+            self.req, self.bufs = comm.Iallgather(mine, self.gathered), (mine,)
+        return self.gathered is not None
+
+    def wait(self):
+        what = f"the {self.axis} group's overlapped gradient sum"
+        poll(self.progress, self.tr.timeout, self.tr.rank, what)
+        self.tr.wait(self.req, what)
+        off = 0
+        for a in self.arrs:
+            self.tr.be.upload(a, self.gathered[off:off + a.size].reshape(a.shape))
+            off += a.size

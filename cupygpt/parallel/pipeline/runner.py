@@ -7,8 +7,8 @@ neighbours, and which one holds the loss, the Mesh says.
 import numpy as np
 
 from ... import CupyGPTError
-from ...layout import (Part, activation_layout, assemble, copy_part, param_layout,
-                       scratch_layout)
+from ...layout import (PARAM_NAMES, WHOLE, Part, activation_layout, assemble, copy_part,
+                       param_layout, scratch_layout)
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
@@ -39,10 +39,13 @@ def plan_split(L, p, split=None):
 
 class Runner:
     def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
-                 counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False):
+                 counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False,
+                 overlap=True):
         """counts: layers per stage (plan_split's, already checked); B the batch of one
         step: each data-parallel replica computes B / dp of its rows, in micro_batches.
-        zero: AdamW's state sharded across the replicas (ZeRO-1)."""
+        zero: AdamW's state sharded across the replicas (ZeRO-1). overlap: the replicas'
+        gradient sum starts layer by layer during the step's last backward (not with
+        ZeRO-1, whose reduce-scatter follows the optimizer's slices)."""
         p, r = mesh.pp, mesh.stage
         counts = counts or plan_split(cfg.L, p)
         l0 = sum(counts[:r])
@@ -51,8 +54,11 @@ class Runner:
         self.Bl = B // mesh.dp                  # this replica's rows
         self.Bm = self.Bl // micro_batches
         self.zero = zero
+        self.overlap = overlap and mesh.dp > 1 and not zero
+        self.in_flight = []
         self.first, self.last, self.counts = mesh.first, mesh.last, counts
         self.train_actions = SCHEDULES[schedule](p, micro_batches, r)
+        self.last_bwd = [a.mb for a in self.train_actions if a.op == Op.BWD][-1]
         self.eval_actions = forward_only(p, micro_batches, r)
         self.first_actions = forward_only(p, 1, r)
         slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
@@ -165,15 +171,33 @@ class Runner:
             on_logits(mb, st.acts[slot]["logits"])
 
     def _backward(self, slot, mb):
-        self.stage.backward(slot, self.x_dev[self._rows(mb)] if self.first else None)
+        done = self._layer_done if self.overlap and mb == self.last_bwd else None
+        self.stage.backward(slot, self.x_dev[self._rows(mb)] if self.first else None, done)
+
+    def _layer_done(self, l):
+        """Overlap: layer l's gradients are final (the step's last backward passed it), so
+        the replicas start summing them while the layers below are computed."""
+        g = self.stage.g
+        for h in self.in_flight:  # in start order, stopping at the first not ready
+            if not h.progress():
+                break
+        self.in_flight.append(self.tr.start_all_reduce(
+            [g[n][l] for n in PARAM_NAMES if n in g and n not in WHOLE], "dp"))
 
     def sync_grads(self):
         """After the step's last backward: GPT-2 ties the LM head to wte, so the first and
         last stage sum their wte gradients; then the replicas sum theirs (with ZeRO-1 the
         optimizer reduce-scatters them instead)."""
+        g = self.stage.g
         if self.mesh.tied_peer is not None:
-            self.tr.sum_tied(self.stage.g["wte"], self.mesh.tied_peer)
-        if not self.zero:
+            self.tr.sum_tied(g["wte"], self.mesh.tied_peer)
+        if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
+            self.in_flight.append(self.tr.start_all_reduce(
+                [g[n] for n in WHOLE if n in g], "dp"))
+            for h in self.in_flight:
+                h.wait()
+            self.in_flight = []
+        elif not self.zero:
             self.tr.all_reduce(self.stage.grads, "dp")
 
     def gradients(self, x, y):
