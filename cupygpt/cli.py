@@ -129,7 +129,8 @@ def train(**kw):
 @click.option("--warmup", default=3, show_default=True, help="untimed steps first")
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("--profile", is_flag=True,
-              help="add per-op and per-kernel GPU time tables (CUDA events, eager steps)")
+              help="add a time-per-op table (GPU: CUDA events, also per kernel, eager "
+                   "steps; CPU: wall time per op)")
 @click.option("--comm", is_flag=True,
               help="under mpiexec: time each transport's collectives and a stage handoff "
                    "from 1 KiB to 64 MiB and at this model's step sizes, instead")

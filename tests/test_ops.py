@@ -153,3 +153,18 @@ def test_adamw_matches_formula():
     be.adamw(p, g, m, v, (0.01, 1 - 0.9 ** 3, 1 - 0.999 ** 3), 0.9, 0.999, 1e-8, 0.1)
     close(p, exp_p)
     close(m, exp_m)
+
+
+def test_kernel_profile_times_each_op_and_the_rest():
+    x, out = r(B, T, 4 * C), np.empty((B, T, 4 * C))
+
+    def step():
+        be.gelu_forward(out, x)
+        be.gelu_backward(out, x, x)
+        sum(range(20000))  # outside every op: "(rest)"
+    per_op, per_kernel = be.kernel_profile(step, 3)
+    ops = {row["op"]: row for row in per_op}
+    assert set(ops) == {"gelu_forward", "gelu_backward", "(rest)"} and per_kernel == []
+    assert sum(row["share"] for row in per_op) == pytest.approx(1.0)
+    assert all(row["ms_per_step"] > 0 for row in per_op)
+    assert be._trace is None  # profiling ends with the call

@@ -1,6 +1,8 @@
 """The reference backend: every op vectorized over B, T and C; float32 or float64."""
+import functools
 import math
 import os
+import time
 
 import numpy as np
 
@@ -78,9 +80,37 @@ def device_info():
             "blas_threads": threads}
 
 
+_trace = None  # {op: seconds} while kernel_profile runs
+
+
+def _op(fn):
+    """A public op: under kernel_profile its wall time is added to its name's."""
+    @functools.wraps(fn)
+    def op(*args):
+        if _trace is None:
+            return fn(*args)
+        t0 = time.perf_counter()
+        fn(*args)
+        _trace[fn.__name__] = _trace.get(fn.__name__, 0.0) + time.perf_counter() - t0
+    return op
+
+
 def kernel_profile(step, steps):
-    """Per-op and per-kernel device time; None: the CPU has no kernel trace."""
-    return None
+    """Where the time of `steps` calls of step() goes: per op (wall time; the CPU computes
+    synchronously), and "(rest)" for what is outside every op (Python, the transport,
+    slicing). Returns (per_op, per_kernel); the CPU has no kernels, so per_kernel is []."""
+    global _trace
+    _trace = {}
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            step()
+        whole, ops = time.perf_counter() - t0, _trace
+    finally:
+        _trace = None
+    ops["(rest)"] = max(0.0, whole - sum(ops.values()))
+    return ([{"op": op, "ms_per_step": 1e3 * t / steps, "share": t / whole}
+             for op, t in sorted(ops.items(), key=lambda kv: -kv[1])], [])
 
 
 def _rows(a):
@@ -108,6 +138,7 @@ def _held(inp, v0, rows):
     return np.where(held, r, 0), held
 
 
+@_op
 def encoder_forward(out, inp, wte, wpe, v0=0):
     """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32. wte holds vocab rows v0.. (a
     tensor-parallel shard): tokens it does not hold get zeros; wpe None: no positions."""
@@ -119,6 +150,7 @@ def encoder_forward(out, inp, wte, wpe, v0=0):
         np.add(x, wpe[: inp.shape[1]], out=out)
 
 
+@_op
 def layernorm_forward(out, mean, rstd, inp, w, b):
     """out (B,T,C); mean, rstd (B,T) saved for backward."""
     mean[...] = inp.mean(-1)
@@ -128,6 +160,7 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
     out += b
 
 
+@_op
 def matmul_forward(out, inp, w, bias):
     """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T + bias (OC) or no bias."""
     np.matmul(_rows(inp), w.T, out=_rows(out))
@@ -135,6 +168,7 @@ def matmul_forward(out, inp, w, bias):
         out += bias
 
 
+@_op
 def attention_forward(out, preatt, att, qkv, NH):
     """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) saved."""
     B, T, C3 = qkv.shape
@@ -149,6 +183,7 @@ def attention_forward(out, preatt, att, qkv, NH):
     out.reshape(B, T, NH, HS)[...] = (att @ v).transpose(0, 2, 1, 3)
 
 
+@_op
 def attention_decode(out, qkv, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
@@ -162,6 +197,7 @@ def attention_decode(out, qkv, NH):
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
+@_op
 def gelu_forward(out, inp):
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
     x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
@@ -177,10 +213,12 @@ def gelu_forward(out, inp):
     out *= t
 
 
+@_op
 def residual_forward(out, a, b):
     np.add(a, b, out=out)
 
 
+@_op
 def classifier_stats(stats, logits, targets, v0, valid):
     """Per position, over this vocab shard's first `valid` logits (its real tokens):
     stats (B,T,3) = max, sum of exp(logit - max), and the target's logit when the shard
@@ -199,6 +237,7 @@ def classifier_stats(stats, logits, targets, v0, valid):
     stats[..., 2] = np.where(held, np.take_along_axis(lg, r[..., None], -1)[..., 0], 0)
 
 
+@_op
 def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
     """Softmax + cross-entropy from every vocab shard's stats (tp,B,T,3), combined in shard
     order: max M, sum S = sum of s * exp(m - M), target logit t; losses (B,T) = log S + M - t.
@@ -226,6 +265,7 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
         logits[..., valid:] = 0
 
 
+@_op
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses."""
     acc += losses.sum(dtype=np.float64)
@@ -233,6 +273,7 @@ def loss_accumulate(acc, losses):
 
 # --- backward ----------------------------------------------------------------------------
 
+@_op
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     """dwte[inp] += dout (for the tokens this vocab shard holds); dwpe[:T] += dout summed
     over B."""
@@ -241,6 +282,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     dwpe[: inp.shape[1]] += dout.sum(0)
 
 
+@_op
 def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     norm = (inp - mean[..., None]) * rstd[..., None]
     dnorm = dout * w
@@ -250,6 +292,7 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     db += _rows(dout).sum(0)
 
 
+@_op
 def matmul_backward(dinp, dw, db, dout, inp, w):
     """dinp (B,T,C) = dout @ w; dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows."""
     d2 = _rows(dout)
@@ -259,6 +302,7 @@ def matmul_backward(dinp, dw, db, dout, inp, w):
         db += d2.sum(0)
 
 
+@_op
 def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     """dqkv (B,T,3C) from dout (B,T,C); dpreatt, datt (B,NH,T,T) are scratch."""
     B, T, C3 = qkv.shape
@@ -274,6 +318,7 @@ def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     dk[...] = dpreatt.transpose(0, 1, 3, 2) @ q
 
 
+@_op
 def gelu_backward(dinp, inp, dout):
     """dinp = dout * d/dx gelu(x), with th = tanh(s (x + 0.044715 x^3)):
     0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 * 0.044715 x^2); in place in two scratches."""
@@ -301,6 +346,7 @@ def gelu_backward(dinp, inp, dout):
 
 # --- optimizer ---------------------------------------------------------------------------
 
+@_op
 def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
     """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
     sched = (lr, 1 - beta1^t, 1 - beta2^t)."""
