@@ -65,3 +65,15 @@ def test_nccl_refused_with_two_ranks_on_one_gpu(device):
     res = cli("train", "--backend", "cuda", "--transport", "nccl", "-n", "1", ranks=2,
               timeout=120, env=device_env(device))
     assert res.returncode != 0 and "--transport nccl: 2 ranks but 1 GPU(s)" in res.stderr
+
+
+@pytest.mark.parametrize("device", NVSHMEM_DEVICES)
+@pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2"],
+                                  ["--tp", "2", "--pp", "2", "--micro-batches", "2"]])
+def test_grid_of_cuda_stages_verifies(device, grid):
+    """Data and tensor parallelism on the CUDA backend: the vocab-parallel kernels, and the
+    collectives (host-staged over MPI for now) beside nvshmem's stage handoffs."""
+    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
+                        ranks=4, env=device_env(device))
+    assert res.returncode == 0 and r["ok"] and r["ranks"] == 4, res.stdout + res.stderr
+    assert all(s["ok"] for s in r["steps"])
