@@ -118,7 +118,8 @@ def write_model(path, cfg, params):
     with atomic_write(path) as f:
         f.write(make_header(MODEL_MAGIC, 3, cfg.maxT, cfg.V, cfg.L, cfg.NH, cfg.C,
                             cfg.Vp).tobytes())
-        f.write(np.ascontiguousarray(params, dtype=np.float32).tobytes())
+        # the array's own bytes, not a copy of them (half a GiB for a d12)
+        f.write(memoryview(np.ascontiguousarray(params, dtype=np.float32)).cast("B"))
 
 
 # --- debug state -------------------------------------------------------------------------

@@ -155,6 +155,8 @@ def copy_part(dst, part, src, cfg):
 
 def assemble(cfg, parts):
     """The whole model's parameters from (part, host params) pairs that cover it."""
+    if len(parts) == 1 and parts[0][0] == Part.whole(cfg):
+        return parts[0][1]  # one rank holds it all: no copy
     full = np.zeros(param_layout(cfg).size, parts[0][1].dtype)
     fv = param_layout(cfg).views(full)
     for part, params in parts:

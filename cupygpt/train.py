@@ -55,6 +55,7 @@ def train(sess):
     cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq,
                       adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay), graphs=o.graphs)
+    del params  # a model file is mapped: unmapped now, its pages leave the resident set
     train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "train_pattern")
     val_data = (DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "val_pattern")
                 if o.val_pattern else None)

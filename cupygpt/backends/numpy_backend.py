@@ -123,10 +123,10 @@ _scratch = {}
 def _ws(key, shape, dtype):
     """A scratch array kept between calls: the large elementwise ops write their
     temporaries here instead of allocating (and page-faulting) fresh ones every step."""
-    a = _scratch.get(key)
-    if a is None or a.shape != tuple(shape) or a.dtype != dtype:
-        a = _scratch[key] = np.empty(shape, dtype)
-    return a
+    n, a = math.prod(shape), _scratch.get(key)
+    if a is None or a.size < n or a.dtype != dtype:  # grows to the largest asked for
+        a = _scratch[key] = np.empty(n, dtype)
+    return a[:n].reshape(shape)
 
 
 # --- forward -----------------------------------------------------------------------------
@@ -350,6 +350,15 @@ def gelu_backward(dinp, inp, dout):
 def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
     """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
     sched = (lr, 1 - beta1^t, 1 - beta2^t)."""
+    for a in range(0, params.size, ADAM_CHUNK):  # elementwise: chunks change no bit
+        b = a + ADAM_CHUNK
+        _adamw(params[a:b], grads[a:b], m[a:b], v[a:b], sched, beta1, beta2, eps, weight_decay)
+
+
+ADAM_CHUNK = 1 << 20  # 4 MiB of fp32: two scratches this size instead of the model's size
+
+
+def _adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
     lr, bc1, bc2 = sched
     t, u = _ws("adam_t", params.shape, params.dtype), _ws("adam_u", params.shape, params.dtype)
     m *= beta1
