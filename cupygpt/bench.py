@@ -18,7 +18,9 @@ def bench(sess, on_step=None):
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
     run = sess.runner(cfg, init_params(cfg, 0), B, T, adamw=AdamWConfig(lr=1e-4),
-                      graphs=c.graphs)
+                      graphs=c.graphs and not c.trace)
+    if c.trace:
+        run.start_trace()
     x, y = DataLoader(c.data, B, T, cfg.V).next_batch()
     times, launch = _timed_steps(run, be, x, y, warmup, steps, on_step)
     out_extra = {}
@@ -27,6 +29,9 @@ def bench(sess, on_step=None):
         plain = _timed_steps(run, be, x, y, 1, steps, on_step)[0]
         run.overlap = True
         out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
+    if c.trace:
+        run.write_trace(c.trace)
+        run.trace = None
     ms = statistics.median(times) * 1e3
 
     peak = be.peak_flops()

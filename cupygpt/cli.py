@@ -9,7 +9,7 @@ import click
 
 from . import CupyGPTError
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, backend_option, device_options, entry,
-                      grid_options, pipeline_options, progress, session)
+                      grid_options, pipeline_options, progress, session, trace_option)
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
 from .parallel.pipeline.schedule import LABEL, SCHEDULES
@@ -33,6 +33,7 @@ def cli():
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@trace_option
 @device_options
 @grid_options
 @pipeline_options
@@ -109,6 +110,7 @@ def prepare(text, out, tokenizer, name):
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="replay each step as a CUDA graph (one process on a GPU)")
+@trace_option
 @device_options
 @grid_options
 @pipeline_options
@@ -137,6 +139,7 @@ def train(**kw):
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
 @backend_option
 @click.option("--tf32/--no-tf32", default=True, show_default=True)
+@trace_option
 @grid_options
 @pipeline_options
 @entry

@@ -106,3 +106,7 @@ grid_options = options(
     click.option("--overlap/--no-overlap", default=True, show_default=True,
                  help="sum the replicas' gradients layer by layer during the last backward "
                       "(not with --zero 1)"))
+trace_option = click.option(
+    "--trace", default=None, metavar="PATH",
+    help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
+         "(open in Perfetto or chrome://tracing)")

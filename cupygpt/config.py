@@ -188,6 +188,12 @@ def make_dir(name, path):
         raise CupyGPTError("this directory is not writable", name, path)
 
 
+def trace_dir(cfg):
+    """--trace's directory exists (made) and is writable, before the run starts."""
+    if cfg.trace:
+        make_dir("trace", os.path.dirname(os.path.abspath(cfg.trace)))
+
+
 def existing(name, path):
     if not os.path.isfile(path):
         raise CupyGPTError("no such file", name, path)
@@ -217,6 +223,7 @@ class TrainConfig:
     resume: Optional[str] = None
     log_file: Optional[str] = None
     graphs: bool = True
+    trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
     grid: Grid = field(default_factory=Grid)
@@ -250,6 +257,7 @@ class TrainConfig:
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows(c.batch)))
+        trace_dir(c)
         make_dir("out", c.out)  # last: nothing is left behind when a check above fails
         return c, shape
 
@@ -263,6 +271,7 @@ class VerifyConfig:
     weight_decay: float = 0.01
     expected: Optional[str] = None
     dtype: str = "float32"
+    trace: Optional[str] = None
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
     grid: Grid = field(default_factory=Grid)
@@ -276,6 +285,7 @@ class VerifyConfig:
         shape = model_shape(self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
+        trace_dir(self)
         return replace(self, device=self.device.validate(be, world), grid=grid,
                        pipeline=self.pipeline.validate(shape, T, grid.pp, grid.rows(B))), shape
 
@@ -316,6 +326,7 @@ class BenchConfig:
     graphs: bool = True
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
+    trace: Optional[str] = None
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
     grid: Grid = field(default_factory=Grid)
@@ -334,5 +345,6 @@ class BenchConfig:
                                    "it under mpiexec -n 2 or more")
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
         c = replace(c, grid=c.grid.validate(shape, world))
+        trace_dir(c)
         return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                        c.grid.rows(c.batch))), shape

@@ -55,7 +55,10 @@ def train(sess):
     log, tr, mesh, o = sess.log, sess.tr, sess.mesh, sess.config
     cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq,
-                      adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay), graphs=o.graphs)
+                      adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay),
+                      graphs=o.graphs and not o.trace)  # a trace marks each action: eager
+    if o.trace:
+        run.start_trace()
     del params  # a model file is mapped: unmapped now, its pages leave the resident set
     train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "train_pattern")
     val_data = (DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "val_pattern")
@@ -146,6 +149,9 @@ def train(sess):
             logf.close()
     if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
         save(o.steps)
+    if o.trace:
+        run.write_trace(o.trace)
+        log(f"wrote trace {o.trace}")
     full = run.gather_params()
     if tr.rank == 0:
         path = os.path.join(o.out, "model.bin")

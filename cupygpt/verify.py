@@ -26,6 +26,8 @@ def verify(sess):
     B, T = st["B"], st["T"]
     run = sess.runner(cfg, params, B, T, np.dtype(c.dtype).type,
                       AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
+    if c.trace:
+        run.start_trace()
     key = sess.be.numerics()
     tol = TOLERANCES[key]
 
@@ -61,6 +63,8 @@ def verify(sess):
     run.opt.step()
     for _ in range(1, c.steps):
         step_losses.append(run.train_step(st["x"], st["y"]))
+    if c.trace:
+        run.write_trace(c.trace)
     if tr.rank != 0:
         return True
 

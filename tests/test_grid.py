@@ -232,3 +232,35 @@ def test_bench_comm_times_every_size_and_refuses_one_rank(tmp_path):
     one = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "d.json")
     assert one.returncode == 1 and "bench --comm measures communication between ranks" in \
         one.stderr and not (tmp_path / "d.json").exists()
+
+
+def test_trace_shows_every_rank_s_actions_in_causal_order(made, tmp_path):
+    """--trace: one Chrome trace-event JSON, a row per rank, a slice per action; a stage
+    receives micro-batch k only after the one before it began sending it."""
+    path = tmp_path / "t" / "trace.json"
+    train(made, tmp_path / "o", "--pp", "2", "--micro-batches", "2", "--trace", path,
+          ranks=2, steps=1)
+    ev = json.load(open(path))["traceEvents"]
+    rows = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M"}
+    assert rows == {0: "rank 0: stage 0, replica 0, shard 0", 1: "rank 1: stage 1, replica 0, shard 0"}
+    slices = [e for e in ev if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    first = [e["name"] for e in slices if e["tid"] == 0]
+    assert first[:4] == ["F0", "send_act 0", "F1", "send_act 1"]  # validation first
+    assert "B1" in first and first.count("step") == 1
+    sends = sorted(e["ts"] for e in slices if e["name"] == "send_act 1")
+    recvs = sorted(e["ts"] + e["dur"] for e in slices if e["name"] == "recv_act 1")
+    assert len(sends) == len(recvs) == 3  # validation, the step, validation
+    assert all(r >= s for s, r in zip(sends, recvs))
+
+
+def test_trace_on_the_cuda_backend_uses_its_events(tmp_path):
+    from conftest import device_env
+    from test_verify import FILES
+    from conftest import run_verify
+    path = tmp_path / "cuda.json"
+    res, r = run_verify(FILES[0], "--backend", "cuda", "--steps", "2", "--trace", path,
+                        env=device_env("sim"))
+    assert res.returncode == 0 and r["ok"], res.stdout + res.stderr
+    names = [e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    assert names[:3] == ["F0", "F0", "B0"] and names.count("step") == 2

@@ -10,6 +10,7 @@ functions), and cudasim loads this file whole against its stand-in CuPy.
 """
 import functools
 import math
+import time
 
 import cupy as cp
 import numpy as np
@@ -195,6 +196,29 @@ def to_host(a):
 
 def synchronize():
     cp.cuda.get_current_stream().synchronize()
+
+
+_origin = []  # (event, host seconds) taken together once, for stamp_seconds
+
+
+def stamp():
+    """A CUDA event recorded on the compute stream (--trace): when the GPU got there."""
+    if not _origin:
+        synchronize()
+        e = cp.cuda.Event()
+        e.record()
+        synchronize()
+        _origin.append((e, time.perf_counter()))
+    e = cp.cuda.Event()
+    e.record()
+    return e
+
+
+def stamp_seconds(marks):
+    """Host-clock seconds of recorded events: the origin's host time plus GPU elapsed."""
+    synchronize()
+    e0, h0 = _origin[0]
+    return [h0 + cp.cuda.get_elapsed_time(e0, m) / 1e3 for m in marks]
 
 
 def capture(fn):

@@ -80,6 +80,16 @@ def device_info():
             "blas_threads": threads}
 
 
+def stamp():
+    """A mark of this moment in the work's order (--trace); the CPU's is its clock."""
+    return time.perf_counter()
+
+
+def stamp_seconds(marks):
+    """Host-clock seconds (time.perf_counter's, the same clock in every process) of marks."""
+    return list(marks)
+
+
 _trace = None  # {op: seconds} while kernel_profile runs
 
 
