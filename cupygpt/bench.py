@@ -5,6 +5,7 @@ import time
 from .data import DataLoader
 from .model import init_params
 from .optim import AdamWConfig
+from .parallel.pipeline import trace
 
 
 def flops_per_token(cfg, T):
@@ -30,7 +31,7 @@ def bench(sess, on_step=None):
         run.overlap = True
         out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
     if c.trace:
-        run.write_trace(c.trace)
+        trace.write(run, c.trace)
         run.trace = None
     ms = statistics.median(times) * 1e3
 

@@ -17,6 +17,7 @@ from .parallel.pipeline.runner import stage_shares
 from .sample import generate
 from .session import load_model
 from .tokenizer import Tokenizer
+from .parallel.pipeline import trace
 
 
 def open_tokenizer(path, cfg, log):
@@ -150,7 +151,7 @@ def train(sess):
     if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
         save(o.steps)
     if o.trace:
-        run.write_trace(o.trace)
+        trace.write(run, o.trace)
         log(f"wrote trace {o.trace}")
     full = run.gather_params()
     if tr.rank == 0:

@@ -7,6 +7,7 @@ import numpy as np
 from .files import read_model, read_state
 from .layout import copy_part, param_layout
 from .optim import AdamWConfig
+from .parallel.pipeline import trace
 
 # Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
 # A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
@@ -64,7 +65,7 @@ def verify(sess):
     for _ in range(1, c.steps):
         step_losses.append(run.train_step(st["x"], st["y"]))
     if c.trace:
-        run.write_trace(c.trace)
+        trace.write(run, c.trace)
     if tr.rank != 0:
         return True
 

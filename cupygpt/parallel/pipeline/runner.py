@@ -18,13 +18,6 @@ from .schedule import SCHEDULES, Op, forward_only, slot_plan
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 
 
-def trace_name(a):
-    """An action's name in a trace: F3, B3 for compute; send_act 3; step."""
-    if a.op in (Op.FWD, Op.BWD):
-        return f"{'F' if a.op == Op.FWD else 'B'}{a.mb}"
-    return a.op.value if a.mb is None else f"{a.op.value} {a.mb}"
-
-
 def costs(cfg, T):
     """(a block's, the head's) forward FLOPs per token, the counted cost a split balances
     (backward is about twice forward everywhere, so it balances alike): a block's matmuls
@@ -289,30 +282,6 @@ class Runner:
     def start_trace(self):
         """Records every action's start and end from now on (the first TRACE_MAX)."""
         self.trace = []
-
-    def write_trace(self, path):
-        """Collective: rank 0 writes every rank's actions as one Chrome trace-event JSON
-        (Perfetto, chrome://tracing): a row per rank, a slice per action (F3, B3, send_act 3,
-        step), microseconds from the first action of any rank."""
-        import json
-        from ...files import atomic_write
-        marks = [m for _, a, b in self.trace for m in (a, b)]
-        secs = self.be.stamp_seconds(marks)
-        mine = [(trace_name(a), a.op.value, a.mb, secs[2 * i], secs[2 * i + 1])
-                for i, (a, _, _) in enumerate(self.trace)]
-        m = self.mesh
-        every = self.tr.gather((m.rank, m.stage, m.replica, m.shard, mine))
-        if every is None:
-            return
-        t0 = min((e[3] for *_, ev in every for e in ev), default=0.0)
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                   "args": {"name": f"rank {r}: stage {s}, replica {d}, shard {t}"}}
-                  for r, s, d, t, _ in every]
-        events += [{"name": name, "cat": op, "ph": "X", "pid": 0, "tid": r,
-                    "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": mb}}
-                   for r, _, _, _, ev in every for name, op, mb, a, b in ev]
-        with atomic_write(path) as f:
-            f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
 
     def _gather_whole(self, *host):
         """Whole-model tensors from every part's host buffers (stage layout), on rank 0
