@@ -18,12 +18,14 @@ import tempfile
 from .gpucheck_parts import benches, pipeline, run_tests, sanitize, verify
 
 # What the check benchmarks: the full plan is the (d12, T 128 and 1024); the quick
-# one runs in minutes anywhere, cudasim included (a dry run of the check itself).
+# one runs in minutes anywhere, cudasim included (a dry run of the check itself, which the
+# tests run: every bench and pipeline run there, at the least size that still shows each).
 # verify: llm.c's reference files (cupygpt/reference), whose shapes differ (odd T, 16 heads).
+# warmup: untimed bench steps first; pipe_steps: the pipeline's median skips its first two.
 PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8, 16, 32),
-                  "steps": 10, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v")},
-         "quick": {"model": "tiny", "t_short": 32, "t_long": 64, "batches": (8,),
-                   "steps": 3, "pipe_steps": 5, "verify": ("tiny",)}}
+                  "steps": 10, "warmup": 3, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v")},
+         "quick": {"model": "tiny", "t_short": 16, "t_long": 32, "batches": (8,),
+                   "steps": 2, "warmup": 1, "pipe_steps": 4, "verify": ("tiny",)}}
 
 PARTS = {"tests": run_tests, "verify": verify, "sanitizer": sanitize, "bench": benches,
          "pipeline": pipeline}

@@ -128,7 +128,7 @@ def benches(out, work, plan):
     for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs
         name = f"{m}_T{T}_B{B}" + "".join("_" + e[2:].replace("-", "_") for e in extra)
         yield {name: bench(work, name, "-e", m, "-b", str(B), "-t", str(T), "--steps",
-                           str(plan["steps"]), *extra)}
+                           str(plan["steps"]), "--warmup", str(plan["warmup"]), *extra)}
 
 
 def pipeline(out, work, plan, ranks=2):

@@ -26,9 +26,10 @@ def verify(device, ranks, *extra):
     return run_verify(FILES[1], "--backend", "cuda", *extra, ranks=ranks, env=device_env(device))
 
 
+# with one micro-batch gpipe is 1f1b's schedule (test_schedule.py): it runs with several
 @pytest.mark.parametrize("device", NVSHMEM_DEVICES)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("ranks,micro", [(2, 1), (2, 3), (3, 3)])
+@pytest.mark.parametrize("ranks,micro,schedule", [(2, 1, "1f1b"), (2, 3, "gpipe"), (2, 3, "1f1b"),
+                                                  (3, 3, "gpipe"), (3, 3, "1f1b")])
 def test_nvshmem_verify(device, schedule, ranks, micro):
     res, r = verify(device, ranks, "--transport", "nvshmem", "--schedule", schedule,
                     "--micro-batches", micro)
@@ -49,8 +50,8 @@ def test_cuda_stages_over_mpi(device):
 def test_pipelined_train_equals_single_device(tmp_path, device, transport):
     if transport == "nccl" and n_gpus(device) < 2:
         pytest.skip("nccl needs one GPU per rank; this machine has one")
-    args = ["train", "--backend", "cuda", "-e", "tiny", "--no-tf32", "-b", "4", "-t", "128",
-            "-n", "6", "-v", "0", "-g", "0"]
+    args = ["train", "--backend", "cuda", "-e", "tiny", "--no-tf32", "-b", "4", "-t", "32",
+            "-n", "4", "-v", "0", "-g", "0"]
     single = cli(*args, "-o", tmp_path / "a", env=device_env(device))
     piped = cli(*args, "--transport", transport, "-o", tmp_path / "b", ranks=2, timeout=600,
                 env=device_env(device))

@@ -28,6 +28,15 @@ def test_every_microbatch_goes_forward_then_back_once(name):
                 assert acts[-1].op == "step"
 
 
+def test_one_micro_batch_makes_the_schedules_the_same():
+    """So the multi-process tests run gpipe only with several micro-batches: with one, the
+    runner gets the very actions 1f1b gives it."""
+    for p in range(1, 6):
+        for r in range(p):
+            assert SCHEDULES["gpipe"](p, 1, r) == SCHEDULES["1f1b"](p, 1, r), (p, r)
+    assert SCHEDULES["gpipe"](2, 2, 1) != SCHEDULES["1f1b"](2, 2, 1)  # several: they differ
+
+
 def test_activation_slots():
     p, m = 4, 8
     assert [slot_plan(SCHEDULES["1f1b"](p, m, r))[0] for r in range(p)] == [4, 3, 2, 1]

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
@@ -34,12 +35,19 @@ def run(cmd, cwd, timeout=300, env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# pip 22.3 and later install into another Python's environment (--python): this Python's
+# pip does, and the venv is made without one of its own (a few seconds less)
+OUTER_PIP = tuple(int(x) for x in re.findall(r"\d+", metadata.version("pip"))[:2]) >= (22, 3)
+
+
 def pip(py, args, cwd):
-    """`pip ARGS` with py; a failure skips the test when no package index answers (in CI
-    it fails), and fails it otherwise."""
-    res = run([py, "-m", "pip", "--no-input", *args], cwd, timeout=600)
+    """`pip ARGS` for py's environment; a failure skips the test when no package index
+    answers (in CI it fails), and fails it otherwise."""
+    cmd = [py, "-m", "pip"] if py == sys.executable or not OUTER_PIP else \
+        [sys.executable, "-m", "pip", "--python", py]
+    res = run([*cmd, "--no-input", *args], cwd, timeout=600)
     if res.returncode != 0:
-        probe = run([py, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d",
+        probe = run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d",
                      cwd / "probe", "click"], cwd)
         if probe.returncode != 0:
             why = "no package index reachable to build and install the wheel: " + \
@@ -62,7 +70,8 @@ def venv(tmp_path_factory):
         ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "out", "gpu_report", ".whl"))
     pip(sys.executable, ["wheel", "--no-deps", "-q", "-w", tmp / "dist", src], tmp)
     (wheel,) = (tmp / "dist").glob("cupygpt-*.whl")
-    res = run([sys.executable, "-m", "venv", tmp / "venv"], tmp)
+    res = run([sys.executable, "-m", "venv", *(["--without-pip"] if OUTER_PIP else []),
+               tmp / "venv"], tmp)
     assert res.returncode == 0, res.stderr
     py = tmp / "venv" / "bin" / "python"
     pip(py, ["install", "-q", wheel], tmp)
@@ -114,7 +123,7 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
     needs = [r for r in extra["options.extras_require"]["test"].split()
              if re.match(r"[\w-]+", r).group() in COMPILE_TEST_NEEDS]
     assert len(needs) == len(COMPILE_TEST_NEEDS), needs
-    pip(venv.python, ["install", "-q", *needs], venv.tmp)
+    pip(venv.python, ["install", "-q", "--no-compile", *needs], venv.tmp)  # one run imports them
     shutil.copy(os.path.join(ROOT, "tests", "test_kernels_compile.py"), tmp_path)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # nothing of the repository's config
     # the module the test imported is the one left in sys.modules: name its sources after

@@ -280,6 +280,16 @@ def _signatures(code):
     return out
 
 
+def _key_flag(flag):
+    """A flag as the cache key holds it: an include directory by the files in it, not by
+    where it is (an installed copy of kernels_cu reuses the clone's build)."""
+    if not flag.startswith("-I"):
+        return flag
+    d = flag[2:]
+    return "-I" + "".join(f"\0{n}\0{open(os.path.join(d, n), errors='replace').read()}"
+                          for n in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, n)))
+
+
 def _compile(code, options):
     """The shared library for code, built once and cached on disk (like CuPy's cache)."""
     sigs = _signatures(code)
@@ -293,7 +303,8 @@ def _compile(code, options):
     src = code + '\n#include "sim_runtime.h"\n' + "".join(wrappers)
     flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-x", "c++", "-include",
              os.path.join(HERE, "sim.h"), f"-I{HERE}"] + [o for o in options if o.startswith("-I")]
-    key = hashlib.sha256("\0".join([src, *flags, open(os.path.join(HERE, "sim.h")).read(),
+    key = hashlib.sha256("\0".join([src, *map(_key_flag, flags),
+                                    open(os.path.join(HERE, "sim.h")).read(),
                                     open(os.path.join(HERE, "sim_runtime.h")).read()]).encode())
     cache = os.environ.get("CUDASIM_CACHE") or os.path.join(tempfile.gettempdir(),
                                                             f"cudasim-{os.getuid()}")
