@@ -38,9 +38,12 @@ def test_nvshmem_verify(device, schedule, ranks, micro):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_cuda_stages_over_mpi(device):
-    """Three CUDA stages, host-staged over mpi (works with any number of GPUs)."""
-    res, r = verify(device, 3, "--transport", "mpi", "--micro-batches", "3")
+    """Three CUDA stages, host-staged over mpi (works with any number of GPUs). Each send
+    has a host buffer of its own, so unlike nvshmem's reused slots (whose reuse a later
+    step can catch going wrong) three AdamW steps show what ten would."""
+    res, r = verify(device, 3, "--transport", "mpi", "--micro-batches", "3", "--steps", "3")
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 3, res.stdout + res.stderr
+    assert len(r["steps"]) == 3 and all(s["ok"] for s in r["steps"]), r["steps"]
 
 
 @pytest.mark.parametrize("device,transport", [

@@ -36,9 +36,9 @@ def test_nvcc_compiles(tmp_path, arch):
                                     str(tmp_path / (os.path.basename(path) + ".o"))],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for path in sources()}
+    outs = {path: run.communicate()[0] for path, run in runs.items()}
     for path, run in runs.items():
-        out = run.communicate()[0]
-        assert run.returncode == 0, f"{os.path.basename(path)}: {out}"
+        assert run.returncode == 0, f"{os.path.basename(path)}: {outs[path]}"
 
 
 def test_a_broken_kernel_is_caught(tmp_path):
