@@ -155,7 +155,7 @@ def restore(run, path):
             m, v = z["m"], z["v"]
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
-    run.stage.load(read_model(os.path.join(path, "model.bin"), mmap=True)[1])
+    run.load(read_model(os.path.join(path, "model.bin"), mmap=True)[1])
     run.load_adamw(m, v)
     run.opt.t = meta["adam_t"]
     return meta

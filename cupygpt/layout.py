@@ -90,12 +90,14 @@ def param_layout(cfg, part=None):
     return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
 
 
-def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None):
+def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, embed=False):
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
     columns, its vocab rows); per-layer tensors are what backward reads.
 
     encoded is the stage input: the embedding's output on stage 0, the received
     activation elsewhere. The head's logits are overwritten in place by dlogits.
+    split (a schedule that splits backward): the output gradients of the four matmuls
+    per layer (and the embedding's, with embed), kept from bwd_input to bwd_weight.
     """
     C, NH = cfg.C, cfg.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
@@ -108,6 +110,10 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None):
     if head:
         e += [("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
               ("logits", (B, T, vocab_rows or cfg.Vp)), ("losses", (B, T))]
+    if split:
+        e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
+              ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
+        e += [("dencoded", (B, T, C))] if embed else []
     return Layout.of(e)
 
 

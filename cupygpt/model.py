@@ -17,7 +17,8 @@ from .layout import Part, activation_layout, copy_part, param_layout, scratch_la
 
 
 class Stage:
-    def __init__(self, cfg, be, B, T, part=None, slots=1, dtype=np.float32, comm=None):
+    def __init__(self, cfg, be, B, T, part=None, slots=1, dtype=np.float32, comm=None,
+                 split=False):
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
                                f"{', '.join(np.dtype(d).name for d in be.DTYPES)}", "dtype",
@@ -32,7 +33,7 @@ class Stage:
         self.params = be.zeros(self.layout.size, dtype)
         self.grads = be.zeros(self.layout.size, dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
-        alay = activation_layout(cfg, B, T, self.nl, self.head, part.tp, rows)
+        alay = activation_layout(cfg, B, T, self.nl, self.head, part.tp, rows, split, self.embed)
         self.acts_buf = be.zeros(alay.size * slots, dtype)
         self.acts = [alay.views(self.acts_buf, i * alay.size) for i in range(slots)]
         slay = scratch_layout(cfg, B, T, part.tp)
@@ -177,39 +178,87 @@ class Stage:
         input gradients of the column-parallel products (the head's, qkv's, fc's) are
         partial sums over the shard's columns: summed over the shards before layernorm.
         layer_done(l), when given, is called as soon as layer l's gradients are added."""
+        self._backward(slot, layer_done, weights=True, tokens=tokens)
+
+    def backward_input(self, slot=0):
+        """Zero-bubble's B: backward's input gradient (grad_io() as backward leaves it) and
+        the layernorms' gradients; the matmuls' output gradients are kept in the slot
+        (a split stage's activations) for backward_weight."""
+        self._backward(slot, None, weights=False)
+
+    def backward_weight(self, slot=0, tokens=None, layer_done=None):
+        """Zero-bubble's W: the matmuls' (and the embedding's) weight gradients of a slot
+        whose backward_input ran, in backward's order, so B then W adds exactly what the
+        fused backward adds."""
+        be, a, g = self.be, self.acts[slot], self.g
+        if self.head:
+            be.matmul_backward_weight(g["wte"], None, a["logits"], a["lnf"])
+        for l in reversed(range(self.nl)):
+            for name, dout, inp in self.MATMULS:
+                be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], a[dout][l],
+                                          a[inp][l])
+            if layer_done:
+                layer_done(l)
+        if self.embed:
+            be.encoder_backward(g["wte"], g["wpe"], a["dencoded"], tokens, self.v0)
+
+    # A block's matmuls in backward's order: (parameter, its output gradient kept by a
+    # split backward, its input activation).
+    MATMULS = (("fcproj", "dfcproj", "fch_gelu"), ("fc", "dfch", "ln2"),
+               ("attproj", "dattproj", "atty"), ("qkv", "dqkv", "ln1"))
+
+    def _backward(self, slot, layer_done, weights, tokens=None):
+        """weights: each matmul's weight gradient right after its input gradient (the fused
+        backward); otherwise every output gradient a weight gradient reads goes to the
+        slot's kept copies (written there directly where backward produces it)."""
         be, p, g, a, s = self.be, self.p, self.g, self.acts[slot], self.s
         dres = s["dresidual"]
+
+        def matmul(dinp, name, l, dout, inp):
+            be.matmul_backward_input(dinp, dout, p[name + "w"][l])
+            if weights:
+                be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], dout, a[inp][l])
+
+        def out(keep, l, scratch):  # where backward writes an output gradient it keeps
+            return s[scratch] if weights else a[keep][l]
+
+        def kept(dout, keep, l):  # dres changes next: a split backward keeps a copy
+            if not weights:
+                (a[keep] if l is None else a[keep][l])[...] = dout
+            return dout
         if self.head:
             dres.fill(0)
-            be.matmul_backward(s["dbt_c"], g["wte"], None, a["logits"], a["lnf"], p["wte"])
+            be.matmul_backward_input(s["dbt_c"], a["logits"], p["wte"])
+            if weights:
+                be.matmul_backward_weight(g["wte"], None, a["logits"], a["lnf"])
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["lnfw"], g["lnfb"], s["dbt_c"], self.output(slot),
                                   p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
         for l in reversed(range(self.nl)):
             x = a["encoded"] if l == 0 else a["residual3"][l - 1]
-            be.matmul_backward(s["dbt_4c"], g["fcprojw"][l], g["fcprojb"][l], dres,
-                               a["fch_gelu"][l], p["fcprojw"][l])
-            be.gelu_backward(s["dbt_4c2"], a["fch"][l], s["dbt_4c"])
-            be.matmul_backward(s["dbt_c"], g["fcw"][l], g["fcb"][l], s["dbt_4c2"], a["ln2"][l],
-                               p["fcw"][l])
+            matmul(s["dbt_4c"], "fcproj", l, kept(dres, "dfcproj", l), "fch_gelu")
+            dfch = out("dfch", l, "dbt_4c2")
+            be.gelu_backward(dfch, a["fch"][l], s["dbt_4c"])
+            matmul(s["dbt_c"], "fc", l, dfch, "ln2")
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], s["dbt_c"],
                                   a["residual2"][l], p["ln2w"][l], a["ln2_mean"][l],
                                   a["ln2_rstd"][l])
-            be.matmul_backward(s["datty"], g["attprojw"][l], g["attprojb"][l], dres,
-                               a["atty"][l], p["attprojw"][l])
-            be.attention_backward(s["dbt_3c"], s["dpreatt"], s["datt"], s["datty"],
-                                  a["qkv"][l], a["att"][l], self.NH)
-            be.matmul_backward(s["dbt_c"], g["qkvw"][l], g["qkvb"][l], s["dbt_3c"], a["ln1"][l],
-                               p["qkvw"][l])
+            matmul(s["datty"], "attproj", l, kept(dres, "dattproj", l), "atty")
+            dqkv = out("dqkv", l, "dbt_3c")
+            be.attention_backward(dqkv, s["dpreatt"], s["datt"], s["datty"], a["qkv"][l],
+                                  a["att"][l], self.NH)
+            matmul(s["dbt_c"], "qkv", l, dqkv, "ln1")
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],
                                   a["ln1_mean"][l], a["ln1_rstd"][l])
             if layer_done:
                 layer_done(l)
         if self.embed:
-            be.encoder_backward(g["wte"], g["wpe"], dres, tokens, self.v0)
-
+            if weights:
+                be.encoder_backward(g["wte"], g["wpe"], dres, tokens, self.v0)
+            else:
+                kept(dres, "dencoded", None)
 
 def init_params(cfg, seed):
     """A fresh GPT-2 (host, fp32, whole model), deterministic in seed, llm.c's scheme:

@@ -16,19 +16,23 @@ class AdamWConfig:
 
 
 class AdamW:
-    """The update and its step count t (the only copy: backends see lr and the bias
+    """The update of a rank's stages (its model chunks: one unless the schedule gives a
+    rank several) and the step count t (the only copy: backends see lr and the bias
     corrections, never t).
 
-    part=(a, b) is ZeRO-1 (llm.c's -z 1): this replica updates params[a:b] only, so m and v
-    hold that slice; the replicas' gradients are reduce-scattered into it first and the
-    updated slices all-gathered after, through the transport's "dp" group. The update is
-    elementwise, so the parameters are bit-identical to the unsharded step's."""
+    parts: None, or per stage (a, b), ZeRO-1 (llm.c's -z 1): this replica updates
+    params[a:b] only, so m and v hold that slice; the replicas' gradients are
+    reduce-scattered into it first and the updated slices all-gathered after, through the
+    transport's "dp" group. The update is elementwise, so the parameters are bit-identical
+    to the unsharded step's."""
 
-    def __init__(self, stage, hp, transport=None, part=None):
-        self.stage, self.hp, self.t, self.tr, self.part = stage, hp, 0, transport, part
-        be, n = stage.be, stage.params.size if part is None else part[1] - part[0]
-        self.m, self.v = be.zeros(n, stage.dtype), be.zeros(n, stage.dtype)
-        self.gpart = be.zeros(n, stage.dtype) if part is not None else None
+    def __init__(self, stages, hp, transport=None, parts=None):
+        self.hp, self.t, self.tr = hp, 0, transport
+        self.stages, self.parts = stages, parts or [None] * len(stages)
+        self.state = []  # per stage (m, v, the summed gradient slice with ZeRO-1)
+        for st, part in zip(stages, self.parts):
+            n = st.params.size if part is None else part[1] - part[0]
+            self.state.append([st.be.zeros(n, st.dtype) for _ in range(2 if part is None else 3)])
 
     def advance(self, lr=None):
         """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
@@ -42,40 +46,44 @@ class AdamW:
     def apply(self, sched):
         """The update with schedule sched (inside a CUDA graph capture the backend reads it
         from the device instead, where the runner uploads each step's before replay)."""
-        hp, st = self.hp, self.stage
-        params, grads = st.params, st.grads
-        if self.part is not None:
-            a, b = self.part
-            self.tr.reduce_scatter(st.grads, self.gpart, "dp")
-            params, grads = st.params[a:b], self.gpart
-        if params.size:
-            st.be.adamw(params, grads, self.m, self.v, sched, hp.beta1, hp.beta2, hp.eps,
-                        hp.weight_decay)
-        if self.part is not None:
-            self.tr.all_gather(params, st.params, "dp")
+        hp = self.hp
+        for st, part, (m, v, *gpart) in zip(self.stages, self.parts, self.state):
+            params, grads = st.params, st.grads
+            if part is not None:
+                self.tr.reduce_scatter(st.grads, gpart[0], "dp")
+                params, grads = st.params[part[0]:part[1]], gpart[0]
+            if params.size:
+                st.be.adamw(params, grads, m, v, sched, hp.beta1, hp.beta2, hp.eps,
+                            hp.weight_decay)
+            if part is not None:
+                self.tr.all_gather(params, st.params, "dp")
 
     def stage_state(self):
-        """(m, v) over the whole stage's flat buffer, on the host (ZeRO-1: the replicas'
-        slices all-gathered; collective over the dp group)."""
+        """Per stage, (m, v) over its whole flat buffer, on the host (ZeRO-1: the
+        replicas' slices all-gathered; collective over the dp group)."""
         out = []
-        for x in (self.m, self.v):
-            if self.part is not None:
-                whole = self.stage.be.zeros(self.stage.params.size, self.stage.dtype)
-                self.tr.all_gather(x, whole, "dp")
-                x = whole
-            out.append(np.array(self.stage.be.to_host(x), np.float32))
+        for st, part, state in zip(self.stages, self.parts, self.state):
+            both = []
+            for x in state[:2]:
+                if part is not None:
+                    whole = st.be.zeros(st.params.size, st.dtype)
+                    self.tr.all_gather(x, whole, "dp")
+                    x = whole
+                both.append(np.array(st.be.to_host(x), np.float32))
+            out.append(both)
         return out
 
-    def load_stage_state(self, m, v):
-        """m, v: host arrays over the whole stage's flat buffer; this rank keeps its slice."""
-        a, b = self.part or (0, self.stage.params.size)
-        self.stage.be.upload(self.m, m[a:b])
-        self.stage.be.upload(self.v, v[a:b])
+    def load_stage_state(self, states):
+        """states: per stage, host (m, v) over its whole flat buffer; this rank keeps its
+        slice."""
+        for st, part, mine, theirs in zip(self.stages, self.parts, self.state, states):
+            a, b = part or (0, st.params.size)
+            for x, host in zip(mine, theirs):
+                st.be.upload(x, host[a:b])
 
     def state_bytes(self):
-        """Bytes of m and v on this rank (1/dp of the stage's with ZeRO-1)."""
-        return self.m.nbytes + self.v.nbytes
-
+        """Bytes of m and v on this rank (1/dp of the stages' with ZeRO-1)."""
+        return sum(m.nbytes + v.nbytes for m, v, *_ in self.state)
 
 def lr_at(step, lr, warmup, steps, final_frac):
     """llm.c: linear warm-up over `warmup` steps, then cosine decay to lr * final_frac."""

@@ -45,7 +45,7 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
         else:
             run.forward_first(tokens, at(t - 1))
         tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
-        tok = tr.bcast(tok, root=run.mesh.loss_rank)
+        tok = tr.bcast(tok, root=run.loss_rank)
         tokens[0, t] = tok
         out.append(tok)
         if on_token:

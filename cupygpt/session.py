@@ -46,9 +46,9 @@ class Session:
         p = self.config.pipeline
         run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
                      list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero),
-                     self.config.grid.overlap)
+                     self.config.grid.overlap, getattr(p, "virtual_stages", 1))
         if params is not None:
-            run.stage.load(params)
+            run.load(params)
         return run
 
     def describe(self, cfg, run, extra=()):
@@ -64,10 +64,13 @@ class Session:
         bar = "+" + "-" * 25 + "+" + "-" * 52 + "+"
         self.log("\n".join([self.backend_note, bar] +
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))
-        st = run.stage
-        mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in st.memory_bytes().items())
+        mem = {}
+        for st in run.stages:
+            for k, v in st.memory_bytes().items():
+                mem[k] = mem.get(k, 0) + v
+        mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items())
         opt = f", optimizer {run.opt.state_bytes() / 2**20:.1f} MiB" if run.opt else ""
+        layers = " and ".join(f"{st.l0}..{st.l1 - 1}{' +embedding' if st.embed else ''}"
+                              f"{' +head' if st.head else ''}" for st in run.stages)
         self.log(f"rank {m.rank} = stage {m.stage} replica {m.replica} shard {m.shard} "
-                 f"(pid {os.getpid()}): layers {st.l0}..{st.l1 - 1}"
-                 f"{' +embedding' if st.embed else ''}{' +head' if st.head else ''}: {mem}{opt}",
-                 every_rank=True)
+                 f"(pid {os.getpid()}): layers {layers}: {mem}{opt}", every_rank=True)

@@ -53,7 +53,7 @@ class Interrupt:
 
 def train(sess):
     """The `train` command over a Session holding its validated TrainConfig."""
-    log, tr, mesh, o = sess.log, sess.tr, sess.mesh, sess.config
+    log, tr, o = sess.log, sess.tr, sess.config
     cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
     run = sess.runner(cfg, params, o.batch, o.seq,
                       adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay),
@@ -89,7 +89,7 @@ def train(sess):
 
     def save(step):
         nonlocal ckpt
-        if tr.any(not sess.be.all_finite(run.stage.params)):
+        if tr.any(not all(sess.be.all_finite(st.params) for st in run.stages)):
             raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
                                f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower the learning rate")
         ckpt = checkpoint.save(run, o.out, step, {"train_loader": train_data.state(),
@@ -126,7 +126,7 @@ def train(sess):
                 if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != o.resume:
                     ckpt = checkpoint.demote(tr, o.out, ckpt)  # its parameters gave this loss
                 raise CupyGPTError(
-                    f"step {step + 1}: train loss is {loss} (computed on rank {mesh.loss_rank}, "
+                    f"step {step + 1}: train loss is {loss} (computed on rank {run.loss_rank}, "
                     f"the last stage); stopping. " + (
                         f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
                         if ckpt else "No checkpoint yet; lower -l"))

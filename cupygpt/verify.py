@@ -35,25 +35,29 @@ def verify(sess):
     logit_diff = [0.0]
 
     def check_logits(mb, logits):  # this rank's rows, and columns (its vocab shard)
-        got = sess.be.to_host(logits)[..., :run.stage.valid]
-        ref = st["logits"][run.rows(mb), :, run.stage.v0:run.stage.v0 + run.stage.valid]
+        head = run.head
+        got = sess.be.to_host(logits)[..., :head.valid]
+        ref = st["logits"][run.rows(mb), :, head.v0:head.v0 + head.valid]
         logit_diff[0] = max(logit_diff[0], float(np.abs(got - ref).max()))
 
     fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
     logit_diff = max(tr.gather(logit_diff[0]) or [0.0])  # every shard's columns
     loss = run.gradients(st["x"], st["y"])
 
-    grads = run.stage.g
-    if run.zero:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
-        whole = run.stage.grads.copy()
-        tr.all_reduce(whole, "dp")
-        grads = run.stage.layout.views(whole)
-    ref = copy_part(np.empty(run.stage.layout.size, np.float32), run.stage.part, st["grads"],
-                    cfg)
-    refv, mine = run.stage.layout.views(ref), {}
-    for name, g in grads.items():
-        gh = sess.be.to_host(g)
-        mine[name] = (float(np.abs(gh - refv[name]).max()), float(np.abs(refv[name]).max()))
+    mine = {}
+    for stage in run.stages:
+        grads = stage.g
+        if run.zero:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
+            whole = stage.grads.copy()
+            tr.all_reduce(whole, "dp")
+            grads = stage.layout.views(whole)
+        ref = copy_part(np.empty(stage.layout.size, np.float32), stage.part, st["grads"], cfg)
+        refv = stage.layout.views(ref)
+        for name, g in grads.items():
+            gh = sess.be.to_host(g)
+            d, m = mine.get(name, (0.0, 0.0))
+            mine[name] = (max(d, float(np.abs(gh - refv[name]).max())),
+                          max(m, float(np.abs(refv[name]).max())))
     merged = {}
     for part in tr.gather(mine) or []:
         for name, (d, m) in part.items():

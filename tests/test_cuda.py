@@ -107,8 +107,10 @@ def test_kernels_match_numpy(dev, shape):
         dx_d, dwm_d = cp.empty_like(x_d), cp.ones_like(wm_d)
         dbb = np.zeros(OC, np.float32) if bb is not None else None
         dbb_d = cp.zeros(OC, np.float32) if bb is not None else None
-        npb.matmul_backward(dx, dwm, dbb, do, x, wm)
-        cu.matmul_backward(dx_d, dwm_d, dbb_d, do_d, x_d, wm_d)
+        npb.matmul_backward_input(dx, do, wm)
+        npb.matmul_backward_weight(dwm, dbb, do, x)
+        cu.matmul_backward_input(dx_d, do_d, wm_d)
+        cu.matmul_backward_weight(dwm_d, dbb_d, do_d, x_d)
         close(dx_d, dx)
         close(dwm_d, dwm)
         if bb is not None:
@@ -256,7 +258,8 @@ def test_bench_writes_json(device, tmp_path):
     assert r["backend"] == "cuda" and r["graphs"] and r["numerics"] == "cuda-tf32" and r["B"] == 2
     assert r["ms_per_step_median"] > 0 and 0 < r["host_launch_fraction"] <= 1.01
     ops = {o["op"] for o in r["per_op"]}
-    assert {"matmul_forward", "matmul_backward", "attention_forward", "classifier",
+    assert {"matmul_forward", "matmul_backward_input", "matmul_backward_weight",
+            "attention_forward", "classifier",
             "adamw"} <= ops
     assert sum(o["share"] for o in r["per_op"]) == pytest.approx(1.0)
     kernels = {(k["op"], k["kernel"]): k for k in r["per_kernel"]}

@@ -47,13 +47,13 @@ def state64(made):
     cfg, params = read_model(made / "model.bin")
     run = Runner(cfg, be, Local(), Mesh(), 6, 16, dtype=np.float64,
                  adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
-    run.stage.load(params)
+    run.load(params)
     xy = np.random.default_rng(3).integers(0, cfg.V, (6, 17)).astype(np.int32)
     x, y = xy[:, :-1], xy[:, 1:]
     logits = []
     run.eval_loss(x, y, lambda mb, lg: logits.append(lg[..., :cfg.V].copy()))
     losses = [run.gradients(x, y)]
-    write_state(made / "state.bin", x, y, logits[0], losses[0], run.stage.grads)
+    write_state(made / "state.bin", x, y, logits[0], losses[0], run.stages[0].grads)
     run.opt.step()
     losses += [run.train_step(x, y) for _ in range(9)]
     (made / "expected.json").write_text(json.dumps({"losses": losses}))

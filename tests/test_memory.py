@@ -37,7 +37,7 @@ def test_refused_before_allocating_with_numbers():
 def test_estimate_matches_what_the_stage_allocates():
     from cupygpt.optim import AdamWConfig
     run = Runner(preset("tiny"), numpy_backend, Local(), Mesh(), 4, 64, adamw=AdamWConfig())
-    st = run.stage
+    st, = run.stages
     allocated = (st.params.nbytes + st.grads.nbytes + st.acts_buf.nbytes +
-                 st.scratch_buf.nbytes + run.opt.m.nbytes + run.opt.v.nbytes)
-    assert run.bytes_needed(len(st.acts), np.float32, True) == allocated
+                 st.scratch_buf.nbytes + run.opt.state_bytes())
+    assert run.bytes_needed(st.part, len(st.acts), np.float32, True, False) == allocated

@@ -31,17 +31,14 @@ def test_groups_partition_the_world(pp, dp, tp):
             nxt = meshes[m.next]
             assert nxt.stage == m.stage + 1 and nxt.coords[1:] == m.coords[1:]
             assert nxt.prev == m.rank
-        loss = meshes[m.loss_rank]  # one rank reports the loss for the whole world
-        assert loss.last and loss.replica == 0 and loss.shard == 0
+        at = meshes[m.rank_at(*m.coords)]
+        assert at.coords == m.coords
     for axis, kind in (("pp", "pipeline"), ("dp", "dp_group"), ("tp", "tp_group")):
         assert sorted(map(tuple, Mesh(0, pp, dp, tp).groups(axis))) == \
             sorted({tuple(getattr(m, kind)) for m in meshes})
 
 
 def test_tied_pair_and_point_to_point_pairs():
-    meshes = [Mesh(r, 3, 2, 1) for r in range(6)]
-    assert [m.tied_peer for m in meshes] == [4, 5, None, None, 0, 1]
-    assert Mesh(0).tied_peer is None
     pairs = Mesh(0, 3, 2, 1).pairs()
     assert pairs == sorted(pairs)
     assert {(a, b) for a, b, k in pairs if k == "tied"} == {(0, 4), (1, 5)}

@@ -87,7 +87,7 @@ def test_decoding_on_the_kv_cache_matches_whole_passes():
     from cupygpt.sample import generate
     cfg = GPT2Config(maxT=24, V=50, Vp=64, L=2, NH=4, C=32)
     run = Runner(cfg, be, Local(), Mesh(), 2, 24)  # two rows: decoding reads row 0 only
-    run.stage.load(init_params(cfg, 5))
+    run.load(init_params(cfg, 5))
     x = np.random.default_rng(0).integers(0, cfg.V, (2, 24)).astype(np.int32)
     whole = {}
     run.forward_first(x, lambda mb, logits: whole.setdefault("logits", logits[0].copy()))

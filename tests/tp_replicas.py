@@ -16,18 +16,18 @@ cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size
 mesh = Mesh(MPI.COMM_WORLD.rank, tp=world)
 run = Runner(cfg, be, Mpi(be, mesh, 60.0), mesh, 2, 8)
-run.stage.load(params)
+run.load(params)
 x = np.random.default_rng(0).integers(0, cfg.V, (2, 9)).astype(np.int32)
 run.gradients(x[:, :-1], x[:, 1:])
 whole = ("wpe", "ln1w", "ln1b", "attprojb", "ln2w", "ln2b", "fcprojb", "lnfw", "lnfb")
-mine = {n: run.stage.g[n].copy() for n in whole}
+mine = {n: run.stages[0].g[n].copy() for n in whole}
 for n, g in mine.items():
     assert np.abs(g).max() > 0, n  # a gradient that is zero everywhere would prove nothing
 theirs = MPI.COMM_WORLD.allgather(mine)
 for n in whole:
     assert all(np.array_equal(t[n], mine[n]) for t in theirs), n
-mem = run.stage.memory_bytes()
-alone = Runner(cfg, be, Mpi(be, Mesh(0), 60.0), Mesh(0), 2, 8).stage.memory_bytes()
+mem = run.stages[0].memory_bytes()
+alone = Runner(cfg, be, Mpi(be, Mesh(0), 60.0), Mesh(0), 2, 8).stages[0].memory_bytes()
 assert mem["params"] < 1.1 * alone["params"] / world, (mem, alone)
 assert mem["activations"] < alone["activations"], (mem, alone)
 if mesh.rank == 0:

@@ -394,10 +394,15 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
 
 
 @_op
-def matmul_backward(dinp, dw, db, dout, inp, w):
+def matmul_backward_input(dinp, dout, w):
     OC, C = w.shape
+    _gemm(N_, N_, dinp.size // C, C, OC, dout, OC, w, C, dinp, C)
+
+
+@_op
+def matmul_backward_weight(dw, db, dout, inp):
+    OC, C = dw.shape
     N = inp.size // C
-    _gemm(N_, N_, N, C, OC, dout, OC, w, C, dinp, C)
     _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0)
     if db is not None:
         _column_sum(db, dout, N, OC)

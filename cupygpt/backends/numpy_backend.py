@@ -308,10 +308,16 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
 
 
 @_op
-def matmul_backward(dinp, dw, db, dout, inp, w):
-    """dinp (B,T,C) = dout @ w; dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows."""
+def matmul_backward_input(dinp, dout, w):
+    """dinp (B,T,C) = dout (B,T,OC) @ w (OC,C): the input gradient (zero-bubble's B)."""
+    np.matmul(_rows(dout), w, out=_rows(dinp))
+
+
+@_op
+def matmul_backward_weight(dw, db, dout, inp):
+    """dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows (zero-bubble's W: off the
+    critical path, so a schedule may defer it)."""
     d2 = _rows(dout)
-    np.matmul(d2, w, out=_rows(dinp))
     dw += d2.T @ _rows(inp)
     if db is not None:
         db += d2.sum(0)

@@ -100,19 +100,11 @@ class Mesh:
     def next(self):
         return None if self.last else self.stage_rank(self.stage + 1)
 
-    @property
-    def loss_rank(self):
-        """The rank that reports the step's loss: the last stage of replica 0, shard 0 (after
-        the data-parallel sum, every last-stage rank holds the whole batch's loss)."""
-        return int(self.grid[-1, 0, 0])
-
-    @property
-    def tied_peer(self):
-        """GPT-2 ties the head to wte: the first and last stage both hold it and sum its
-        gradient. The other end for them, None for everyone else (and for one stage)."""
-        if self.pp == 1 or not (self.first or self.last):
-            return None
-        return self.stage_rank(self.pp - 1 if self.first else 0)
+    def rank_at(self, stage, replica=0, shard=0):
+        """The rank at those coordinates (the schedule says which stage holds the loss:
+        replica 0, shard 0 of it reports it; after the data-parallel sum every replica's
+        rank there holds the whole batch's loss)."""
+        return int(self.grid[stage, replica, shard])
 
     def pairs(self):
         """Every (lower rank, higher rank, purpose) point-to-point pair of the world, in

@@ -12,7 +12,7 @@ from ...layout import (PARAM_NAMES, WHOLE, Part, activation_layout, assemble, co
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
-from .schedule import SCHEDULES, Op, forward_only, slot_plan
+from .schedule import SCHEDULES, Op, forward_only, holder, placement, slot_plan
 
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
@@ -67,41 +67,73 @@ def plan_split(cfg, T, p, split=None):
 class Runner:
     def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
                  counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False,
-                 overlap=True):
-        """counts: layers per stage (plan_split's, already checked); B the batch of one
-        step: each data-parallel replica computes B / dp of its rows, in micro_batches.
-        zero: AdamW's state sharded across the replicas (ZeRO-1). overlap: the replicas'
-        gradient sum starts layer by layer during the step's last backward (not with
-        ZeRO-1, whose reduce-scatter follows the optimizer's slices)."""
-        p, r = mesh.pp, mesh.stage
-        counts = counts or plan_split(cfg, T, p)
-        l0 = sum(counts[:r])
+                 overlap=True, virtual=1):
+        """counts: layers per model chunk (plan_split's, already checked); a rank holds the
+        chunks the schedule places on it (one per rank, or `virtual` for an interleaved
+        schedule), a Stage each. B the batch of one step: each data-parallel replica
+        computes B / dp of its rows, in micro_batches. zero: AdamW's state sharded across
+        the replicas (ZeRO-1). overlap: the replicas' gradient sum starts layer by layer
+        during each chunk's last backward (not with ZeRO-1, whose reduce-scatter follows
+        the optimizer's slices)."""
+        p, r, M = mesh.pp, mesh.stage, micro_batches
+        v = 2 if schedule == "zbv" else virtual
+        K = p * v                               # model chunks
+        counts = counts or plan_split(cfg, T, K)
         self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
-        self.B, self.T, self.M = B, T, micro_batches
+        self.B, self.T, self.M = B, T, M
         self.Bl = B // mesh.dp                  # this replica's rows
-        self.Bm = self.Bl // micro_batches
+        self.Bm = self.Bl // M
         self.zero = zero
         self.overlap = overlap and mesh.dp > 1 and not zero
         self.in_flight = []
-        self.first, self.last, self.counts = mesh.first, mesh.last, counts
-        self.train_actions = SCHEDULES[schedule](p, micro_batches, r)
-        self.last_bwd = [a.mb for a in self.train_actions if a.op == Op.BWD][-1]
-        self.eval_actions = forward_only(p, micro_batches, r)
-        self.first_actions = forward_only(p, 1, r)
-        slots = max(slot_plan(self.train_actions)[0], slot_plan(self.eval_actions)[0])
-        self.part = Part(l0, l0 + counts[r], mesh.first, mesh.last, mesh.tp, mesh.shard)
-        need = self.bytes_needed(slots, dtype, adamw is not None)
+        self.counts, self.chunks = counts, placement(schedule, p, v, r)
+        self.train_actions = SCHEDULES[schedule](p, M, r, v)
+        self.eval_actions = forward_only(p, M, r, v, schedule)
+        self.first_actions = forward_only(p, 1, r, v, schedule)
+        split = any(a.op == Op.BWD_WEIGHT for a in self.train_actions)
+        # each chunk's last backward pass (its layers' gradients are final after it)
+        self.last_bwd = {a.chunk: a.mb for a in self.train_actions
+                         if a.op in (Op.BWD, Op.BWD_WEIGHT)}
+        self.parts = [Part(sum(counts[:k]), sum(counts[:k + 1]), k == 0, k == K - 1, mesh.tp,
+                           mesh.shard) for k in self.chunks]
+        slots = [max(slot_plan([a for a in acts if a.chunk == c])[0]
+                     for acts in (self.train_actions, self.eval_actions))
+                 for c in range(len(self.chunks))]
+        need = sum(self.bytes_needed(pt, n, dtype, adamw is not None, split)
+                   for pt, n in zip(self.parts, slots))
         free = be.device_memory()
         if free is not None and need > free:
             raise CupyGPTError(
-                f"rank {mesh.rank}: out of GPU memory at start: this stage needs "
+                f"rank {mesh.rank}: out of GPU memory at start: its stages need "
                 f"{need / 2**30:.2f} GiB (parameters, gradients, AdamW state, activations for "
-                f"{slots} micro-batch(es) of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is free; "
-                f"lower the batch size or sequence length, use more micro-batches, or more "
-                f"pipeline stages or tensor-parallel ranks")
-        self.stage = st = Stage(cfg, be, self.Bm, T, self.part, slots, dtype, transport)
-        part = chunks(st.params.size, mesh.dp)[mesh.replica] if zero else None
-        self.opt = AdamW(st, adamw, transport, part) if adamw is not None else None
+                f"{sum(slots)} micro-batch(es) of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is "
+                f"free; lower the batch size or sequence length, use more micro-batches, or "
+                f"more pipeline stages or tensor-parallel ranks")
+        self.stages = [Stage(cfg, be, self.Bm, T, pt, n, dtype, transport, split)
+                       for pt, n in zip(self.parts, slots)]
+        self.embed = next((st for st in self.stages if st.embed), None)
+        self.head = next((st for st in self.stages if st.head), None)
+        self.first, self.last = self.embed is not None, self.head is not None
+        # the ranks that hold the loss (replica 0, shard 0's reports it) and the tied wte
+        embed_rank, head_rank = (holder(schedule, p, v, k)[0] for k in (0, K - 1))
+        self.loss_rank = mesh.rank_at(head_rank)
+        ends = (embed_rank, head_rank)
+        self.tied_peer = mesh.stage_rank(ends[1 - ends.index(r)]) \
+            if r in ends and embed_rank != head_rank else None
+        # where each chunk's activation goes and its gradient comes back from (None: a
+        # chunk of this rank, handed over through self.local)
+        def peer(k):
+            if not 0 <= k < K:
+                return None
+            return None if holder(schedule, p, v, k)[0] == r else \
+                mesh.stage_rank(holder(schedule, p, v, k)[0])
+        self.next = [peer(k + 1) for k in self.chunks]
+        self.prev = [peer(k - 1) for k in self.chunks]
+        self.local = {"act": [], "grad": []}    # handed-over copies in flight on this rank
+        self.spare = []
+        parts = [chunks(st.params.size, mesh.dp)[mesh.replica] for st in self.stages] \
+            if zero else None
+        self.opt = AdamW(self.stages, adamw, transport, parts) if adamw is not None else None
         Bl = self.Bl
         self.x_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.first else None
         self.y_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.last else None
@@ -112,30 +144,37 @@ class Runner:
         self.trace = None  # [(action, start, end)] while tracing (start_trace)
         io = (self.Bm, T, cfg.C)
         transport.prepare({"act": (io, 2), "grad": (io, 2),
-                           "tied": ((self.part.vocab(cfg)[1], cfg.C), 1)})
-        tr = transport
+                           "tied": ((self.parts[0].vocab(cfg)[1], cfg.C), 1)})
+        sts = self.stages
         # The action table: an op missing here is refused (_execute), never skipped.
         self.ops = {
             Op.FWD: self._forward, Op.BWD: self._backward,
-            Op.SEND_ACT: lambda slot, mb: tr.send("act", st.output(slot), mesh.next, mb),
-            Op.RECV_ACT: lambda slot, mb: tr.recv("act", st.input(slot), mesh.prev, mb),
-            Op.SEND_GRAD: lambda slot, mb: tr.send("grad", st.grad_io(), mesh.prev, mb),
-            Op.RECV_GRAD: lambda slot, mb: tr.recv("grad", st.grad_io(), mesh.next, mb),
-            Op.STEP: lambda slot, mb: self.sync_grads()}
+            Op.BWD_INPUT: lambda a, slot: sts[a.chunk].backward_input(slot),
+            Op.BWD_WEIGHT: self._backward_weight,
+            Op.SEND_ACT: lambda a, slot: self._send("act", sts[a.chunk].output(slot),
+                                                    self.next[a.chunk], a.mb),
+            Op.RECV_ACT: lambda a, slot: self._recv("act", sts[a.chunk].input(slot),
+                                                    self.prev[a.chunk], a.mb),
+            Op.SEND_GRAD: lambda a, slot: self._send("grad", sts[a.chunk].grad_io(),
+                                                     self.prev[a.chunk], a.mb),
+            Op.RECV_GRAD: lambda a, slot: self._recv("grad", sts[a.chunk].grad_io(),
+                                                     self.next[a.chunk], a.mb),
+            Op.STEP: lambda a, slot: self.sync_grads()}
 
-    def bytes_needed(self, slots, dtype, with_adamw):
-        cfg, pt = self.cfg, self.part
+    def bytes_needed(self, pt, slots, dtype, with_adamw, split):
+        """Bytes a Stage of part pt allocates, with AdamW's state for it."""
+        cfg = self.cfg
         n_params = param_layout(cfg, pt).size
         adam = 2 * (-(-n_params // self.mesh.dp) if self.zero else n_params)
         n = n_params * 2 + (adam if with_adamw else 0)
         n += activation_layout(cfg, self.Bm, self.T, pt.l1 - pt.l0, pt.head, pt.tp,
-                               pt.vocab(cfg)[1]).size * slots
+                               pt.vocab(cfg)[1], split, pt.embed).size * slots
         n += scratch_layout(cfg, self.Bm, self.T, pt.tp).size
         return n * np.dtype(dtype).itemsize
 
     def _run(self, actions, x, y, dloss, on_logits=None, decode=None):
         """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss
-        sum over the batch on the last stage (0 elsewhere)."""
+        sum over the batch on the rank holding the head (0 elsewhere)."""
         self._feed(x, y)
         self._execute(actions, dloss, y is not None, on_logits, decode)
         return self._loss()
@@ -152,7 +191,7 @@ class Runner:
             self.be.upload(self.y_dev, y[self.rows()])
 
     def _loss(self):
-        """The loss sum over the whole batch (the replicas' sums added) on the last stage."""
+        """The loss sum over the whole batch (the replicas' sums added) on the head's rank."""
         if not self.last:
             return 0.0
         self.tr.all_reduce(self.loss_acc, "dp")
@@ -162,9 +201,9 @@ class Runner:
         """The device side of _run: no host transfers but the transport's, so a
         single-stage step can be captured as a CUDA graph. decode: a position, for
         generation's one-position forwards (Stage.decode)."""
-        st = self.stage
         _, release = slot_plan(actions)
-        free, slot_of = list(range(len(st.acts)))[::-1], {}
+        free = [list(range(len(st.acts)))[::-1] for st in self.stages]
+        slot_of = {}
         self.loss_acc.fill(0)
         self.pass_args = (dloss, with_targets, on_logits, decode)
         for i, a in enumerate(actions):
@@ -173,72 +212,117 @@ class Runner:
                 raise CupyGPTError(f"rank {self.mesh.rank}: unknown pipeline action {a.op!r} "
                                    f"(micro-batch {a.mb}); the runner knows "
                                    f"{', '.join(op.value for op in self.ops)}")
-            if a.mb is not None and a.mb not in slot_of:
-                slot_of[a.mb] = free.pop()
+            key = (a.mb, a.chunk)
+            if a.mb is not None and key not in slot_of:
+                slot_of[key] = free[a.chunk].pop()
             if self.trace is not None and len(self.trace) < TRACE_MAX:
                 t0 = self.be.stamp()
-                do(slot_of.get(a.mb), a.mb)
+                do(a, slot_of.get(key))
                 self.trace.append((a, t0, self.be.stamp()))
             else:
-                do(slot_of.get(a.mb), a.mb)
+                do(a, slot_of.get(key))
             if i in release:
-                free.append(slot_of.pop(release[i]))
+                k = release[i]
+                free[k[1]].append(slot_of.pop(k))
         self.tr.finish_sends()
+
+    def _send(self, kind, arr, peer, mb):
+        """To a peer rank, or (peer None) to this rank's next chunk: a copy in a buffer
+        kept for reuse (the source may change before the receive; the same buffers serve
+        every step, so a captured step allocates nothing)."""
+        if peer is not None:
+            return self.tr.send(kind, arr, peer, mb)
+        buf = self.spare.pop() if self.spare else self.be.zeros(arr.size, arr.dtype)
+        buf.reshape(arr.shape)[...] = arr
+        self.local[kind].append(buf)
+
+    def _recv(self, kind, out, peer, mb):
+        if peer is not None:
+            return self.tr.recv(kind, out, peer, mb)
+        buf = self.local[kind].pop(0)  # the schedule sends before it receives, in order
+        out[...] = buf.reshape(out.shape)
+        self.spare.append(buf)
 
     def _rows(self, mb):
         return slice(mb * self.Bm, (mb + 1) * self.Bm)
 
-    def _forward(self, slot, mb):
+    def _tokens(self, st, mb):
+        return self.x_dev[self._rows(mb)] if st.embed else None
+
+    def _forward(self, a, slot):
         dloss, with_targets, on_logits, t = self.pass_args
-        st = self.stage
+        st, mb = self.stages[a.chunk], a.mb
         if t is not None:
-            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if self.first else None)
-            if self.last and on_logits is not None:
+            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if st.embed else None)
+            if st.head and on_logits is not None:
                 on_logits(mb, st.acts[slot]["logits"])
             return
-        targets = self.y_dev[self._rows(mb)] if self.last and with_targets else None
-        st.forward(slot, self.x_dev[self._rows(mb)] if self.first else None, targets, dloss)
+        targets = self.y_dev[self._rows(mb)] if st.head and with_targets else None
+        st.forward(slot, self._tokens(st, mb), targets, dloss)
         if targets is not None:
             self.be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
-        if self.last and on_logits is not None:
+        if st.head and on_logits is not None:
             on_logits(mb, st.acts[slot]["logits"])
 
-    def _backward(self, slot, mb):
-        done = self._layer_done if self.overlap and mb == self.last_bwd else None
-        self.stage.backward(slot, self.x_dev[self._rows(mb)] if self.first else None, done)
+    def _done_hook(self, a):
+        """Overlap: the layer-by-layer start of the replicas' sum, in the chunk's last pass."""
+        if self.overlap and a.mb == self.last_bwd[a.chunk]:
+            return lambda l: self._layer_done(self.stages[a.chunk], l)
+        return None
 
-    def _layer_done(self, l):
+    def _backward(self, a, slot):
+        st = self.stages[a.chunk]
+        st.backward(slot, self._tokens(st, a.mb), self._done_hook(a))
+
+    def _backward_weight(self, a, slot):
+        st = self.stages[a.chunk]
+        st.backward_weight(slot, self._tokens(st, a.mb), self._done_hook(a))
+
+    def _layer_done(self, st, l):
         """Overlap: layer l's gradients are final (the step's last backward passed it), so
         the replicas start summing them while the layers below are computed."""
-        g = self.stage.g
         for h in self.in_flight:  # in start order, stopping at the first not ready
             if not h.progress():
                 break
         self.in_flight.append(self.tr.start_all_reduce(
-            [g[n][l] for n in PARAM_NAMES if n in g and n not in WHOLE], "dp"))
+            [st.g[n][l] for n in PARAM_NAMES if n in st.g and n not in WHOLE], "dp"))
 
     def sync_grads(self):
-        """After the step's last backward: GPT-2 ties the LM head to wte, so the first and
-        last stage sum their wte gradients; then the replicas sum theirs (with ZeRO-1 the
-        optimizer reduce-scatters them instead)."""
-        g = self.stage.g
-        if self.mesh.tied_peer is not None:
-            self.tr.sum_tied(g["wte"], self.mesh.tied_peer)
+        """After the step's last backward: GPT-2 ties the LM head to wte, so the embedding's
+        and the head's chunks sum their wte gradients (through the transport when they are
+        on two ranks); then the replicas sum theirs (with ZeRO-1 the optimizer
+        reduce-scatters them instead)."""
+        if self.tied_peer is not None:
+            self.tr.sum_tied((self.embed or self.head).g["wte"], self.tied_peer)
+        elif self.embed is not None and self.embed is not self.head and self.head is not None:
+            e, h = self.embed.g["wte"], self.head.g["wte"]
+            e += h          # the order sum_tied adds in: the embedding's + the head's
+            h[...] = e
         if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
             self.in_flight.append(self.tr.start_all_reduce(
-                [g[n] for n in WHOLE if n in g], "dp"))
+                [st.g[n] for st in self.stages for n in WHOLE if n in st.g], "dp"))
             for h in self.in_flight:
                 h.wait()
             self.in_flight = []
         elif not self.zero:
-            self.tr.all_reduce(self.stage.grads, "dp")
+            for st in self.stages:
+                self.tr.all_reduce(st.grads, "dp")
+
+    def zero_grad(self):
+        for st in self.stages:
+            st.zero_grad()
+
+    def load(self, params):
+        """Every chunk's part of the whole model's host parameters."""
+        for st in self.stages:
+            st.load(params)
 
     def gradients(self, x, y):
         """Forward and backward over the batch (gradients summed, the tied wte synced);
         returns the mean loss on every rank."""
-        self.stage.zero_grad()
+        self.zero_grad()
         loss = self._run(self.train_actions, x, y, 1.0 / (self.B * self.T))
-        return self.tr.bcast(loss / (self.B * self.T), root=self.mesh.loss_rank)
+        return self.tr.bcast(loss / (self.B * self.T), root=self.loss_rank)
 
     def train_step(self, x, y, lr=None):
         if not self.graphs or self.steps_done == 0:  # the first step allocates workspaces
@@ -259,7 +343,7 @@ class Runner:
         be.adamw_schedule(sched)
         if self.graph is None:
             def body():
-                self.stage.zero_grad()
+                self.zero_grad()
                 self._execute(self.train_actions, 1.0 / (self.B * self.T), True)
                 opt.apply(sched)
             self.graph = be.capture(body)
@@ -268,7 +352,7 @@ class Runner:
 
     def eval_loss(self, x, y, on_logits=None):
         loss = self._run(self.eval_actions, x, y, None, on_logits)
-        return self.tr.bcast(loss / (self.B * self.T), root=self.mesh.loss_rank)
+        return self.tr.bcast(loss / (self.B * self.T), root=self.loss_rank)
 
     def forward_first(self, x, on_logits):
         """Forward of the first micro-batch only (sampling reads one row of its logits)."""
@@ -284,24 +368,27 @@ class Runner:
         self.trace = []
 
     def _gather_whole(self, *host):
-        """Whole-model tensors from every part's host buffers (stage layout), on rank 0
-        (None elsewhere); replicas hold the same ones, so replica 0's are sent."""
-        mine = (self.stage.part, host) if self.mesh.replica == 0 else None
-        parts = [p for p in self.tr.gather(mine) or [] if p]
+        """Whole-model tensors from every part's host buffers (host: per buffer kind, a list
+        over this rank's stages), on rank 0 (None elsewhere); replicas hold the same ones,
+        so replica 0's are sent."""
+        mine = [(st.part, [h[i] for h in host]) for i, st in enumerate(self.stages)] \
+            if self.mesh.replica == 0 else []
+        parts = [p for ps in self.tr.gather(mine) or [] for p in ps]
         if self.tr.rank != 0:
             return [None] * len(host)
         return [assemble(self.cfg, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
     def gather_params(self):
         """The whole model's host parameters on rank 0 (None elsewhere)."""
-        return self._gather_whole(self.stage.export())[0]
+        return self._gather_whole([st.export() for st in self.stages])[0]
 
     def gather_adamw(self):
         """AdamW's m and v in the whole model's layout on rank 0 (None elsewhere)."""
-        return self._gather_whole(*self.opt.stage_state())
+        per_stage = self.opt.stage_state()
+        return self._gather_whole([m for m, _ in per_stage], [v for _, v in per_stage])
 
     def load_adamw(self, m, v):
-        """m, v: whole-model host arrays (a checkpoint's); this rank takes its part."""
-        st = self.stage
-        self.opt.load_stage_state(*(copy_part(np.empty(st.layout.size, np.float32), st.part,
-                                              x, self.cfg) for x in (m, v)))
+        """m, v: whole-model host arrays (a checkpoint's); this rank takes its parts."""
+        self.opt.load_stage_state([[copy_part(np.empty(st.layout.size, np.float32), st.part,
+                                              x, self.cfg) for x in (m, v)]
+                                   for st in self.stages])
