@@ -11,3 +11,31 @@ def write_state(path, x, y, logits, loss, grads):
         for a, dt in ((x, np.int32), (y, np.int32), (logits, np.float32),
                       (np.array([loss]), np.float32), (grads, np.float32)):
             f.write(np.ascontiguousarray(a, dtype=dt).tobytes())
+
+
+def make_state64(model, d, B, T, seed=3):
+    """A debug state and its 10 AdamW losses for the model file, made by the single process
+    in float64 (the reference for shapes no llm.c-made file has): d/state.bin and
+    d/expected.json. Returns (model, state, expected) paths."""
+    import json
+
+    from cupygpt.backends import numpy_backend as be
+    from cupygpt.comm.local import Local
+    from cupygpt.files import read_model
+    from cupygpt.optim import AdamWConfig
+    from cupygpt.parallel.mesh import Mesh
+    from cupygpt.parallel.pipeline.runner import Runner
+    cfg, params = read_model(model)
+    run = Runner(cfg, be, Local(), Mesh(), B, T, dtype=np.float64,
+                 adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
+    run.load(params)
+    xy = np.random.default_rng(seed).integers(0, cfg.V, (B, T + 1)).astype(np.int32)
+    x, y = xy[:, :-1], xy[:, 1:]
+    logits = []
+    run.eval_loss(x, y, lambda mb, lg: logits.append(lg[..., :cfg.V].copy()))
+    losses = [run.gradients(x, y)]
+    write_state(d / "state.bin", x, y, logits[0], losses[0], run.stages[0].grads)
+    run.opt.step()
+    losses += [run.train_step(x, y) for _ in range(9)]
+    (d / "expected.json").write_text(json.dumps({"losses": losses}))
+    return model, d / "state.bin", d / "expected.json"

@@ -37,27 +37,8 @@ def made(tmp_path_factory):
 def state64(made):
     """A debug state (and 10 AdamW losses) for the 6-head model, made by the single process
     in float64: the reference for TP degrees no llm.c-made file has heads for (3)."""
-    from cupygpt.backends import numpy_backend as be
-    from cupygpt.comm.local import Local
-    from cupygpt.files import read_model
-    from cupygpt.optim import AdamWConfig
-    from cupygpt.parallel.mesh import Mesh
-    from cupygpt.parallel.pipeline.runner import Runner
-    from statefile import write_state
-    cfg, params = read_model(made / "model.bin")
-    run = Runner(cfg, be, Local(), Mesh(), 6, 16, dtype=np.float64,
-                 adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
-    run.load(params)
-    xy = np.random.default_rng(3).integers(0, cfg.V, (6, 17)).astype(np.int32)
-    x, y = xy[:, :-1], xy[:, 1:]
-    logits = []
-    run.eval_loss(x, y, lambda mb, lg: logits.append(lg[..., :cfg.V].copy()))
-    losses = [run.gradients(x, y)]
-    write_state(made / "state.bin", x, y, logits[0], losses[0], run.stages[0].grads)
-    run.opt.step()
-    losses += [run.train_step(x, y) for _ in range(9)]
-    (made / "expected.json").write_text(json.dumps({"losses": losses}))
-    return made / "model.bin", made / "state.bin", made / "expected.json"
+    from statefile import make_state64
+    return make_state64(made / "model.bin", made, 6, 16)
 
 
 @pytest.mark.parametrize("ranks,grid", [

@@ -80,7 +80,7 @@ class Runner:
         K = p * v                               # model chunks
         counts = counts or plan_split(cfg, T, K)
         self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
-        self.B, self.T, self.M = B, T, M
+        self.B, self.T, self.M, self.schedule = B, T, M, schedule
         self.Bl = B // mesh.dp                  # this replica's rows
         self.Bm = self.Bl // M
         self.zero = zero

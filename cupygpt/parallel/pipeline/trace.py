@@ -3,14 +3,16 @@ chrome://tracing): a row per rank, a slice per action."""
 import json
 
 from ...files import atomic_write
-from .schedule import Op
+from .schedule import LABEL, Op
 
 
 def name(a):
-    """An action's slice name: F3, B3 for compute; send_act 3; step."""
-    if a.op in (Op.FWD, Op.BWD):
-        return f"{'F' if a.op == Op.FWD else 'B'}{a.mb}"
-    return a.op.value if a.mb is None else f"{a.op.value} {a.mb}"
+    """An action's slice name: F3, B3, W3 for compute (F3.1 on the rank's chunk 1);
+    send_act 3; step."""
+    chunk = f".{a.chunk}" if a.chunk else ""
+    if a.op in (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT):
+        return f"{LABEL[a.op]}{a.mb}{chunk}"
+    return a.op.value if a.mb is None else f"{a.op.value} {a.mb}{chunk}"
 
 
 def write(run, path):
@@ -19,18 +21,22 @@ def write(run, path):
     any rank. Marks are the backend's stamps, turned into the host clock every process
     shares."""
     secs = run.be.stamp_seconds([m for _, a, b in run.trace for m in (a, b)])
-    mine = [(name(a), a.op.value, a.mb, secs[2 * i], secs[2 * i + 1])
+    mine = [(name(a), a.op.value, a.mb, a.chunk, secs[2 * i], secs[2 * i + 1])
             for i, (a, _, _) in enumerate(run.trace)]
     m = run.mesh
     every = run.tr.gather((m.rank, m.stage, m.replica, m.shard, mine))
     if every is None:
         return
-    t0 = min((e[3] for *_, ev in every for e in ev), default=0.0)
+    t0 = min((e[4] for *_, ev in every for e in ev), default=0.0)
     events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
                "args": {"name": f"rank {r}: stage {s}, replica {d}, shard {t}"}}
               for r, s, d, t, _ in every]
     events += [{"name": label, "cat": op, "ph": "X", "pid": 0, "tid": r,
-                "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6, "args": {"micro_batch": mb}}
-               for r, _, _, _, ev in every for label, op, mb, a, b in ev]
+                "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6,
+                "args": {"micro_batch": mb, "chunk": c}}
+               for r, _, _, _, ev in every for label, op, mb, c, a, b in ev]
+    pipeline = {"schedule": run.schedule, "stages": m.pp, "micro_batches": run.M,
+                "virtual_stages": len(run.chunks)}
     with atomic_write(path) as f:
-        f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
+        f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                            "pipeline": pipeline}).encode())
