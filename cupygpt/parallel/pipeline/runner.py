@@ -120,16 +120,16 @@ class Runner:
         ends = (embed_rank, head_rank)
         self.tied_peer = mesh.stage_rank(ends[1 - ends.index(r)]) \
             if r in ends and embed_rank != head_rank else None
-        # where each chunk's activation goes and its gradient comes back from (None: a
-        # chunk of this rank, handed over through self.local)
+        # where each chunk's activation goes and its gradient comes back from: a rank, or
+        # ("local", that chunk's index here) for a chunk of this rank
         def peer(k):
             if not 0 <= k < K:
                 return None
-            return None if holder(schedule, p, v, k)[0] == r else \
-                mesh.stage_rank(holder(schedule, p, v, k)[0])
+            rk, c = holder(schedule, p, v, k)
+            return ("local", c) if rk == r else mesh.stage_rank(rk)
         self.next = [peer(k + 1) for k in self.chunks]
         self.prev = [peer(k - 1) for k in self.chunks]
-        self.local = {"act": [], "grad": []}    # handed-over copies in flight on this rank
+        self.local = {}   # (kind, receiving chunk) -> copies handed over on this rank, in order
         self.spare = []
         parts = [chunks(st.params.size, mesh.dp)[mesh.replica] for st in self.stages] \
             if zero else None
@@ -154,11 +154,11 @@ class Runner:
             Op.SEND_ACT: lambda a, slot: self._send("act", sts[a.chunk].output(slot),
                                                     self.next[a.chunk], a.mb),
             Op.RECV_ACT: lambda a, slot: self._recv("act", sts[a.chunk].input(slot),
-                                                    self.prev[a.chunk], a.mb),
+                                                    self.prev[a.chunk], a),
             Op.SEND_GRAD: lambda a, slot: self._send("grad", sts[a.chunk].grad_io(),
                                                      self.prev[a.chunk], a.mb),
             Op.RECV_GRAD: lambda a, slot: self._recv("grad", sts[a.chunk].grad_io(),
-                                                     self.next[a.chunk], a.mb),
+                                                     self.next[a.chunk], a),
             Op.STEP: lambda a, slot: self.sync_grads()}
 
     def bytes_needed(self, pt, slots, dtype, with_adamw, split):
@@ -227,19 +227,20 @@ class Runner:
         self.tr.finish_sends()
 
     def _send(self, kind, arr, peer, mb):
-        """To a peer rank, or (peer None) to this rank's next chunk: a copy in a buffer
-        kept for reuse (the source may change before the receive; the same buffers serve
-        every step, so a captured step allocates nothing)."""
-        if peer is not None:
+        """To a peer rank, or to a chunk of this rank: a copy in a buffer kept for reuse
+        (the source may change before the receive; the same buffers serve every step, so
+        a captured step allocates nothing)."""
+        if not isinstance(peer, tuple):
             return self.tr.send(kind, arr, peer, mb)
         buf = self.spare.pop() if self.spare else self.be.zeros(arr.size, arr.dtype)
         buf.reshape(arr.shape)[...] = arr
-        self.local[kind].append(buf)
+        self.local.setdefault((kind, peer[1]), []).append(buf)
 
-    def _recv(self, kind, out, peer, mb):
-        if peer is not None:
-            return self.tr.recv(kind, out, peer, mb)
-        buf = self.local[kind].pop(0)  # the schedule sends before it receives, in order
+    def _recv(self, kind, out, peer, a):
+        if not isinstance(peer, tuple):
+            return self.tr.recv(kind, out, peer, a.mb)
+        # a chunk's micro-batches keep their order, so its hand-overs arrive in order
+        buf = self.local[(kind, a.chunk)].pop(0)
         out[...] = buf.reshape(out.shape)
         self.spare.append(buf)
 
