@@ -285,5 +285,20 @@ def plot(log, out):
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
 
 
+@cli.command()
+@click.argument("trace", type=click.Path())
+@click.option("--out", default="timeline.png", show_default=True, help="PNG to write")
+@click.option("--schedule", default=None, type=click.Choice(list(SCHEDULES)),
+              help="the run's schedule, for the prediction  [default: the trace's]")
+@entry
+def timeline(trace, out, schedule):
+    """Draw a --trace file: every rank's forwards and backwards over time, the measured
+    bubble, and beneath it the simulator's prediction from the measured mean op times."""
+    from .timeline import timeline as draw
+    measured, predicted, name = draw(trace, out, schedule)
+    click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from the "
+               f"mean op times {predicted:.4f}")
+
+
 def main():
     cli()

@@ -102,6 +102,10 @@ CASES = [
     ("interleaved groups", lambda t: ["schedule", "-p", "4", "-m", "6", "--schedule",
                                       "interleaved", "-v", "2"],
      "--micro-batches 6: interleaved needs a multiple of the 4 pipeline stages"),
+    ("timeline missing", lambda t: ["timeline", t / "none.json"], "cannot read the trace"),
+    ("timeline not json", lambda t: ["timeline", MODEL], "not JSON; give the file that --trace"),
+    ("timeline no slices", lambda t: ["timeline", a_file(t, '{"traceEvents": []}')],
+     "holds no action slices"),
     ("tokenizer vocab", lambda t: ["sample", "--model", MODEL], "model's vocab is 300"),
     ("tokenizer bad magic", lambda t: ["sample", "--model", MODEL, "--tokenizer",
                                        corrupt(t, MODEL, "tok.bin", lambda r: r)],
@@ -137,9 +141,9 @@ CASES = [
 ]
 
 
-def a_file(tmp_path):
+def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
-    p.write_text("a short text\n\nin two sections\n")
+    p.write_text(text)
     return str(p)
 
 
