@@ -191,3 +191,11 @@ def test_schedule_command_shows_chunks_and_weight_passes():
     sim = simulate(2, 4, "zbv", 2)
     assert f"bubble {sim['bubble']:.4f} " in lines[-1]
     assert "peak live activations per rank (whole stages) 2 2;" in lines[-1]
+
+
+def test_transfer_time_between_ranks_only():
+    """A message between ranks costs t_comm; zbv's turn on rank p-1 is a local copy."""
+    r = simulate(2, 1, "1f1b", t_fwd=1.0, t_bwd=2.0, t_comm=0.5)
+    assert r["makespan"] == 1 + 0.5 + 1 + 2 + 0.5 + 2
+    r = simulate(1, 1, "zbv", 2, t_fwd=1.0, t_bwd=1.0, t_wgt=1.0, t_comm=5.0)
+    assert r["makespan"] == 3.0 and r["bubble"] == 0.0
