@@ -226,24 +226,31 @@ def sample(**kw):
 @click.option("--stages", "-p", default=4, show_default=True)
 @click.option("--micro-batches", "-m", default=8, show_default=True)
 @click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
+@click.option("--virtual-stages", "-v", type=int, default=None,
+              help="model chunks per rank (interleaved; zbv holds 2)  [default: 1]")
 @click.option("--backward-cost", default=2.0, show_default=True,
-              help="time of a backward relative to a forward")
+              help="time of a backward relative to a forward (split: half B, half W)")
 @entry
-def schedule(stages, micro_batches, schedule, backward_cost):
-    """Print each rank's actions and the simulated bubble of a pipeline schedule."""
-    from .parallel.pipeline.schedule import slot_plan
+def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
+    """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
+    bubble and each rank's peak of live activations of a pipeline schedule."""
+    from .parallel.pipeline.schedule import chunks_per_rank, slot_plan
     from .parallel.pipeline.simulate import simulate
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
+    v = chunks_per_rank(schedule, virtual_stages)
     fn = SCHEDULES[schedule]
     for r in range(stages):
-        acts = fn(stages, micro_batches, r)
-        text = " ".join(LABEL[a.op] + ("" if a.mb is None else str(a.mb)) for a in acts)
+        acts = fn(stages, micro_batches, r, v)
+        text = " ".join(LABEL[a.op] + ("" if a.mb is None else str(a.mb)) +
+                        (f".{a.chunk}" if a.chunk else "") for a in acts)
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
-    sim = simulate(stages, micro_batches, fn, 1.0, backward_cost)
+    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)
+    peak = " ".join(f"{x:g}" for x in sim["peak"])
     click.echo(f"bubble {sim['bubble']:.4f} (equal stages: (p-1)/(m+p-1) = {ideal:.4f}); "
-               f"makespan {sim['makespan']:g} forward-times; deadlock-free")
+               f"makespan {sim['makespan']:g} forward-times; peak live activations per rank "
+               f"(whole stages) {peak}; deadlock-free")
 
 
 @cli.command()
@@ -276,6 +283,21 @@ def plot(log, out):
     from .plot import plot as run_plot
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
+
+
+@cli.command()
+@click.argument("trace", type=click.Path())
+@click.option("--out", default="timeline.png", show_default=True, help="PNG to write")
+@click.option("--schedule", default=None, type=click.Choice(list(SCHEDULES)),
+              help="the run's schedule, for the prediction  [default: the trace's]")
+@entry
+def timeline(trace, out, schedule):
+    """Draw a --trace file: every rank's forwards and backwards over time, the measured
+    bubble, and beneath it the simulator's prediction from the measured mean op times."""
+    from .timeline import timeline as draw
+    measured, predicted, name = draw(trace, out, schedule)
+    click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from the "
+               f"mean op times {predicted:.4f}")
 
 
 def main():

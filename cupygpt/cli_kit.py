@@ -93,6 +93,8 @@ pipeline_options = options(
                  help="micro-batches per step (must divide the batch; per replica with --dp)"),
     click.option("--schedule", default="1f1b", show_default=True,
                  type=click.Choice(list(SCHEDULES))),
+    click.option("--virtual-stages", type=int, default=None,
+                 help="model chunks per rank (interleaved; zbv holds 2)  [default: 1]"),
     click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"))
 grid_options = options(
     click.option("--dp", type=int, default=None,

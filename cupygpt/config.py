@@ -147,19 +147,29 @@ class Pipeline:
     """How one step is cut across the pipeline's stages and micro-batches."""
     micro_batches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None  # model chunks per rank; None: the schedule's
     split: Optional[str] = None     # "6,6"; validate resolves it into counts
-    counts: tuple = ()              # layers per stage
+    counts: tuple = ()              # layers per model chunk, in model order
 
     def validate(self, shape, seq, stages, batch):
         from .parallel.pipeline.runner import plan_split
-        from .parallel.pipeline.schedule import SCHEDULES
+        from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
         if self.micro_batches < 1 or batch % self.micro_batches:
             raise CupyGPTError(f"must divide the batch size {batch} (per data-parallel "
                                f"replica)", "micro_batches", self.micro_batches)
         if self.schedule not in SCHEDULES:
             raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
                                self.schedule)
-        return replace(self, counts=tuple(plan_split(shape, seq, stages, self.split)))
+        v = chunks_per_rank(self.schedule, self.virtual_stages)
+        if self.schedule == "interleaved" and self.micro_batches % stages:
+            raise CupyGPTError(f"interleaved needs a multiple of the {stages} pipeline "
+                               f"stages", "micro_batches", self.micro_batches)
+        if stages * v > shape.L:
+            raise CupyGPTError(f"{stages * v} model chunks ({stages} stage(s) x {v}) but the "
+                               f"model has {shape.L} layers; a chunk needs one", "virtual_stages",
+                               v)
+        return replace(self, virtual_stages=v,
+                       counts=tuple(plan_split(shape, seq, stages * v, self.split)))
 
 
 def default(value, fallback):

@@ -46,7 +46,7 @@ class Session:
         p = self.config.pipeline
         run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
                      list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero),
-                     self.config.grid.overlap, getattr(p, "virtual_stages", 1))
+                     self.config.grid.overlap, p.virtual_stages)
         if params is not None:
             run.load(params)
         return run

@@ -92,6 +92,20 @@ CASES = [
     ("prepare not utf-8", lambda t: ["prepare", MODEL, "--out", t], "not UTF-8 text"),
     ("micro-batches", lambda t: ["train", "-b", "4", "--micro-batches", "3", "-n", "1"],
      "--micro-batches 3: must divide"),
+    ("chunks without interleaved", lambda t: ["train", "--virtual-stages", "2", "-n", "1"],
+     "--virtual-stages 2: several chunks per rank need the interleaved schedule"),
+    ("zbv's chunks", lambda t: ["train", "--schedule", "zbv", "--virtual-stages", "3", "-n", "1"],
+     "--virtual-stages 3: zbv holds 2 chunks per rank"),
+    ("more chunks than layers", lambda t: ["verify", "--schedule", "interleaved",
+                                           "--virtual-stages", "3"],
+     "--virtual-stages 3: 3 model chunks (1 stage(s) x 3) but the model has 2 layers"),
+    ("interleaved groups", lambda t: ["schedule", "-p", "4", "-m", "6", "--schedule",
+                                      "interleaved", "-v", "2"],
+     "--micro-batches 6: interleaved needs a multiple of the 4 pipeline stages"),
+    ("timeline missing", lambda t: ["timeline", t / "none.json"], "cannot read the trace"),
+    ("timeline not json", lambda t: ["timeline", MODEL], "not JSON; give the file that --trace"),
+    ("timeline no slices", lambda t: ["timeline", a_file(t, '{"traceEvents": []}')],
+     "holds no action slices"),
     ("tokenizer vocab", lambda t: ["sample", "--model", MODEL], "model's vocab is 300"),
     ("tokenizer bad magic", lambda t: ["sample", "--model", MODEL, "--tokenizer",
                                        corrupt(t, MODEL, "tok.bin", lambda r: r)],
@@ -127,9 +141,9 @@ CASES = [
 ]
 
 
-def a_file(tmp_path):
+def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
-    p.write_text("a short text\n\nin two sections\n")
+    p.write_text(text)
     return str(p)
 
 
@@ -150,6 +164,15 @@ def test_bad_input_is_one_line(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert expect in lines[0], lines[0]
     assert not (tmp_path / "never").exists()  # refused before anything was written
+
+
+def test_interleaved_micro_batches_refused_before_the_run():
+    """Under mpiexec: the config refuses them before any peer is touched."""
+    from cupygpt import CupyGPTError
+    from cupygpt.config import Pipeline, model_shape
+    with pytest.raises(CupyGPTError, match="multiple of the 2 pipeline stages") as e:
+        Pipeline(3, "interleaved").validate(model_shape(fixture("odd_model.bin")), 8, 2, 3)
+    assert e.value.option == "micro_batches"
 
 
 @pytest.mark.skipif(gpu_available(), reason="a GPU is present here")

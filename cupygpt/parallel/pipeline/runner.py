@@ -12,7 +12,8 @@ from ...layout import (PARAM_NAMES, WHOLE, Part, activation_layout, assemble, co
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
-from .schedule import SCHEDULES, Op, forward_only, holder, placement, slot_plan
+from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holder, placement,
+                       slot_plan)
 
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
@@ -67,7 +68,7 @@ def plan_split(cfg, T, p, split=None):
 class Runner:
     def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
                  counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False,
-                 overlap=True, virtual=1):
+                 overlap=True, virtual=None):
         """counts: layers per model chunk (plan_split's, already checked); a rank holds the
         chunks the schedule places on it (one per rank, or `virtual` for an interleaved
         schedule), a Stage each. B the batch of one step: each data-parallel replica
@@ -76,7 +77,7 @@ class Runner:
         during each chunk's last backward (not with ZeRO-1, whose reduce-scatter follows
         the optimizer's slices)."""
         p, r, M = mesh.pp, mesh.stage, micro_batches
-        v = 2 if schedule == "zbv" else virtual
+        v = chunks_per_rank(schedule, virtual)
         K = p * v                               # model chunks
         counts = counts or plan_split(cfg, T, K)
         self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
@@ -300,8 +301,9 @@ class Runner:
             e += h          # the order sum_tied adds in: the embedding's + the head's
             h[...] = e
         if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
-            self.in_flight.append(self.tr.start_all_reduce(
-                [st.g[n] for st in self.stages for n in WHOLE if n in st.g], "dp"))
+            rest = [st.g[n] for st in self.stages for n in WHOLE if n in st.g]
+            if rest:  # (a middle chunk has none)
+                self.in_flight.append(self.tr.start_all_reduce(rest, "dp"))
             for h in self.in_flight:
                 h.wait()
             self.in_flight = []

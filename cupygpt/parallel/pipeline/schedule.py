@@ -1,19 +1,21 @@
-"""Pipeline schedules as data: for (stages p, micro-batches m, stage r), the ordered
-actions. The runner and the simulator only see the lists; SCHEDULES is the registry the
-CLI offers. A zero-bubble schedule would add bwd_input / bwd_weight ops; an interleaved
-one a chunk index to the action.
+"""Pipeline schedules as data: for (stages p, micro-batches m, rank r, chunks per rank v),
+the ordered actions. The runner and the simulator only see the lists; SCHEDULES is the
+registry the CLI offers, `placement` says which model chunks each rank holds.
 """
 from collections import namedtuple
 from enum import Enum
+from functools import lru_cache
+
+from ... import CupyGPTError
 
 
 class Op(str, Enum):
     """What an action does."""
-    RECV_ACT = "recv_act"    # the previous stage's output into this micro-batch's input
+    RECV_ACT = "recv_act"    # the previous chunk's output into this micro-batch's input
     FWD = "fwd"
-    SEND_ACT = "send_act"    # this micro-batch's output to the next stage
+    SEND_ACT = "send_act"    # this micro-batch's output to the next chunk
     RECV_GRAD = "recv_grad"  # the gradient of this micro-batch's output
-    BWD = "bwd"
+    BWD = "bwd"              # the whole backward: input and weight gradients
     BWD_INPUT = "bwd_input"    # zero-bubble's B: the input gradient (then SEND_GRAD)
     BWD_WEIGHT = "bwd_weight"  # zero-bubble's W: the weight gradients, deferrable
     SEND_GRAD = "send_grad"  # the gradient of this micro-batch's input, back
@@ -23,69 +25,204 @@ class Op(str, Enum):
 # How `schedule` prints each op.
 LABEL = {Op.RECV_ACT: "ra", Op.FWD: "F", Op.SEND_ACT: "sa", Op.RECV_GRAD: "rg", Op.BWD: "B",
          Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W", Op.SEND_GRAD: "sg", Op.STEP: "step"}
+COMPUTE = (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)
 
-
-# The point-to-point ops: (channel, direction along the pipeline).
+# The point-to-point ops: (channel, step along the model's chunks).
 SENDS = {Op.SEND_ACT: ("act", +1), Op.SEND_GRAD: ("grad", -1)}
 RECVS = {Op.RECV_ACT: ("act", -1), Op.RECV_GRAD: ("grad", +1)}
 
-# chunk: which of this rank's model chunks (placement's list) the action works on
+# chunk: the index into this rank's list of model chunks (placement's), 0 with one chunk
 Action = namedtuple("Action", "op mb chunk", defaults=(0,))
 
 
+CHUNKS = {"zbv": 2}  # chunks per rank where a schedule fixes them
+
+
 def placement(name, p, v, r):
-    """The model chunks (of p * v, in model order) rank r holds, its chunk 0 first."""
+    """The model chunks (of p * v, in model order) rank r holds, its chunk 0 first:
+    interleaved deals them round the ring (Megatron); zbv folds them into a V, so the last
+    chunk (the loss) is on rank 0; the others hold one stage."""
     if name == "zbv":
         return [r, 2 * p - 1 - r]
     return [r + c * p for c in range(v)]
 
 
+def holders(name, p, v):
+    """{model chunk: (rank, its chunk index) holding it}."""
+    return {k: (r, c) for r in range(p) for c, k in enumerate(placement(name, p, v, r))}
+
+
 def holder(name, p, v, k):
     """(rank, its chunk index) holding model chunk k."""
-    return next((r, c) for r in range(p) for c, j in enumerate(placement(name, p, v, r))
-                if j == k)
+    return holders(name, p, v)[k]
 
 
-def _fwd(p, r, i):
-    return ([Action(Op.RECV_ACT, i)] if r > 0 else []) + [Action(Op.FWD, i)] + \
-           ([Action(Op.SEND_ACT, i)] if r < p - 1 else [])
+def _emit(name, p, v, r, compute):
+    """Rank r's list from its compute order [(op, mb, chunk)]: a receive just before the op
+    that needs it, a send just after the op that made it. A hand-off to a chunk on this
+    same rank is a send and a receive too (the runner keeps the copy in between: a chunk's
+    gradient buffer is shared by its micro-batches, so it is filled only when used)."""
+    place, last = placement(name, p, v, r), p * v - 1
+    acts = []
+    for op, mb, c in compute:
+        k = place[c]
+        if op in (Op.FWD, Op.BWD, Op.BWD_INPUT):
+            recv, send, peer = ((Op.RECV_ACT, Op.SEND_ACT, k - 1) if op == Op.FWD
+                                else (Op.RECV_GRAD, Op.SEND_GRAD, k + 1))
+            nxt = 2 * k - peer               # where this op's result goes
+            if 0 <= peer <= last:
+                acts.append(Action(recv, mb, c))
+            acts.append(Action(op, mb, c))
+            if 0 <= nxt <= last:
+                acts.append(Action(send, mb, c))
+        else:
+            acts.append(Action(op, mb, c))
+    return acts
 
 
-def _bwd(p, r, i):
-    return ([Action(Op.RECV_GRAD, i)] if r < p - 1 else []) + [Action(Op.BWD, i)] + \
-           ([Action(Op.SEND_GRAD, i)] if r > 0 else [])
+def chunks_per_rank(name, v=None):
+    """The model chunks each rank holds: zbv's fixed 2, interleaved's v, 1 for the others
+    (v None: the schedule's default). Refuses a v the schedule cannot take."""
+    fixed = CHUNKS.get(name)
+    if v is not None and fixed is not None and v != fixed:
+        raise CupyGPTError(f"{name} holds {fixed} chunks per rank; leave it out",
+                           "virtual_stages", v)
+    v = fixed or (1 if v is None else v)
+    if v < 1 or (v > 1 and fixed is None and name != "interleaved"):
+        raise CupyGPTError("several chunks per rank need the interleaved schedule; 1 for "
+                           "the others", "virtual_stages", v)
+    return v
 
 
 def gpipe(p, m, r, v=1):
     """All forwards, then all backwards: m micro-batches in flight."""
-    acts = [a for i in range(m) for a in _fwd(p, r, i)]
-    acts += [a for i in range(m) for a in _bwd(p, r, i)]
-    return acts + [Action(Op.STEP, None)]
+    chunks_per_rank("gpipe", v)
+    order = [(Op.FWD, i, 0) for i in range(m)] + [(Op.BWD, i, 0) for i in range(m)]
+    return _emit("gpipe", p, v, r, order) + [Action(Op.STEP, None)]
 
 
 def one_f_one_b(p, m, r, v=1):
     """p-r-1 warm-up forwards, then one forward one backward, then the cool-down backwards:
     at most p-r micro-batches in flight on rank r."""
-    warm = min(p - r - 1, m)
-    acts = [a for i in range(warm) for a in _fwd(p, r, i)]
-    for k in range(m - warm):
-        acts += _fwd(p, r, warm + k) + _bwd(p, r, k)
-    acts += [a for i in range(m - warm, m) for a in _bwd(p, r, i)]
-    return acts + [Action(Op.STEP, None)]
+    chunks_per_rank("1f1b", v)
+    return _interleave("1f1b", p, m, r, 1)
+
+
+def interleaved(p, m, r, v=1):
+    """Megatron's interleaved 1F1B: rank r holds chunks r, r+p, ...; micro-batches go
+    through a chunk in groups of p, so a group comes back round the ring just as the rank
+    is ready for it. Its bubble is 1F1B's divided by about v."""
+    chunks_per_rank("interleaved", v)
+    if m % p:
+        raise CupyGPTError(f"interleaved needs a multiple of the {p} pipeline stages",
+                           "micro_batches", m)
+    return _interleave("interleaved", p, m, r, v)
+
+
+def _interleave(name, p, m, r, v):
+    """Warm-up forwards, then a forward and a backward in turn, then the cool-down. The
+    k-th forward is chunk (k // p) % v of micro-batch (k // pv) p + k % p; backwards take
+    the chunks the other way round. Warm-up: 1F1B's p-r-1 with one chunk; with more,
+    Megatron's 2(p-r-1) + (v-1)p (the simulator shows fewer leave gaps round the ring, and
+    deadlock over one-message channels)."""
+    n = m * v
+
+    def fwd(k):
+        return Op.FWD, k // (p * v) * p + k % p, k // p % v
+
+    def bwd(k):
+        return Op.BWD, k // (p * v) * p + k % p, v - 1 - k // p % v
+    warm = min((p - r - 1) * (2 if v > 1 else 1) + (v - 1) * p, n)
+    order = [fwd(k) for k in range(warm)]
+    for k in range(n - warm):
+        order += [fwd(warm + k), bwd(k)]
+    order += [bwd(k) for k in range(n - warm, n)]
+    return _emit(name, p, v, r, order) + [Action(Op.STEP, None)]
+
+
+def zb1p(p, m, r, v=1):
+    """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism): 1F1B's order of forwards and
+    input-gradient Bs, each micro-batch's W deferred until r more Bs have run (the rest at
+    the end), so Ws fill what was 1F1B's cool-down. Rank r holds at most p micro-batches
+    from forward to W (1F1B's peak, rank 0's); with t_F = t_B = t_W and m >= p the idle
+    per rank is (p-1) t_F, a third of 1F1B's."""
+    chunks_per_rank("zb1p", v)
+    order = []
+    for a in one_f_one_b(p, m, r)[:-1]:
+        if a.op == Op.FWD:
+            order.append((Op.FWD, a.mb, 0))
+        elif a.op == Op.BWD:
+            order.append((Op.BWD_INPUT, a.mb, 0))
+            if a.mb >= r:
+                order.append((Op.BWD_WEIGHT, a.mb - r, 0))
+    order += [(Op.BWD_WEIGHT, i, 0) for i in range(max(m - r, 0), m)]
+    return _emit("zb1p", p, 1, r, order) + [Action(Op.STEP, None)]
+
+
+@lru_cache(maxsize=16)
+def _zbv_order(p, m):
+    """Every rank's compute order for zbv, by simulating them all at once in unit steps
+    (t_F = t_B = t_W, the paper's case): a free rank takes an input-gradient B (the
+    critical path; earliest micro-batch, then the deeper chunk), else a forward while it
+    holds under 2p chunk activations (deepest chunk first, nearest the loss), else its
+    oldest pending W (filling what would be idle). A chunk's micro-batches keep their
+    order, so each channel's messages arrive in the order they are taken."""
+    last = 2 * p - 1
+    place = [placement("zbv", p, 2, r) for r in range(p)]
+    fdone, bdone = {}, {}               # (mb, model chunk) -> step it finished
+    nf, nb = [0] * (last + 1), [0] * (last + 1)
+    held = [0] * p                      # chunk activations from forward to W
+    pending = [[] for _ in range(p)]
+    order = [[] for _ in range(p)]
+    t, left = 0, 3 * m * (last + 1)
+    while left:
+        taken = []
+        for r in range(p):
+            bs = [k for k in place[r] if nb[k] < m and fdone.get((nb[k], k), t + 1) <= t
+                  and (k == last or bdone.get((nb[k], k + 1), t + 1) <= t)]
+            fs = [k for k in place[r] if nf[k] < m and held[r] < 2 * p
+                  and (k == 0 or fdone.get((nf[k], k - 1), t + 1) <= t)]
+            if bs:
+                k = max(bs, key=lambda k: (-nb[k], k))
+                taken.append((r, Op.BWD_INPUT, nb[k], k))
+            elif fs:
+                taken.append((r, Op.FWD, nf[max(fs)], max(fs)))
+            elif pending[r]:
+                taken.append((r, Op.BWD_WEIGHT) + pending[r].pop(0))
+        if not taken:  # ops take one step: nothing is under way, so nothing will be
+            raise RuntimeError(f"zbv: no schedule for p={p} m={m}")
+        for r, op, i, k in taken:
+            order[r].append((op, i, place[r].index(k)))
+            if op == Op.FWD:
+                fdone[(i, k)], nf[k], held[r] = t + 1, nf[k] + 1, held[r] + 1
+            elif op == Op.BWD_INPUT:
+                bdone[(i, k)], nb[k] = t + 1, nb[k] + 1
+                pending[r].append((i, k))
+            else:
+                held[r] -= 1
+        left -= len(taken)
+        t += 1
+    return order
+
+
+def zbv(p, m, r, v=2):
+    """ZB-V: two chunks per rank folded into a V (rank r holds chunks r and 2p-1-r), so the
+    loss and the first backward are on rank 0. A rank holds at most 2p chunk activations,
+    1F1B's peak of p whole-stage micro-batches; with equal times and m >= 2p the bubble is
+    little more than the warm-up's."""
+    chunks_per_rank("zbv", v)
+    return _emit("zbv", p, 2, r, _zbv_order(p, m)[r]) + [Action(Op.STEP, None)]
 
 
 def forward_only(p, m, r, v=1, name="1f1b"):
     """Evaluation and sampling: forwards only, no step; chunk by chunk in model order, all
     micro-batches through each (a receive waits only on chunks that come earlier)."""
-    acts = []
-    for c, k in enumerate(placement(name, p, v, r)):
-        for i in range(m):
-            acts += ([Action(Op.RECV_ACT, i, c)] if k > 0 else []) + [Action(Op.FWD, i, c)] + \
-                    ([Action(Op.SEND_ACT, i, c)] if k < p * v - 1 else [])
-    return acts
+    order = [(Op.FWD, i, c) for c in range(len(placement(name, p, v, r))) for i in range(m)]
+    return _emit(name, p, v, r, order)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb1p": zb1p,
+             "zbv": zbv}
 
 
 def slot_plan(actions):

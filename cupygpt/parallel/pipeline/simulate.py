@@ -1,60 +1,99 @@
-"""Runs every stage's action list together on a clock: proves a schedule deadlock-free and
-in order, and measures its bubble."""
-from .schedule import RECVS, SENDS, Op
+"""Runs every rank's action list together on a clock: proves a schedule deadlock-free and
+in order, and measures its bubble and activation memory."""
+from .schedule import RECVS, SCHEDULES, SENDS, Op, holders, placement
 
 
-def simulate(p, m, schedule, t_fwd=1.0, t_bwd=2.0, capacity=1):
-    """Runs all ranks' lists together. Sends are buffered in a channel of `capacity` messages
-    per (kind, direction) and block when it is full; receives block until a message arrives.
+def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
+             capacity=1):
+    """Runs all ranks' lists together. schedule: a SCHEDULES name or function (p, m, r, v);
+    a function outside the registry has the one-stage-per-rank placement (or Megatron's
+    with v > 1).
 
-    Returns dict(makespan, busy per rank, bubble fraction). Raises RuntimeError naming the
-    stuck actions when no rank can progress (a deadlock) or a message is out of order.
+    Times are per whole-stage micro-batch; a chunk's op takes 1/v of them. t_wgt None:
+    t_bwd is the whole backward (a fused BWD; a split one's B and W take half each); else
+    BWD_INPUT takes t_bwd, BWD_WEIGHT t_wgt and a fused BWD their sum. A message between
+    ranks arrives t_comm after its send; a hand-off between chunks of one rank is a local
+    copy (no latency, never full). Between ranks, sends are buffered in a FIFO channel of
+    `capacity` messages per (kind, source, destination) and block while it is full;
+    receives block until a message arrives.
+
+    Returns dict(makespan, busy per rank, bubble fraction, peak per rank: the most
+    (micro-batch, chunk) activations alive at once, from forward to the end of its
+    backward, in whole-stage units (1/v a chunk), events per rank: [(action, start, end)]
+    of its compute actions). Raises RuntimeError naming the stuck actions when no rank can
+    progress (a deadlock) or when a receive takes another message than it expects.
     """
-    lists = [schedule(p, m, r) for r in range(p)]
+    name = schedule if isinstance(schedule, str) else \
+        next((n for n, f in SCHEDULES.items() if f is schedule), "")
+    fn = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    lists = [fn(p, m, r, v) for r in range(p)]
+    last = p * v - 1
+    # (rank, chunk, step along the model) -> the (rank, chunk) a message goes to / comes from
+    at = holders(name, p, v)
+    peer = {(r, c, d): at[k + d] for r in range(p)
+            for c, k in enumerate(placement(name, p, v, r)) for d in (-1, 1)
+            if 0 <= k + d <= last}
+    split = t_bwd / 2 if t_wgt is None else t_bwd
+    cost = {Op.FWD: t_fwd, Op.BWD: t_bwd if t_wgt is None else t_bwd + t_wgt,
+            Op.BWD_INPUT: split, Op.BWD_WEIGHT: t_bwd - split if t_wgt is None else t_wgt}
     pc = [0] * p                     # next action per rank
     clock = [0.0] * p                # time each rank is free
     busy = [0.0] * p
-    chans = {}                       # (kind, src, dst) -> list of (mb, time sent)
-    popped = {}                      # (kind, src, dst) -> when the receiver last took one
-    done = False
-    while not done:
-        progressed, done = False, True
+    events = [[] for _ in range(p)]
+    live = [set() for _ in range(p)]
+    peak = [0] * p
+    chans = {}                       # (kind, src, dst) -> [messages waiting: (mb, chunk, t)];
+    #                                  on one rank (kind, r, r, receiving chunk)
+    sent, pops = {}, {}              # per channel: messages sent; when each was taken
+    while any(pc[r] < len(lists[r]) for r in range(p)):
+        progressed = False
         for r in range(p):
             if pc[r] == len(lists[r]):
                 continue
-            done = False
             a = lists[r][pc[r]]
-            if a.op in (Op.FWD, Op.BWD):
-                dt = t_fwd if a.op == Op.FWD else t_bwd
+            if a.op in cost:
+                dt = cost[a.op] / v
+                events[r].append((a, clock[r], clock[r] + dt))
                 clock[r] += dt
                 busy[r] += dt
+                if a.op == Op.FWD:
+                    live[r].add((a.mb, a.chunk))
+                    peak[r] = max(peak[r], len(live[r]))
+                elif a.op in (Op.BWD, Op.BWD_WEIGHT):
+                    live[r].discard((a.mb, a.chunk))
             elif a.op in SENDS:
                 kind, step = SENDS[a.op]
-                dst = r + step
-                q = chans.setdefault((kind, r, dst), [])
-                if len(q) >= capacity:
-                    continue
-                clock[r] = max(clock[r], popped.get((kind, r, dst), 0.0))
-                q.append((a.mb, clock[r]))
+                dst, c = peer[(r, a.chunk, step)]
+                key = (kind, r, dst) if dst != r else (kind, r, r, c)  # local: per chunk
+                n, taken = sent.get(key, 0), pops.setdefault(key, [])
+                if dst != r and n >= capacity:
+                    if len(taken) <= n - capacity:
+                        continue     # full: wait for the receiver
+                    clock[r] = max(clock[r], taken[n - capacity])
+                sent[key] = n + 1
+                chans.setdefault(key, []).append(
+                    (a.mb, c, clock[r] + (t_comm if dst != r else 0.0)))
             elif a.op in RECVS:
                 kind, step = RECVS[a.op]
-                src = r + step
-                q = chans.setdefault((kind, src, r), [])
+                src = peer[(r, a.chunk, step)][0]
+                key = (kind, src, r) if src != r else (kind, r, r, a.chunk)
+                q = chans.setdefault(key, [])
                 if not q:
                     continue
-                mb, t = q.pop(0)
-                popped[(kind, src, r)] = max(clock[r], t)
-                if mb != a.mb:
-                    raise RuntimeError(f"rank {r} expected {kind} of micro-batch {a.mb}, "
-                                       f"got {mb}")
+                mb, c, t = q.pop(0)
+                if (mb, c) != (a.mb, a.chunk):
+                    raise RuntimeError(f"rank {r} expected {kind} of micro-batch {a.mb} chunk "
+                                       f"{a.chunk}, got micro-batch {mb} chunk {c}")
                 clock[r] = max(clock[r], t)
+                pops.setdefault(key, []).append(clock[r])
             elif a.op != Op.STEP:
                 raise ValueError(f"rank {r}: unknown pipeline action {a}")
             pc[r] += 1
             progressed = True
-        if not progressed and not done:
+        if not progressed:
             stuck = [f"rank {r}: {lists[r][pc[r]]}" for r in range(p) if pc[r] < len(lists[r])]
             raise RuntimeError("deadlock: " + "; ".join(stuck))
     makespan = max(clock)
     return {"makespan": makespan, "busy": busy,
-            "bubble": 1.0 - sum(busy) / (p * makespan)}
+            "bubble": 1.0 - sum(busy) / (p * makespan) if makespan else 0.0,
+            "peak": [n / v for n in peak], "events": events}

@@ -1,0 +1,132 @@
+"""`timeline`: a --trace file drawn as the classic pipeline picture (ranks as rows, compute
+as boxes coloured by micro-batch), with the simulator's prediction for the same schedule,
+from the measured mean op times, beneath it."""
+import json
+
+from . import CupyGPTError
+from .parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
+from .parallel.pipeline.simulate import simulate
+
+# Compute ops (the trace's "cat") and how they are drawn: F full colour, B darker, W paler.
+LETTER = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W"}
+SHADE = {"F": (0.0, None), "B": (0.35, "black"), "W": (0.55, "white")}
+
+
+def read_trace(path):
+    """({rank: [(op, mb, chunk, start, end)] of its compute slices, seconds}, the trace's
+    top-level "pipeline" object or {})."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise CupyGPTError(f"{path}: cannot read the trace ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CupyGPTError(f"{path}: not JSON; give the file that --trace wrote") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    slices = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"] \
+        if isinstance(events, list) else []
+    if not slices:
+        raise CupyGPTError(f"{path}: holds no action slices (\"ph\": \"X\"); give the file "
+                           f"that --trace wrote")
+    rows = {}
+    for n, e in enumerate(slices):
+        try:
+            rank, start, dur = int(e["tid"]), float(e["ts"]) / 1e6, float(e["dur"]) / 1e6
+            args = e.get("args") or {}
+            if e.get("cat") in LETTER:
+                rows.setdefault(rank, []).append((Op(e["cat"]), int(args["micro_batch"]),
+                                                  int(args.get("chunk", 0)), start,
+                                                  start + dur))
+            else:
+                rows.setdefault(rank, [])
+        except (KeyError, TypeError, ValueError):
+            raise CupyGPTError(f"{path}: slice {n} lacks tid, ts, dur or its micro_batch; "
+                               f"give the file that --trace wrote") from None
+    if not any(rows.values()):
+        raise CupyGPTError(f"{path}: holds no forward or backward slices")
+    pipe = data.get("pipeline") if isinstance(data, dict) else None
+    return rows, pipe if isinstance(pipe, dict) else {}
+
+
+def bubble(rows):
+    """1 - compute time / (ranks x span), the span from the first compute slice's start to
+    the last one's end (set-up before and the step's sums after are not the pipeline's)."""
+    ev = [e for r in rows.values() for e in r]
+    t0, t1 = min(e[3] for e in ev), max(e[4] for e in ev)
+    busy = sum(e[4] - e[3] for e in ev)
+    return 1.0 - busy / (len(rows) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def predict(rows, pipe, schedule):
+    """The simulator's run of the schedule from the trace's mean op times (a chunk's time
+    times v is a whole stage's). Returns (name, p, m, v, times, its result)."""
+    name = schedule or pipe.get("schedule")
+    if name not in SCHEDULES:
+        raise CupyGPTError(f"the trace names no schedule{f' ({name})' if name else ''}; give "
+                           f"one of {', '.join(SCHEDULES)}", "schedule", name)
+    ev = [e for r in rows.values() for e in r]
+    p = int(pipe.get("stages") or len(rows))
+    m = int(pipe.get("micro_batches") or max(e[1] for e in ev) + 1)
+    given = pipe.get("virtual_stages")
+    v = chunks_per_rank(name, given or (max(e[2] for e in ev) + 1 if name == "interleaved"
+                                        else None))
+
+    def mean(*ops):
+        d = [e[4] - e[3] for e in ev if e[0] in ops]
+        return v * sum(d) / len(d) if d else 0.0
+    split = any(e[0] == Op.BWD_INPUT for e in ev)
+    times = dict(t_fwd=mean(Op.FWD), t_bwd=mean(Op.BWD_INPUT if split else Op.BWD),
+                 t_wgt=mean(Op.BWD_WEIGHT) if split else None)
+    return name, p, m, v, times, simulate(p, m, name, v, **times)
+
+
+def _draw(ax, rows, title, colours):
+    from matplotlib.colors import to_rgb
+    t0 = min(e[3] for r in rows.values() for e in r)
+    for rank, ev in rows.items():
+        for op, mb, chunk, a, b in ev:
+            letter = LETTER[op]
+            amount, toward = SHADE[letter]
+            c = to_rgb(colours(mb % colours.N))
+            if toward:
+                end = (0, 0, 0) if toward == "black" else (1, 1, 1)
+                c = tuple(x + (y - x) * amount for x, y in zip(c, end))
+            ax.barh(rank, (b - a) * 1e3, left=(a - t0) * 1e3, height=0.8, color=c,
+                    edgecolor="0.3", linewidth=0.4, hatch="///" if chunk else None)
+            ax.text((a + b - 2 * t0) / 2 * 1e3, rank, f"{letter}{mb}", ha="center",
+                    va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(sorted(rows))
+    ax.set_yticklabels([f"rank {r}" for r in sorted(rows)])
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+
+
+def timeline(path, out, schedule=None):
+    """Draws the trace and the prediction into the PNG `out`; returns (measured bubble,
+    predicted bubble, schedule name)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CupyGPTError("timeline needs matplotlib: pip install -e '.[plot]'") from None
+    rows, pipe = read_trace(path)
+    measured = bubble(rows)
+    name, p, m, v, times, sim = predict(rows, pipe, schedule)
+    predicted = {r: [(a.op, a.mb, a.chunk, s, e) for a, s, e in ev]
+                 for r, ev in enumerate(sim["events"])}
+    colours = plt.get_cmap("tab10" if m <= 10 else "tab20")
+    height = 1.0 + 0.35 * (len(rows) + p)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, height + 1.5), dpi=110, sharex=True)
+    _draw(top, rows, f"{path}: {name}, p={p}, m={m}, v={v}; measured bubble {measured:.1%} "
+                     f"(F, B, W shaded; hatched: a rank's second chunk on)", colours)
+    ms = ", ".join(f"{k[2:]} {t * 1e3 / v:.3g}" for k, t in times.items() if t is not None)
+    _draw(bottom, predicted, f"simulated from the mean op times (ms per chunk: {ms}): "
+                             f"bubble {sim['bubble']:.1%}", colours)
+    bottom.set_xlabel("ms")
+    fig.tight_layout()
+    from .files import atomic_write
+    with atomic_write(out) as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+    return measured, sim["bubble"], name
