@@ -164,7 +164,7 @@ class Pipeline:
         if self.schedule == "interleaved" and self.micro_batches % stages:
             raise CupyGPTError(f"interleaved needs a multiple of the {stages} pipeline "
                                f"stages", "micro_batches", self.micro_batches)
-        if stages * v > shape.L:
+        if v > 1 and stages * v > shape.L:  # (one chunk a rank: plan_split says it)
             raise CupyGPTError(f"{stages * v} model chunks ({stages} stage(s) x {v}) but the "
                                f"model has {shape.L} layers; a chunk needs one", "virtual_stages",
                                v)

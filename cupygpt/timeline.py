@@ -13,8 +13,10 @@ SHADE = {"F": (0.0, None), "B": (0.35, "black"), "W": (0.55, "white")}
 
 
 def read_trace(path):
-    """({rank: [(op, mb, chunk, start, end)] of its compute slices, seconds}, the trace's
-    top-level "pipeline" object or {})."""
+    """({rank: [(op, mb, chunk, start, end)] of its compute slices in the trace's last
+    step, seconds}, the trace's top-level "pipeline" object or {}). A trace of several
+    steps (train, bench) is cut at each rank's step actions: the last step is the one
+    warm and undisturbed by the start."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -28,7 +30,7 @@ def read_trace(path):
     if not slices:
         raise CupyGPTError(f"{path}: holds no action slices (\"ph\": \"X\"); give the file "
                            f"that --trace wrote")
-    rows = {}
+    rows, steps = {}, {}
     for n, e in enumerate(slices):
         try:
             rank, start, dur = int(e["tid"]), float(e["ts"]) / 1e6, float(e["dur"]) / 1e6
@@ -39,9 +41,14 @@ def read_trace(path):
                                                   start + dur))
             else:
                 rows.setdefault(rank, [])
+                if e.get("cat") == Op.STEP.value:
+                    steps.setdefault(rank, []).append(start)
         except (KeyError, TypeError, ValueError):
             raise CupyGPTError(f"{path}: slice {n} lacks tid, ts, dur or its micro_batch; "
                                f"give the file that --trace wrote") from None
+    for rank, ends in steps.items():  # the last step: after the one before it
+        if len(ends) > 1:
+            rows[rank] = [x for x in rows[rank] if x[3] > sorted(ends)[-2]]
     if not any(rows.values()):
         raise CupyGPTError(f"{path}: holds no forward or backward slices")
     pipe = data.get("pipeline") if isinstance(data, dict) else None

@@ -85,8 +85,16 @@ class Transport:
         if part.size:
             out.reshape(-1)[:part.size] = part.reshape(-1)
 
+    # Whether a step's communication is all on the compute stream (no host waits, no host
+    # copies), so the runner may capture a pipelined step as a CUDA graph.
+    graphable = False
+
+    def end_step(self):
+        """The end of a pass's actions, on the stream (a captured step includes it)."""
+
     def finish_sends(self):
-        """Returns when every send of this step has been taken (or times out)."""
+        """Returns when every send of this step has been taken (or times out); on the host,
+        after the pass (or its graph's replay)."""
 
     def bcast(self, obj, root=0):
         raise NotImplementedError

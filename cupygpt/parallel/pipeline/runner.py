@@ -139,8 +139,9 @@ class Runner:
         self.x_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.first else None
         self.y_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.last else None
         self.loss_acc = be.zeros(1, np.float64)
-        # CUDA graphs: one process on a backend that has them (a pipeline waits on peers)
-        self.graphs = graphs and be.supports_graphs and mesh.size == 1
+        # CUDA graphs: on a backend that has them, alone or over a transport whose step is
+        # all on the stream (transport.graphable)
+        self.graphs = graphs and be.supports_graphs and (mesh.size == 1 or transport.graphable)
         self.graph, self.steps_done = None, 0
         self.trace = None  # [(action, start, end)] while tracing (start_trace)
         io = (self.Bm, T, cfg.C)
@@ -178,6 +179,7 @@ class Runner:
         sum over the batch on the rank holding the head (0 elsewhere)."""
         self._feed(x, y)
         self._execute(actions, dloss, y is not None, on_logits, decode)
+        self.tr.finish_sends()
         return self._loss()
 
     def rows(self, mb=None):
@@ -225,7 +227,7 @@ class Runner:
             if i in release:
                 k = release[i]
                 free[k[1]].append(slot_of.pop(k))
-        self.tr.finish_sends()
+        self.tr.end_step()
 
     def _send(self, kind, arr, peer, mb):
         """To a peer rank, or to a chunk of this rank: a copy in a buffer kept for reuse
@@ -334,12 +336,13 @@ class Runner:
             self.steps_done += 1
             return loss
         self.launch_graph_step(x, y, lr)
-        return self._loss() / (self.B * self.T)
+        self.tr.finish_sends()
+        return self.tr.bcast(self._loss() / (self.B * self.T), root=self.loss_rank)
 
     def launch_graph_step(self, x, y, lr=None):
         """One step as a replayed CUDA graph (captured on the first call): zero the
-        gradients, forward and backward over the micro-batches, AdamW. Returns once
-        launched, without waiting for the GPU."""
+        gradients, forward and backward over the micro-batches, the transfers, AdamW.
+        Returns once launched, without waiting for the GPU."""
         be, opt = self.be, self.opt
         self._feed(x, y)
         sched = opt.advance(lr)

@@ -1,0 +1,59 @@
+"""The pipeline schedules' bubbles on this machine, measured against the simulator's
+prediction: for each schedule, `train --trace` under mpiexec on an 8-layer model (the
+shipped text folded into a 512-token vocabulary, so the head weighs about a block), then
+`timeline` on the trace (its last step). Writes the pictures and one JSON.
+
+    python bench/bubbles.py [--ranks 4] [--micro-batches 8] [--out docs/timelines]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULES = {"1f1b": [], "interleaved": ["--virtual-stages", "2"], "zb1p": [], "zbv": []}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "timelines"))
+    a = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    from cupygpt.config import GPT2Config
+    from cupygpt.files import read_shard, write_model, write_shard
+    from cupygpt.model import init_params
+    os.makedirs(a.out, exist_ok=True)
+    tmp = tempfile.mkdtemp()
+    cfg = GPT2Config(maxT=64, V=512, Vp=512, L=8, NH=4, C=128)
+    write_model(os.path.join(tmp, "model.bin"), cfg, init_params(cfg, 1))
+    toks = read_shard(os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin"))
+    write_shard(os.path.join(tmp, "tokens.bin"), toks % cfg.V)
+    results = {}
+    for name, extra in SCHEDULES.items():
+        trace = os.path.join(tmp, f"{name}.json")
+        cmd = ["mpiexec", "-n", str(a.ranks), sys.executable, os.path.join(ROOT, "cli.py"),
+               "train", "-e", os.path.join(tmp, "model.bin"), "-i",
+               os.path.join(tmp, "tokens.bin"), "-j", os.path.join(tmp, "tokens.bin"),
+               "-b", str(2 * a.micro_batches), "-t", "64", "-n", "4", "-v", "0", "-g", "0",
+               "-o", os.path.join(tmp, name), "--schedule", name, "--micro-batches",
+               str(a.micro_batches), "--trace", trace, *extra]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=tmp)
+        png = os.path.join(a.out, f"{name}_p{a.ranks}_m{a.micro_batches}.png")
+        res = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "timeline", trace,
+                              "--out", png], check=True, capture_output=True, text=True)
+        measured, predicted = map(float, re.findall(r"(?:bubble|times) (\d\.\d+)", res.stdout))
+        results[name] = {"measured_bubble": measured, "predicted_bubble": predicted,
+                         "picture": os.path.relpath(png, ROOT)}
+        print(f"{name:12s} measured {measured:.3f}  predicted {predicted:.3f}  {png}")
+    with open(os.path.join(a.out, f"bubbles_p{a.ranks}_m{a.micro_batches}.json"), "w") as f:
+        json.dump({"ranks": a.ranks, "micro_batches": a.micro_batches, "cpus": os.cpu_count(),
+                   "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
