@@ -2,10 +2,11 @@
 one per GPU), nccl (one GPU per rank) and mpi. Each runs on cudasim (CPU processes, with
 cudasim's NVSHMEM over shared memory) and on a real GPU where there is one."""
 import importlib.util
+import json
 
 import pytest
 
-from conftest import DEVICES, cli, device_env, losses, mpiexec, run_verify
+from conftest import DEVICES, cli, cudasim_missing, device_env, losses, mpiexec, run_verify
 from test_verify import FILES
 
 SIM, GPU = DEVICES
@@ -89,3 +90,16 @@ def test_grid_of_cuda_stages_verifies(device, transport, grid):
                         ranks=4, env=env)
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 4, res.stdout + res.stderr
     assert all(s["ok"] for s in r["steps"])
+
+
+def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
+    """bench --comm on the CUDA backend times its transport (auto: nvshmem), collectives
+    included; on cudasim only that it runs (its times say nothing of a GPU's)."""
+    if cudasim_missing():
+        pytest.skip(cudasim_missing())
+    res = cli("bench", "--comm", "--backend", "cuda", "-e", "tiny", "-t", "64", "--out",
+              tmp_path / "c.json", ranks=2, env={**device_env("sim"), "CUDASIM_LAG_S": "0"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.load(open(tmp_path / "c.json"))
+    assert len(rows) == 11 and all(r["transport"] == "nvshmem" for r in rows)
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))

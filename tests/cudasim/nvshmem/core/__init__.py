@@ -5,8 +5,8 @@ Symmetric memory is one file per (allocation, PE) in /dev/shm, mapped by every P
 put is a copy into the peer's mapping and a signal an 8-byte store into it (x86 keeps
 the two in order). Any address inside an allocation is symmetric (a Buffer made from
 it reaches the same offset on the peer), as in NVSHMEM. Allocations and frees are
-collective, as in NVSHMEM: every PE must make the same ones in the same order. With it come the pieces of cuda.core and
-cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
+collective, as in NVSHMEM: every PE must make the same ones in the same order. With it
+come the pieces of cuda.core and cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
 cudasim runs every stream operation when it is issued, and then lags (LAG_S).
 """
 import atexit
