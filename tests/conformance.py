@@ -551,7 +551,8 @@ def compare(mod, chain, obj, owner):
         real, _ = attribute(real, step, False)
     cls = real  # for a constructor
     real, bound = attribute(real, name, owner is not None)  # raises Mismatch
-    if obj is INSTANCE_ATTR or _plain(obj) or isinstance(obj, (type, types.SimpleNamespace)):
+    if obj is INSTANCE_ATTR or _plain(obj) or isinstance(obj, (type, types.SimpleNamespace,
+                                                               types.ModuleType)):
         return None, None
     if isinstance(obj, property):
         return ("a method in the real package" if callable(real) and not _data(real)

@@ -99,7 +99,8 @@ def simulated(device):
 def load_cudasim():
     """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
     real CuPy is left as it was."""
-    names = ("cupy", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs")
+    names = ("cupy", "cupy.cuda", "cupy.cuda.nccl", "cupy_backends", "cupy_backends.cuda",
+             "cupy_backends.cuda.libs")
     saved = {n: sys.modules.get(n) for n in names}
     try:
         cp = _load("cupy", os.path.join(SIM, "cupy.py"))

@@ -2,10 +2,11 @@
 one per GPU), nccl (one GPU per rank) and mpi. Each runs on cudasim (CPU processes, with
 cudasim's NVSHMEM over shared memory) and on a real GPU where there is one."""
 import importlib.util
+import json
 
 import pytest
 
-from conftest import DEVICES, cli, device_env, losses, mpiexec, run_verify
+from conftest import DEVICES, cli, cudasim_missing, device_env, losses, mpiexec, run_verify
 from test_verify import FILES
 
 SIM, GPU = DEVICES
@@ -71,13 +72,34 @@ def test_nccl_refused_with_two_ranks_on_one_gpu(device):
     assert res.returncode != 0 and "--transport nccl: 2 ranks but 1 GPU(s)" in res.stderr
 
 
-@pytest.mark.parametrize("device", NVSHMEM_DEVICES)
+@pytest.mark.parametrize("device,transport", [
+    pytest.param(p.values[0], transport, marks=p.marks, id=f"{p.values[0]}-{transport}")
+    for p, transport in ((NVSHMEM_DEVICES[0], "nvshmem"), (NVSHMEM_DEVICES[1], "nvshmem"),
+                         (SIM, "nccl"), (GPU, "nccl"))])
 @pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2"],
                                   ["--tp", "2", "--pp", "2", "--micro-batches", "2"]])
-def test_grid_of_cuda_stages_verifies(device, grid):
+def test_grid_of_cuda_stages_verifies(device, transport, grid):
     """Data and tensor parallelism on the CUDA backend: the vocab-parallel kernels, and the
-    collectives (host-staged over MPI for now) beside nvshmem's stage handoffs."""
-    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
-                        ranks=4, env=device_env(device))
+    transport's own collectives beside its stage handoffs (cudasim reports a GPU per rank
+    for nccl, and lags each stream wait less: the collectives make many)."""
+    if transport == "nccl" and device == "gpu" and n_gpus(device) < 4:
+        pytest.skip("nccl needs one GPU per rank; this machine has fewer than 4")
+    env = {**device_env(device), **({"CUDASIM_DEVICES": "4", "CUDASIM_LAG_S": "0.002"}
+                                    if device == "sim" else {})}
+    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", transport, *grid,
+                        ranks=4, env=env)
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 4, res.stdout + res.stderr
     assert all(s["ok"] for s in r["steps"])
+
+
+def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
+    """bench --comm on the CUDA backend times its transport (auto: nvshmem), collectives
+    included; on cudasim only that it runs (its times say nothing of a GPU's)."""
+    if cudasim_missing():
+        pytest.skip(cudasim_missing())
+    res = cli("bench", "--comm", "--backend", "cuda", "-e", "tiny", "-t", "64", "--out",
+              tmp_path / "c.json", ranks=2, env={**device_env("sim"), "CUDASIM_LAG_S": "0"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.load(open(tmp_path / "c.json"))
+    assert len(rows) == 11 and all(r["transport"] == "nvshmem" for r in rows)
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))

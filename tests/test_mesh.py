@@ -42,7 +42,14 @@ def test_tied_pair_and_point_to_point_pairs():
     pairs = Mesh(0, 3, 2, 1).pairs()
     assert pairs == sorted(pairs)
     assert {(a, b) for a, b, k in pairs if k == "tied"} == {(0, 4), (1, 5)}
-    assert {(a, b) for a, b, k in pairs if k == "fwd"} == {(0, 2), (2, 4), (1, 3), (3, 5)}
+    ring = {(0, 2), (2, 4), (4, 0), (1, 3), (3, 5), (5, 1)}  # the pipelines, wrapping round
+    for kind in ("act", "grad"):
+        assert {(a, b) for a, b, k in pairs if k == kind} == ring | {(b, a) for a, b in ring}
+    assert [(a, b, k) for a, b, k in Mesh(0, 2).pairs() if k != "tied"] == [
+        (0, 1, "act"), (0, 1, "grad"), (1, 0, "act"), (1, 0, "grad")]  # two stages: once each way
+    assert Mesh(0, 1, 2, 2).pairs() == []
+    assert [Mesh(r, 3).ring(1) for r in range(3)] == [1, 2, 0]
+    assert [Mesh(r, 3).ring(-1) for r in range(3)] == [2, 0, 1]
 
 
 def test_device_round_robin():

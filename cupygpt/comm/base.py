@@ -62,7 +62,8 @@ class Transport:
 
     # Collectives over the mesh's groups, axis "dp" or "tp". Sums are taken in the group's
     # order (member 0 + member 1 + ...), whatever the timing, so every member gets the same
-    # bits and a run repeats exactly. With one member they are copies (the base class).
+    # bits and a run repeats exactly (nccl: the same, but in NCCL's own order, so its bits
+    # are not mpi's). With one member they are copies (the base class).
 
     def all_reduce(self, arr, axis):
         """arr (any shape) becomes the sum of the group's arrs, in place."""

@@ -88,7 +88,7 @@ class Mpi(Transport):
         """Starts the all-to-all; returns the request and (send, receive) buffers, which
         must outlive it (MPI reads and writes them until it completes)."""
         n = comm.size
-        c = -(-flat.size // n)
+        c = chunks(flat.size, n)[0][1]  # the largest chunk: every member's share
         send = np.zeros(n * c, flat.dtype)
         send[:flat.size] = flat
         got = np.empty_like(send).reshape(n, c)
@@ -102,7 +102,7 @@ class Mpi(Transport):
         return _Overlapped(self, comm, axis, arrs, *self._exchange(flat, comm))
 
     def _gather_chunks(self, chunk, comm, axis, n_out):
-        c = -(-n_out // comm.size)
+        c = chunks(n_out, comm.size)[0][1]
         send = np.zeros(c, chunk.dtype)
         send[:chunk.size] = chunk
         got = np.empty(comm.size * c, chunk.dtype)

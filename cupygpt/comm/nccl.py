@@ -1,13 +1,26 @@
 """NCCL transport (CuPy's NCCL), the multi-GPU baseline to compare NVSHMEM against.
 
-One GPU per rank: NCCL refuses two ranks on one GPU. Each direction between neighbours
-has its own 2-rank communicator, so a communicator is only ever used from one stream on
-each side. Sends run on a send stream from a ring of staging copies (the compute stream
-may overwrite the source at once, and a pending send never blocks the receives queued
-behind it); receives land directly on the compute stream.
+One GPU per rank: NCCL refuses two ranks on one GPU. Point to point: a 2-rank communicator
+for each (sender, receiver, kind) of Mesh.pairs(), every directed pair of pipeline-ring
+neighbours, so a communicator is only ever used from one stream on each side (the
+sender's send stream, the receiver's compute stream). Sends run on the send stream from a
+ring of staging copies (the compute stream may overwrite the source at once, and a pending
+send never blocks the receives queued behind it); receives land directly on the compute
+stream.
+
+Collectives: a communicator per dp and per tp group, and per stream (the compute stream's;
+the side stream's for the overlapped all-reduce), with NCCL's allReduce, reduceScatter and
+allGather. NCCL gives every member the same bits and a run repeats them, but it adds in its
+own order (its ring or tree, picked by size and topology), not in member order as the mpi
+transport does: the sums equal mpi's to rounding, not bit for bit. NCCL wants the same
+count from every member, and chunks() gives the last members less: an uneven array goes
+through a staging buffer of g * ceil(n / g) elements.
 """
+import numpy as np
+
 from .. import CupyGPTError
-from .base import poll
+from .base import chunks, poll
+from .gpu import start_on_side
 from .mpi import Mpi
 
 
@@ -24,13 +37,25 @@ class Nccl(Mpi):
                                "transport", "nccl")
         from cupy.cuda import nccl
         cp.cuda.Device(mesh.device(ndev)).use()  # before any NCCL call; the backend agrees
-        self.cp, self.nccl = cp, nccl
-        self.comms, r = {}, self.rank
-        for a, b, purpose in mesh.pairs():  # every rank takes part in every unique id
+        self.cp, self.nccl, r = cp, nccl, self.rank
+        self.dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32,
+                       np.dtype(np.float64): nccl.NCCL_FLOAT64}
+        self.comms = {}  # every rank takes part in every unique id, in the same order
+        for a, b, kind in mesh.pairs():
             uid = self.comm.bcast(nccl.get_unique_id() if r == 0 else None)
             if r in (a, b):
-                self.comms[(a, b, purpose)] = nccl.NcclCommunicator(2, uid, 0 if r == a else 1)
+                self.comms[(a, b, kind)] = nccl.NcclCommunicator(2, uid, 0 if r == a else 1)
+        self.coll = {}  # (axis, on the side stream): (communicator, group size, my place)
+        for axis in ("dp", "tp"):
+            for on_side in (False, True):
+                for g in mesh.groups(axis):
+                    if len(g) > 1:
+                        uid = self.comm.bcast(nccl.get_unique_id() if r == 0 else None)
+                        if r in g:
+                            self.coll[(axis, on_side)] = (
+                                nccl.NcclCommunicator(len(g), uid, g.index(r)), len(g), g.index(r))
         self.send_stream = cp.cuda.Stream(non_blocking=True)
+        self.side = cp.cuda.Stream(non_blocking=True)
         self.ring, self.n = {}, {}
 
     def prepare(self, shapes):
@@ -41,10 +66,6 @@ class Nccl(Mpi):
             self.ring[kind] = [(cp.empty(shape, cp.float32), None) for _ in range(depth)]
             self.n[kind] = 0
 
-    def _comm(self, kind, peer):
-        a, b = min(self.rank, peer), max(self.rank, peer)
-        return self.comms[(a, b, "fwd" if kind == "act" else "bwd")], 1 if peer == b else 0
-
     def send(self, kind, arr, peer, mb=None):
         compute = self.cp.cuda.get_current_stream()
         i = self.n[kind] % len(self.ring[kind])
@@ -52,22 +73,76 @@ class Nccl(Mpi):
         buf, done = self.ring[kind][i]
         if done is not None:
             compute.wait_event(done)         # the send that last used this copy is finished
-        buf[...] = arr.reshape(buf.shape)
+        buf.reshape(-1)[:arr.size] = arr.reshape(-1)  # prepare's shape holds the largest
         self.send_stream.wait_event(compute.record())
-        comm, peer_idx = self._comm(kind, peer)
-        comm.send(buf.data.ptr, buf.size, self.nccl.NCCL_FLOAT32, peer_idx, self.send_stream.ptr)
+        self.comms[(self.rank, peer, kind)].send(buf.data.ptr, arr.size, self.nccl.NCCL_FLOAT32,
+                                                 1, self.send_stream.ptr)
         self.ring[kind][i] = (buf, self.send_stream.record())
 
     def recv(self, kind, out, peer, mb=None):
-        comm, peer_idx = self._comm(kind, peer)
-        comm.recv(out.data.ptr, out.size, self.nccl.NCCL_FLOAT32, peer_idx,
-                  self.cp.cuda.get_current_stream().ptr)
+        self.comms[(peer, self.rank, kind)].recv(out.data.ptr, out.size, self.nccl.NCCL_FLOAT32,
+                                                 0, self.cp.cuda.get_current_stream().ptr)
 
     def sum_tied(self, arr, peer):
         """A 2-rank allreduce: NCCL gives both ranks the same sum, bit for bit."""
         comm = self.comms[(min(self.rank, peer), max(self.rank, peer), "tied")]
         comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.nccl.NCCL_FLOAT32,
                        self.nccl.NCCL_SUM, self.cp.cuda.get_current_stream().ptr)
+
+    def _group(self, axis):
+        """(communicator, size, place) for the current stream's collectives, or None when
+        the group has one member."""
+        stream = self.cp.cuda.get_current_stream().ptr
+        return self.coll.get((axis, stream == self.side.ptr)), stream
+
+    def _padded(self, flat, size):
+        """flat itself when it has size elements, else a zero-padded copy."""
+        if flat.size == size:
+            return flat
+        out = self.cp.zeros(size, flat.dtype)
+        out[:flat.size] = flat
+        return out
+
+    def all_reduce(self, arr, axis):
+        group, stream = self._group(axis)
+        if group is None:
+            return super().all_reduce(arr, axis)
+        group[0].allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
+                           self.nccl.NCCL_SUM, stream)
+
+    def start_all_reduce(self, arrs, axis):
+        if (axis, True) not in self.coll:
+            return super().start_all_reduce(arrs, axis)
+        return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
+
+    def reduce_scatter(self, arr, out, axis):
+        group, stream = self._group(axis)
+        if group is None:
+            return super().reduce_scatter(arr, out, axis)
+        comm, g, me = group
+        parts = chunks(arr.size, g)
+        c, (a, b) = parts[0][1], parts[me]  # c: the largest chunk
+        assert out.size == b - a, "reduce_scatter: out is not this member's chunk"
+        send = self._padded(arr.reshape(-1), g * c)
+        got = out if out.size == c else self.cp.empty(c, out.dtype)
+        comm.reduceScatter(send.data.ptr, got.data.ptr, c, self.dtypes[arr.dtype],
+                           self.nccl.NCCL_SUM, stream)
+        if got is not out:
+            out[...] = got[:out.size].reshape(out.shape)
+
+    def all_gather(self, part, out, axis):
+        group, stream = self._group(axis)
+        if group is None:
+            return super().all_gather(part, out, axis)
+        comm, g, me = group
+        parts = chunks(out.size, g)
+        c, (a, b) = parts[0][1], parts[me]  # c: the largest chunk
+        assert part.size == b - a, "all_gather: part is not this member's chunk"
+        send = self._padded(part.reshape(-1), c)
+        got = out if out.size == g * c else self.cp.empty(g * c, out.dtype)
+        comm.allGather(send.data.ptr, got.data.ptr, c, self.dtypes[out.dtype], stream)
+        if got is not out:
+            out[...] = got[:out.size].reshape(out.shape)
 
     def finish_sends(self):
         streams = (self.send_stream, self.cp.cuda.get_current_stream())

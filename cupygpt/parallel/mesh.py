@@ -106,16 +106,25 @@ class Mesh:
         rank there holds the whole batch's loss)."""
         return int(self.grid[stage, replica, shard])
 
+    def ring(self, step):
+        """The rank `step` stages on along this rank's pipeline, wrapping around (the
+        interleaved and zero-bubble schedules send from the last stage to the first)."""
+        return self.stage_rank((self.stage + step) % self.pp)
+
     def pairs(self):
-        """Every (lower rank, higher rank, purpose) point-to-point pair of the world, in
-        ascending order (a transport that sets pairs up collectively cannot wait in a
-        cycle): activations forward, gradients back, and the tied-wte pair."""
-        out = []
+        """Every point-to-point pair of the world, sorted (a transport that sets pairs up
+        collectively, every rank walking this list, cannot wait in a cycle): (sender,
+        receiver, kind) for "act" and "grad" both ways between ring neighbours of each
+        pipeline (stage s and s + 1 mod pp; with two stages, each way once), and (lower,
+        higher, "tied") for the tied-wte pair."""
+        out = set()
         for d in range(self.dp):
             for t in range(self.tp):
                 line = [int(r) for r in self.grid[:, d, t]]
-                out += [(a, b, k) for a, b in zip(line, line[1:]) for k in ("fwd", "bwd")]
-                out += [(line[0], line[-1], "tied")] if self.pp > 1 else []
+                for a, b in zip(line, line[1:] + line[:1]):
+                    out |= {(x, y, k) for x, y in ((a, b), (b, a)) if x != y
+                            for k in ("act", "grad")}
+                out |= {(line[0], line[-1], "tied")} if self.pp > 1 else set()
         return sorted(out)
 
     def device(self, count):

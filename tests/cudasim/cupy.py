@@ -16,10 +16,13 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
   testing values is an error (as it is in CUDA), and a replayed graph reuses the
   arguments it captured, pointers included, so a freed buffer is reported.
 TF32 math mode rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
+It reports CUDASIM_DEVICES GPUs (default 1): the nccl transport, which wants one per
+rank, runs with it set to the number of ranks (cudasim_nccl.py is its NCCL).
 """
 import bisect
 import ctypes
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -34,7 +37,7 @@ import numpy as np
 from cupygpt.kernels import kernels_in
 
 __version__ = "cudasim"
-uint64 = np.uint64
+uint64, float32, float64 = np.uint64, np.float32, np.float64
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
@@ -51,8 +54,23 @@ class Stream:
         _state["stream"] = self
         return self
 
+    def __enter__(self):
+        self._before = _state["stream"]
+        return self.use()
+
+    def __exit__(self, *exc):
+        self._before.use()
+
     def synchronize(self):
         _not_capturing("stream synchronize")
+
+    def record(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event):
+        pass  # the work the event marks has run: cudasim runs stream work when issued
 
     @property
     def done(self):  # cudasim runs stream work when it is issued
@@ -110,6 +128,10 @@ class Event:
 
     def synchronize(self):
         _not_capturing("event synchronize")
+
+    @property
+    def done(self):
+        return True
 
 
 def get_elapsed_time(start_event, end_event):
@@ -458,6 +480,13 @@ cuda = types.SimpleNamespace(
     set_allocator=lambda allocator=None: None,  # no pool to turn off
     get_elapsed_time=get_elapsed_time, runtime=runtime, memory=memory,
     device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
+
+# `from cupy.cuda import nccl` finds cudasim's NCCL (cudasim_nccl.py)
+sys.modules["cupy.cuda"] = cuda
+_spec = importlib.util.spec_from_file_location("cupy.cuda.nccl",
+                                               os.path.join(HERE, "cudasim_nccl.py"))
+cuda.nccl = sys.modules["cupy.cuda.nccl"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda.nccl)
 
 # `from cupy_backends.cuda.libs import cublas` finds these
 for _name in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):

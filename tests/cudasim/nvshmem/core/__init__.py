@@ -3,12 +3,14 @@ nvshmem transport makes, between processes on the CPU.
 
 Symmetric memory is one file per (allocation, PE) in /dev/shm, mapped by every PE, so a
 put is a copy into the peer's mapping and a signal an 8-byte store into it (x86 keeps
-the two in order). Allocations and frees are collective, as in NVSHMEM: every PE must
-make the same ones in the same order. With it come the pieces of cuda.core and
-cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
+the two in order). Any address inside an allocation is symmetric (a Buffer made from
+it reaches the same offset on the peer), as in NVSHMEM. Allocations and frees are
+collective, as in NVSHMEM: every PE must make the same ones in the same order. With it
+come the pieces of cuda.core and cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
 cudasim runs every stream operation when it is issued, and then lags (LAG_S).
 """
 import atexit
+import bisect
 import ctypes
 import mmap
 import os
@@ -27,7 +29,8 @@ WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 # receiver (flow control) runs ahead and overwrites a slot before it is read.
 LAG_S = float(os.environ.get("CUDASIM_LAG_S", "0.02"))
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
-_job = {"comm": None, "tag": None, "count": 0, "own": [], "buffers": {}}
+_job = {"comm": None, "tag": None, "count": 0, "own": [], "buffers": {}, "starts": [],
+        "symmetric": {}}  # starts: sorted local addresses of the live allocations
 
 
 class Buffer:
@@ -49,6 +52,15 @@ class _Symmetric(Buffer):
 
     def _peer(self, pe):
         return ctypes.addressof(ctypes.c_char.from_buffer(self._maps[pe]))
+
+
+def _remote(buf, pe):
+    """The address on pe of buf's first byte, which must lie in symmetric memory."""
+    i = bisect.bisect_right(_job["starts"], buf.handle) - 1
+    sym = _job["symmetric"].get(_job["starts"][i]) if i >= 0 else None
+    if sym is None or buf.handle + buf.size > sym.handle + sym.size:
+        raise RuntimeError(f"nvshmem: {buf.handle:#x} (+{buf.size}) is not symmetric memory")
+    return sym._peer(pe) + buf.handle - sym.handle
 
 
 def init(device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializer_method=""):
@@ -79,6 +91,8 @@ def buffer(size, release=False, except_on_del=True):
             maps.append(mmap.mmap(f.fileno(), size))
     buf = _Symmetric(size, maps)
     cupy._register(buf.handle, size, buf.owner)
+    bisect.insort(_job["starts"], buf.handle)
+    _job["symmetric"][buf.handle] = buf
     return buf
 
 
@@ -102,18 +116,19 @@ def _as_buffer(x):
 
 
 def _signal(sig, value, op, pe):
-    word = ctypes.c_uint64.from_address(sig._peer(pe))
+    word = ctypes.c_uint64.from_address(_remote(sig, pe))
     word.value = value if op == SignalOp.SIGNAL_SET else word.value + value
 
 
 def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
     dst, src = _as_buffer(dst), _as_buffer(src)
-    if stream is None or not isinstance(signal_var, _Symmetric):
-        raise RuntimeError("put_signal needs a stream and a symmetric signal buffer")
+    if stream is None or signal_var.size < 8:
+        raise RuntimeError("put_signal needs a stream and an 8-byte signal buffer")
     n = min(dst.size, src.size)
+    to, _ = _remote(dst, remote_pe), _remote(signal_var, remote_pe)  # both symmetric
 
     def op():
-        ctypes.memmove(dst._peer(remote_pe), src.handle, n)
+        ctypes.memmove(to, src.handle, n)
         _signal(signal_var, signal_val, signal_op, remote_pe)
     cupy._enqueue(op)
 
@@ -127,6 +142,8 @@ def signal_op(signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
 def free(buffer):
     _job["comm"].Barrier()
     cupy._forget(buffer.handle)
+    _job["starts"].remove(buffer.handle)
+    del _job["symmetric"][buffer.handle]
 
 
 def free_array(array):

@@ -1,0 +1,38 @@
+"""What the GPU transports (nccl, nvshmem) share: the overlapped all-reduce on a side
+stream, so the gradient sum runs while the compute stream goes on with the backward."""
+
+
+class SideHandle:
+    """An all-reduce enqueued on a side stream; `done` is that stream's event after it."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def progress(self):
+        """Everything is enqueued at the start: nothing to advance, only to ask."""
+        return self.done.done
+
+    def wait(self):
+        """The compute stream (current) waits for the sum; the host does not."""
+        from cupy import cuda
+        cuda.get_current_stream().wait_event(self.done)
+
+
+def start_on_side(side, arrs, all_reduce):
+    """Packs arrs into one flat buffer, sums it with all_reduce(flat) and unpacks, all on
+    the side stream after what the compute stream has issued so far. The buffer lives on
+    the side stream only, so CuPy's pool never hands it to another stream still in use."""
+    import cupy as cp
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        flat = cp.empty(sum(a.size for a in arrs), arrs[0].dtype)
+        off = 0
+        for a in arrs:
+            flat[off:off + a.size] = a.reshape(-1)
+            off += a.size
+        all_reduce(flat)
+        off = 0
+        for a in arrs:
+            a[...] = flat[off:off + a.size].reshape(a.shape)
+            off += a.size
+        return SideHandle(side.record())

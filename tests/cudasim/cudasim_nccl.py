@@ -1,0 +1,117 @@
+"""cudasim's cupy.cuda.nccl (cupy.py installs it there): the calls the nccl transport
+makes, between processes on the CPU, with the real signatures.
+
+A communicator is named by its unique id; each message is a file in /dev/shm, written
+whole and then renamed into place, so a reader never sees half of one. A send is eager
+(its file is the message: real NCCL may instead wait for the receiver, which a schedule
+that works on a GPU never depends on); a receive waits for the file and removes it. A
+collective's call number k names each member's contribution; every member reads them all
+and sums in member order (member 0 + member 1 + ...), so tests are deterministic (real
+NCCL's order is its own). A member removes its contribution to call k - 1 once it has
+read everyone's to call k: by then all of them have read k - 1.
+"""
+import atexit
+import ctypes
+import os
+import time
+import uuid
+
+import cupy
+import numpy as np
+
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
+available = True
+WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
+_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+_DTYPES = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+_own = []  # files this process wrote and may still have to remove
+
+
+def get_unique_id():
+    return uuid.uuid4().bytes
+
+
+def _device(ptr, count, datatype):
+    """The count elements at a device pointer, as a NumPy view."""
+    dtype = np.dtype(_DTYPES[datatype])
+    if count and cupy._owner(ptr, count * dtype.itemsize) is None:
+        raise RuntimeError(f"NCCL: {count} x {dtype} at {ptr:#x} is not device memory")
+    buf = (ctypes.c_char * (count * dtype.itemsize)).from_address(ptr) if count else b""
+    return np.frombuffer(buf, dtype, count)
+
+
+def _write(path, arr):
+    tmp = f"{path}.tmp"
+    arr.tofile(tmp)
+    os.replace(tmp, path)
+    _own.append(path)
+
+
+def _read(path, dtype, remove):
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cudasim NCCL: waited {WAIT_S:g}s for {path}: a deadlock")
+        time.sleep(1e-4)
+    out = np.fromfile(path, dtype)
+    if remove:
+        os.unlink(path)
+    return out
+
+
+@atexit.register
+def _clean():
+    for path in _own:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+class NcclCommunicator:
+    def __init__(self, ndev, commId, rank, config=None):
+        self._n, self._rank = ndev, rank
+        self._name = os.path.join(_DIR, f"cudasim-nccl-{commId.hex()}")
+        self._sent, self._got, self._calls = {}, {}, 0
+
+    def send(self, sendbuf, count, datatype, peer, stream):
+        src = _device(sendbuf, count, datatype)
+        k = self._sent[peer] = self._sent.get(peer, 0) + 1
+        cupy._enqueue(lambda: _write(f"{self._name}-p{self._rank}-{peer}-{k}", src))
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        out = _device(recvbuf, count, datatype)
+        k = self._got[peer] = self._got.get(peer, 0) + 1
+        path = f"{self._name}-p{peer}-{self._rank}-{k}"
+        cupy._enqueue(lambda: np.copyto(out, _read(path, out.dtype, True).reshape(out.shape)))
+
+    def _all(self, data):
+        """Every member's data of this call, in member order."""
+        self._calls += 1
+        k, me = self._calls, self._rank
+        _write(f"{self._name}-c{k}-{me}", data)
+        parts = [_read(f"{self._name}-c{k}-{r}", data.dtype, False) for r in range(self._n)]
+        if k > 1:
+            os.unlink(f"{self._name}-c{k - 1}-{me}")
+        return parts
+
+    def _sum(self, data):
+        parts = self._all(data)
+        acc = parts[0].copy()
+        for p in parts[1:]:
+            acc += p
+        return acc
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        assert op == NCCL_SUM, "cudasim's NCCL sums only"
+        src, out = _device(sendbuf, count, datatype), _device(recvbuf, count, datatype)
+        cupy._enqueue(lambda: np.copyto(out, self._sum(src)))
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        assert op == NCCL_SUM, "cudasim's NCCL sums only"
+        src = _device(sendbuf, recvcount * self._n, datatype)
+        out, at = _device(recvbuf, recvcount, datatype), self._rank * recvcount
+        cupy._enqueue(lambda: np.copyto(out, self._sum(src)[at:at + recvcount]))
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        src = _device(sendbuf, count, datatype)
+        out = _device(recvbuf, count * self._n, datatype)
+        cupy._enqueue(lambda: np.copyto(out, np.concatenate(self._all(src))))
