@@ -51,14 +51,20 @@ def test_cuda_stages_over_mpi(device):
     pytest.param(p.values[0], transport, marks=p.marks, id=f"{p.values[0]}-{transport}")
     for p, transport in ((NVSHMEM_DEVICES[0], "nvshmem"), (NVSHMEM_DEVICES[1], "nvshmem"),
                          (GPU, "nccl"))])
-def test_pipelined_train_equals_single_device(tmp_path, device, transport):
+@pytest.mark.parametrize("schedule", [
+    [], ["--schedule", "zb1p", "--micro-batches", "2"], ["--schedule", "zbv"],
+    ["--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "2"]],
+    ids=["1f1b", "zb1p", "zbv", "interleaved"])
+def test_pipelined_train_equals_single_device(tmp_path, device, transport, schedule):
+    """Every schedule on CUDA stages (-e tiny has the 4 layers zbv and interleaved V=2 cut
+    into 4 chunks on 2 ranks)."""
     if transport == "nccl" and n_gpus(device) < 2:
         pytest.skip("nccl needs one GPU per rank; this machine has one")
     args = ["train", "--backend", "cuda", "-e", "tiny", "--no-tf32", "-b", "4", "-t", "32",
             "-n", "4", "-v", "0", "-g", "0"]
     single = cli(*args, "-o", tmp_path / "a", env=device_env(device))
-    piped = cli(*args, "--transport", transport, "-o", tmp_path / "b", ranks=2, timeout=600,
-                env=device_env(device))
+    piped = cli(*args, "--transport", transport, *schedule, "-o", tmp_path / "b", ranks=2,
+                timeout=600, env=device_env(device))
     assert single.returncode == 0 and piped.returncode == 0, piped.stdout + piped.stderr
     assert losses(piped.stdout) == pytest.approx(losses(single.stdout), rel=1e-5)
 
