@@ -109,7 +109,8 @@ def prepare(text, out, tokenizer, name):
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
-              help="replay each step as a CUDA graph (one process on a GPU)")
+              help="replay each step as a CUDA graph (a GPU alone, or over nvshmem without "
+                   "the overlapped dp sum)")
 @trace_option
 @device_options
 @grid_options

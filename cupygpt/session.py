@@ -58,6 +58,7 @@ class Session:
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
                 ("dp gradient sum", "-" if m.dp == 1 else "reduce-scatter (zero 1)"
                  if run.zero else "overlapped, per layer" if run.overlap else "after backward"),
+                ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
                 ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
                 ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]

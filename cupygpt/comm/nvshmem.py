@@ -4,14 +4,22 @@ arrays, every step stream-ordered on the compute stream; control values over MPI
 Point to point: a channel is a (kind, direction of travel along the pipeline ring) pair,
 so a rank that receives "act" from both ring neighbours (zero-bubble V, the interleaved
 schedule's wrap from the last stage to the first) keeps the two apart. Each has `depth`
-slots on every PE (prepare's). Message n on a channel goes to slot (n - 1) % depth of the
-peer with put_signal, which sets that slot's data signal to n. The receiver's stream waits
-until the signal reaches n (cuStreamWaitValue64: it works with two PEs on one GPU, where
-NVSHMEM refuses signal_wait without MPS), copies the slot out, then signals the sender's
-ack for that slot. A sender waits for the ack of message n - depth before reusing a slot,
-so no slot is overwritten before it was read. Signals only grow, so nothing is ever reset.
+slots on every PE (prepare's). A step's message n on a channel goes to slot (n - 1) % depth
+of the peer with put_signal, which adds 1 to that slot's data signal. The receiver's
+stream waits until the signal counts this step's messages in the slot (cuStreamWaitValue64:
+it works with two PEs on one GPU, where NVSHMEM refuses signal_wait without MPS), copies the
+slot out, then adds 1 to the sender's ack for that slot. A sender waits for the ack of
+message n - depth before reusing a slot, so no slot is overwritten before it was read.
 The host never blocks on a peer, except in finish_sends, which polls the stream against
 --peer-timeout.
+
+Counted per step (_Ledger): the values a stream waits for are fixed when the step is
+captured as a CUDA graph, so every replay must wait for the same ones. At the end of a step
+(end_step, on the stream) each PE waits for every ack still owed to it (its peers have read
+all it sent, so the next step may reuse slot 0) and takes the step's counts back off its own
+signal words (an atomic add of minus the count): they count from 0 again. A peer's signal
+of the next step that lands before that only adds, so nothing is lost and no barrier is
+needed between steps; the eager step runs the same protocol.
 
 Collectives: not NVSHMEM's teams. Its collectives exit the process with several PEs on one
 GPU and no MPS server (limited MPG), the setup a one-GPU machine runs; puts, signals and
@@ -24,7 +32,8 @@ gather area, and everyone copies its result from there, so all members hold the 
 Direct puts rather than a ring: the same bytes leave each member ((g-1)/g of the array),
 one signal round per phase instead of g - 1, and the fixed member order comes for free;
 every PE reaches every other directly on one node (NVLink, or one shared GPU). Flow
-control is the point-to-point's: a member acks each inbox and gather area once read.
+control is the point-to-point's: a member acks each inbox and gather area once read, and
+each collective settles its window's counts at its end, so it can be captured too.
 
 The symmetric memory is allocated with the transport (allocation is collective over all
 PEs, so it cannot wait for a group's first collective: other stages may be blocked on a
@@ -56,7 +65,9 @@ class Nvshmem(Mpi):
         from cuda.bindings import driver
         from cuda.core import Buffer, Device, Stream
         from nvshmem.core.direct import SignalOp
-        self.cp, self.nv, self.driver, self.Buffer, self.SET = cp, nv, driver, Buffer, SignalOp.SIGNAL_SET
+        self.cp, self.nv, self.driver, self.Buffer = cp, nv, driver, Buffer
+        self.ADD = SignalOp.SIGNAL_ADD
+        self.ledger = _Ledger(self)  # the point-to-point channels' signal words
         ndev = cp.cuda.runtime.getDeviceCount()
         dev = Device(mesh.device(ndev))
         dev.set_current()
@@ -93,6 +104,8 @@ class Nvshmem(Mpi):
                     cp.from_dlpack(b, copy=False).view(cp.uint64).fill(0)
                 self.chan[(kind, way)] = (slots, data, ack)
                 self.sent[(kind, way)] = self.got[(kind, way)] = 0
+        if "tied" in shapes:  # sum_tied's copies, kept: a captured step allocates nothing
+            self.tied = [cp.empty(shapes["tied"][0], cp.float32) for _ in range(2)]
         cp.cuda.get_current_stream().synchronize()
         self.barrier()
 
@@ -121,17 +134,18 @@ class Nvshmem(Mpi):
     def buffer(self, ptr, nbytes, owner=None):
         return self.Buffer.from_handle(ptr, nbytes, owner=owner)
 
-    def put_at(self, dst, src, signal, value, pe):
-        """dst (a symmetric address) on pe = src (a CuPy array), then pe's signal word =
-        value; with nothing to copy, the signal alone."""
+    def put_at(self, dst, src, signal, pe):
+        """dst (a symmetric address) on pe = src (a CuPy array), then 1 added to pe's signal
+        word; with nothing to copy, the signal alone."""
         if not src.size:
-            return self.signal(signal, value, pe)
+            return self.signal(signal, 1, pe)
         to, sig = self.buffer(dst, src.nbytes), self.buffer(signal, 8)
         frm, stream = self.buffer(src.data.ptr, src.nbytes, src), self.stream()
-        self.nv.put_signal(to, frm, sig, value, self.SET, remote_pe=pe, stream=stream)
+        self.nv.put_signal(to, frm, sig, 1, self.ADD, remote_pe=pe, stream=stream)
 
     def signal(self, signal, value, pe):
-        self.nv.signal_op(self.buffer(signal, 8), value, self.SET, remote_pe=pe,
+        """Adds value (negative: taken back, modulo 2^64 as the word wraps) to pe's word."""
+        self.nv.signal_op(self.buffer(signal, 8), value % (1 << 64), self.ADD, remote_pe=pe,
                           stream=self.stream())
 
     def send(self, kind, arr, peer, mb=None):
@@ -139,29 +153,37 @@ class Nvshmem(Mpi):
         slots, data, ack = self.chan[(kind, way)]
         n = self.sent[(kind, way)] = self.sent[(kind, way)] + 1
         i = (n - 1) % len(slots)
-        if n > len(slots):
-            self.wait_value(ack[i].handle, n - len(slots))
-        self.put_at(slots[i].data.ptr, arr.reshape(-1), data[i].handle, n, peer)
+        if n > len(slots):  # message n - depth's ack
+            self.ledger.wait(ack[i].handle)
+        self.put_at(slots[i].data.ptr, arr.reshape(-1), data[i].handle, peer)
+        self.ledger.owe(ack[i].handle)
 
     def recv(self, kind, out, peer, mb=None):
         way = self._way(kind, peer, -1)
         slots, data, ack = self.chan[(kind, way)]
         n = self.got[(kind, way)] = self.got[(kind, way)] + 1
         i = (n - 1) % len(slots)
-        self.wait_value(data[i].handle, n)
+        self.ledger.wait(data[i].handle)
         out[...] = slots[i].reshape(-1)[:out.size].reshape(out.shape)
-        self.signal(ack[i].handle, n, peer)
+        self.signal(ack[i].handle, 1, peer)
+
+    def end_step(self):
+        """Every ack owed, then the counts back to 0 (the module docstring)."""
+        self.ledger.settle()
+        self.sent = dict.fromkeys(self.sent, 0)
+        self.got = dict.fromkeys(self.got, 0)
+
+    graphable = True  # every wait and transfer above is on the stream
 
     def sum_tied(self, arr, peer):
         """Both ranks put their wte gradient into the other's slot, then add in the same
         order (first stage's + last stage's), so both copies stay bit-identical."""
-        cp = self.cp
-        mine = cp.array(arr, copy=True)
+        mine, theirs = self.tied
+        mine[...] = arr
         self.send("tied", mine, peer)
-        theirs = cp.empty_like(arr)
         self.recv("tied", theirs, peer)
         first, last = (mine, theirs) if self.rank < peer else (theirs, mine)
-        cp.add(first, last, out=arr)
+        self.cp.add(first, last, out=arr)
 
     # --- collectives (the module docstring): one engine, three entry points -------------
 
@@ -221,11 +243,38 @@ class Nvshmem(Mpi):
             self.nv.finalize()
 
 
+class _Ledger:
+    """Signal words this PE waits on, counted per step (the module docstring): peers add 1
+    per event; wait() waits for the next event on a word, owe() notes one that will come
+    (an ack for a put); settle() waits for all owed and takes the counts back off."""
+
+    def __init__(self, tr):
+        self.tr, self.taken, self.owed = tr, {}, {}
+
+    def owe(self, addr):
+        self.owed[addr] = self.owed.get(addr, 0) + 1
+
+    def pending(self, addr):
+        return self.owed.get(addr, 0) > self.taken.get(addr, 0)
+
+    def wait(self, addr):
+        n = self.taken[addr] = self.taken.get(addr, 0) + 1
+        self.owed[addr] = max(self.owed.get(addr, 0), n)
+        self.tr.wait_value(addr, n)
+
+    def settle(self):
+        for addr, n in self.owed.items():
+            if self.taken.get(addr, 0) < n:
+                self.tr.wait_value(addr, n)
+            self.tr.signal(addr, -n, self.tr.rank)
+        self.taken, self.owed = {}, {}
+
+
 class _Window:
     """One group's collective channel on this PE, used from one stream: an inbox and a
-    gather area of WINDOW bytes (g slots each, slot q for member q) and 4 * g signal words.
-    Counts of reduce and gather phases run on it are the same on every member, since the
-    members run the same collectives in the same order; signals carry them."""
+    gather area of WINDOW bytes (g slots each, slot q for member q) and 4 * g signal words,
+    counted by a ledger of its own and settled at the end of each collective (so a captured
+    step holds whole collectives)."""
 
     def __init__(self, tr, members):
         self.tr, self.members, self.me = tr, members, members.index(tr.rank)
@@ -233,7 +282,7 @@ class _Window:
         self.inbox, self.gather = (tr.nv.array((WINDOW,), dtype="uint8") for _ in range(2))
         self.sig = tr.nv.buffer(8 * 4 * len(members))
         tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
-        self.phases = [0, 0]  # reduce phases, gather phases
+        self.ledger = _Ledger(tr)
 
     def word(self, what, q):
         return self.sig.handle + 8 * (what * len(self.members) + q)
@@ -252,13 +301,26 @@ class _Window:
             a, b = cut[self.me]
             slot = self.gather.view(dtype)[self.me * w:self.me * w + b - a]
             if src is not None:
-                self.reduce(src, cut, slot, w, item)
+                self.phase(RED, self.inbox, [src[c:d] for c, d in cut], w, item)
+                inbox = self.inbox.view(src.dtype)
+                for q in range(g):  # the sum in member order
+                    part = src[a:b] if q == self.me else inbox[q * w:q * w + b - a]
+                    if q == 0:
+                        slot[...] = part
+                    else:
+                        self.tr.cp.add(slot, part, out=slot)
+                self.read(RED)
                 if mine is not None:
                     mine[a - base:b - base] = slot
             else:
                 slot[...] = mine[a - base:b - base]
             if out is not None:
-                self.all_gather(slot, cut, out, w, item)
+                self.phase(GAT, self.gather, [slot] * g, w, item)
+                gathered = self.gather.view(out.dtype)
+                for q, (c, d) in enumerate(cut):
+                    out[c:d] = gathered[q * w:q * w + d - c]
+                self.read(GAT)
+        self.ledger.settle()
 
     def others(self):
         """The other members, starting after this one (so members do not all put to the
@@ -266,40 +328,20 @@ class _Window:
         g = len(self.members)
         return [(self.me + i) % g for i in range(1, g)]
 
-    def reduce(self, src, cut, acc, w, item):
-        tr, k = self.tr, self.phases[0] + 1
-        self.phases[0] = k
+    def phase(self, what, area, parts, w, item):
+        """Puts parts[q] into member q's area (this member's slot of it), once q has read
+        what the phase before left there, then waits for every member's put here."""
+        tr, led = self.tr, self.ledger
         for q in self.others():
-            if k > 1:  # q has read its inbox of the phase before
-                tr.wait_value(self.word(RED_ACK, q), k - 1)
-            a, b = cut[q]
-            tr.put_at(self.inbox.data.ptr + self.me * w * item, src[a:b], self.word(RED, self.me),
-                   k, self.members[q])
-        a, b = cut[self.me]
+            if led.pending(self.word(what + 1, q)):
+                led.wait(self.word(what + 1, q))
+            tr.put_at(area.data.ptr + self.me * w * item, parts[q], self.word(what, self.me),
+                      self.members[q])
+            led.owe(self.word(what + 1, q))
         for q in self.others():
-            tr.wait_value(self.word(RED, q), k)
-        inbox = self.inbox.view(src.dtype)
-        for q in range(len(self.members)):
-            part = src[a:b] if q == self.me else inbox[q * w:q * w + b - a]
-            if q == 0:
-                acc[...] = part
-            else:
-                tr.cp.add(acc, part, out=acc)
-        for q in self.others():
-            tr.signal(self.word(RED_ACK, self.me), k, self.members[q])
+            led.wait(self.word(what, q))
 
-    def all_gather(self, mine, cut, out, w, item):
-        tr, k = self.tr, self.phases[1] + 1
-        self.phases[1] = k
+    def read(self, what):
+        """This member has read the phase's area: the others may put there again."""
         for q in self.others():
-            if k > 1:  # q has copied its gather area of the phase before out
-                tr.wait_value(self.word(GAT_ACK, q), k - 1)
-            tr.put_at(self.gather.data.ptr + self.me * w * item, mine, self.word(GAT, self.me), k,
-                   self.members[q])
-        for q in self.others():
-            tr.wait_value(self.word(GAT, q), k)
-        gathered = self.gather.view(out.dtype)
-        for q, (a, b) in enumerate(cut):
-            out[a:b] = gathered[q * w:q * w + b - a]
-        for q in self.others():
-            tr.signal(self.word(GAT_ACK, self.me), k, self.members[q])
+            self.tr.signal(self.word(what + 1, self.me), 1, self.members[q])

@@ -199,6 +199,21 @@ class ndarray(np.ndarray):
     def fill(self, value):
         _enqueue(lambda: np.ndarray.fill(self, value))
 
+    def __iadd__(self, other):
+        """An elementwise kernel on the stream, like CuPy's."""
+        src = other.view(np.ndarray) if isinstance(other, ndarray) else other
+        _enqueue(lambda: np.add(self.view(np.ndarray), src, out=self.view(np.ndarray)))
+        return self
+
+    def __setitem__(self, key, value):
+        """A device copy (or fill), on the stream like CuPy's: recorded while capturing,
+        read from the source when it runs; a host array is a host-to-device copy."""
+        if isinstance(value, np.ndarray) and not isinstance(value, ndarray):
+            _not_capturing("host-to-device copy")
+            return np.ndarray.__setitem__(self.view(np.ndarray), key, value)
+        src = value.view(np.ndarray) if isinstance(value, ndarray) else value
+        _enqueue(lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, src))
+
     def all(self):
         return asarray(np.ndarray.all(self.view(np.ndarray)))
 

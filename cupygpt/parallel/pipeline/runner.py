@@ -140,8 +140,10 @@ class Runner:
         self.y_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.last else None
         self.loss_acc = be.zeros(1, np.float64)
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
-        # all on the stream (transport.graphable)
-        self.graphs = graphs and be.supports_graphs and (mesh.size == 1 or transport.graphable)
+        # all on the stream (transport.graphable); the overlapped gradient sum packs its
+        # buckets in fresh memory on a side stream, so it stays eager
+        self.graphs = graphs and be.supports_graphs and (
+            mesh.size == 1 or (transport.graphable and not self.overlap))
         self.graph, self.steps_done = None, 0
         self.trace = None  # [(action, start, end)] while tracing (start_trace)
         io = (self.Bm, T, cfg.C)
