@@ -1,6 +1,6 @@
 """The pipeline schedules' bubbles on this machine, measured against the simulator's
 prediction: for each schedule, `train --trace` under mpiexec on an 8-layer model (the
-shipped text folded into a 512-token vocabulary, so the head weighs about a block), then
+shipped text folded into a 512-token vocabulary, so the head weighs less than a block), then
 `timeline` on the trace (its last step). Writes the pictures and one JSON.
 
     python bench/bubbles.py [--ranks 4] [--micro-batches 8] [--out docs/timelines]
@@ -29,7 +29,7 @@ def main():
     from cupygpt.model import init_params
     os.makedirs(a.out, exist_ok=True)
     tmp = tempfile.mkdtemp()
-    cfg = GPT2Config(maxT=64, V=512, Vp=512, L=8, NH=4, C=128)
+    cfg = GPT2Config(maxT=64, V=512, Vp=512, L=8, NH=8, C=256)
     write_model(os.path.join(tmp, "model.bin"), cfg, init_params(cfg, 1))
     toks = read_shard(os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin"))
     write_shard(os.path.join(tmp, "tokens.bin"), toks % cfg.V)

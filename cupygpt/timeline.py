@@ -2,6 +2,7 @@
 as boxes coloured by micro-batch), with the simulator's prediction for the same schedule,
 from the measured mean op times, beneath it."""
 import json
+import os
 
 from . import CupyGPTError
 from .parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
@@ -125,7 +126,8 @@ def timeline(path, out, schedule=None):
     colours = plt.get_cmap("tab10" if m <= 10 else "tab20")
     height = 1.0 + 0.35 * (len(rows) + p)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, height + 1.5), dpi=110, sharex=True)
-    _draw(top, rows, f"{path}: {name}, p={p}, m={m}, v={v}; measured bubble {measured:.1%} "
+    _draw(top, rows, f"{os.path.basename(path)} (last step): {name}, p={p}, m={m}, v={v}; "
+                     f"measured bubble {measured:.1%} "
                      f"(F, B, W shaded; hatched: a rank's second chunk on)", colours)
     ms = ", ".join(f"{k[2:]} {t * 1e3 / v:.3g}" for k, t in times.items() if t is not None)
     _draw(bottom, predicted, f"simulated from the mean op times (ms per chunk: {ms}): "
