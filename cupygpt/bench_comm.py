@@ -29,7 +29,7 @@ def _median_s(fn, be, tr, nbytes):
     return statistics.median(times)
 
 
-def _sizes(cfg, B, T):
+def sizes(cfg, B, T):
     return [(f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB", s) for s in SIZES] + [
         (f"tp activation B*T*C ({B}x{T}x{cfg.C})", B * T * cfg.C * 4),
         (f"dp gradient ({cfg.num_parameters():,} params)", cfg.num_parameters() * 4)]
@@ -43,12 +43,12 @@ def comm_bench(sess, on_size=None):
     be, rank, size, c, cfg = sess.be, sess.mesh.rank, sess.mesh.size, sess.config, sess.shape
     coll, name = sess.tr, sess.tr.name
     line = make_transport(name, be, Mesh(rank, pp=size), c.device.peer_timeout)
-    sizes = _sizes(cfg, c.batch, c.seq)
-    most = max(nbytes for _, nbytes in sizes) // 4
+    steps = sizes(cfg, c.batch, c.seq)
+    most = max(nbytes for _, nbytes in steps) // 4
     # once (GPU buffers are collective); one message in flight each way
     line.prepare({"act": ((most,), 1), "grad": ((most,), 1)})
     rows = []
-    for label, nbytes in sizes:
+    for label, nbytes in steps:
         n = nbytes // 4
         x, part = be.zeros(n), be.zeros(-(-n // size))
         mine = part[:min(len(part), max(0, n - rank * len(part)))]

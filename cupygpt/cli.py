@@ -8,7 +8,7 @@ import time
 import click
 
 from . import CupyGPTError
-from .cli_kit import (DATA, REFERENCE, TOKENIZER, backend_option, device_options, entry,
+from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
                       grid_options, pipeline_options, progress, session, trace_option)
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
@@ -138,8 +138,7 @@ def train(**kw):
               help="under mpiexec: time each transport's collectives and a stage handoff "
                    "from 1 KiB to 64 MiB and at this model's step sizes, instead")
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
-@backend_option
-@click.option("--tf32/--no-tf32", default=True, show_default=True)
+@device_options
 @trace_option
 @grid_options
 @pipeline_options
@@ -151,8 +150,9 @@ def bench(out, **kw):
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
     if sess.config.comm:
-        from .bench_comm import comm_bench, format_rows
-        with progress(len(sess.be.TRANSPORTS) * 11, "timing transfers") as bar:
+        from .bench_comm import comm_bench, format_rows, sizes
+        with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq)),
+                      "timing transfers") as bar:
             rows = comm_bench(sess, lambda: bar.update(1))
         if rows is not None:
             with atomic_write(out) as f:
