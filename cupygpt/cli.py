@@ -135,7 +135,7 @@ def train(**kw):
               help="add a time-per-op table (GPU: CUDA events, also per kernel, eager "
                    "steps; CPU: wall time per op)")
 @click.option("--comm", is_flag=True,
-              help="under mpiexec: time each transport's collectives and a stage handoff "
+              help="under mpiexec: time the transport's collectives and a stage handoff "
                    "from 1 KiB to 64 MiB and at this model's step sizes, instead")
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
 @device_options
