@@ -51,7 +51,7 @@ def bench(sess, on_step=None):
         out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
                    host_launch_fraction=statistics.median(launch) / statistics.median(times))
     if c.profile:  # eager steps: a graph's replay has no per-op events
-        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.opt.step()), 3)
+        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.optimizer_step()), 3)
         if rows:
             out["per_op"], out["per_kernel"] = rows
     return out

@@ -22,9 +22,10 @@ class AdamW:
 
     parts: None, or per stage (a, b), ZeRO-1 (llm.c's -z 1): this replica updates
     params[a:b] only, so m and v hold that slice; the replicas' gradients are
-    reduce-scattered into it first and the updated slices all-gathered after, through the
-    transport's "dp" group. The update is elementwise, so the parameters are bit-identical
-    to the unsharded step's."""
+    reduce-scattered into it first (unless the runner's overlapped all-reduce has summed
+    them already: the same member-order sums) and the updated slices all-gathered after,
+    through the transport's "dp" group. The update is elementwise, so the parameters are
+    bit-identical to the unsharded step's."""
 
     def __init__(self, stages, hp, transport=None, parts=None):
         self.hp, self.t, self.tr = hp, 0, transport
@@ -40,18 +41,21 @@ class AdamW:
         hp = self.hp
         return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t)
 
-    def step(self, lr=None):
-        self.apply(self.advance(lr))
+    def step(self, lr=None, summed=True):
+        self.apply(self.advance(lr), summed)
 
-    def apply(self, sched):
+    def apply(self, sched, summed=True):
         """The update with schedule sched (inside a CUDA graph capture the backend reads it
-        from the device instead, where the runner uploads each step's before replay)."""
+        from the device instead, where the runner uploads each step's before replay).
+        summed: the gradients are the replicas' sums already."""
         hp = self.hp
         for st, part, (m, v, *gpart) in zip(self.stages, self.parts, self.state):
             params, grads = st.params, st.grads
             if part is not None:
-                self.tr.reduce_scatter(st.grads, gpart[0], "dp")
-                params, grads = st.params[part[0]:part[1]], gpart[0]
+                a, b = part
+                if not summed:
+                    self.tr.reduce_scatter(st.grads, gpart[0], "dp")
+                params, grads = st.params[a:b], st.grads[a:b] if summed else gpart[0]
             if params.size:
                 st.be.adamw(params, grads, m, v, sched, hp.beta1, hp.beta2, hp.eps,
                             hp.weight_decay)

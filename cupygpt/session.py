@@ -56,8 +56,9 @@ class Session:
         m = self.mesh
         rows = [*self.be.device_info().items(), ("transport", self.tr.name),
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
-                ("dp gradient sum", "-" if m.dp == 1 else "reduce-scatter (zero 1)"
-                 if run.zero else "overlapped, per layer" if run.overlap else "after backward"),
+                ("dp gradient sum", "-" if m.dp == 1 else "overlapped, per layer" +
+                 (" (zero 1)" if run.zero else "") if run.overlap else
+                 "reduce-scatter (zero 1)" if run.zero else "after backward"),
                 ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
                 ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),

@@ -47,7 +47,7 @@ def verify(sess):
     mine = {}
     for stage in run.stages:
         grads = stage.g
-        if run.zero:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
+        if not run.summed:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
             whole = stage.grads.copy()
             tr.all_reduce(whole, "dp")
             grads = stage.layout.views(whole)
@@ -65,7 +65,7 @@ def verify(sess):
             merged[name] = (max(d, od), max(m, om))
 
     step_losses = [loss]
-    run.opt.step()
+    run.optimizer_step()
     for _ in range(1, c.steps):
         step_losses.append(run.train_step(st["x"], st["y"]))
     if c.trace:

@@ -102,6 +102,14 @@ def test_zero1_is_bit_identical_and_halves_the_optimizer(made, tmp_path):
     again = train(made, tmp_path / "again", "--dp", "2", "--zero", "1", ranks=2)
     assert (tmp_path / "again" / "model.bin").read_bytes() == \
         (tmp_path / "zero" / "model.bin").read_bytes(), "a grid repeats itself exactly"
+    # overlapped (the default): each replica updates its slice of the per-layer all-reduce;
+    # without: the reduce-scatter after the backward. The same member-order sums either way
+    scatter = train(made, tmp_path / "scatter", "--dp", "2", "--zero", "1", "--no-overlap",
+                    ranks=2)
+    assert "overlapped, per layer (zero 1)" in zero.stdout
+    assert "reduce-scatter (zero 1)" in scatter.stdout
+    assert (tmp_path / "scatter" / "model.bin").read_bytes() == \
+        (tmp_path / "zero" / "model.bin").read_bytes()
 
     def optimizer_mib(text):  # two ranks' lines may interleave in mpiexec's output
         return sorted(float(x) for x in re.findall(r"optimizer ([\d.]+) MiB", text))

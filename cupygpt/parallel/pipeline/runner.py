@@ -71,11 +71,12 @@ class Runner:
                  overlap=True, virtual=None):
         """counts: layers per model chunk (plan_split's, already checked); a rank holds the
         chunks the schedule places on it (one per rank, or `virtual` for an interleaved
-        schedule), a Stage each. B the batch of one step: each data-parallel replica
-        computes B / dp of its rows, in micro_batches. zero: AdamW's state sharded across
-        the replicas (ZeRO-1). overlap: the replicas' gradient sum starts layer by layer
-        during each chunk's last backward (not with ZeRO-1, whose reduce-scatter follows
-        the optimizer's slices)."""
+        schedule; None: its default), a Stage each. B the batch of one step: each
+        data-parallel replica computes B / dp of its rows, in micro_batches. zero: AdamW's
+        state sharded across the replicas (ZeRO-1). overlap: the replicas' gradient sum
+        starts layer by layer during each chunk's last backward (an all-reduce; with ZeRO-1
+        each replica then updates its slice of the sums instead of reduce-scattering after
+        the backward: twice the bytes, hidden behind the backward)."""
         p, r, M = mesh.pp, mesh.stage, micro_batches
         v = chunks_per_rank(schedule, virtual)
         K = p * v                               # model chunks
@@ -85,7 +86,8 @@ class Runner:
         self.Bl = B // mesh.dp                  # this replica's rows
         self.Bm = self.Bl // M
         self.zero = zero
-        self.overlap = overlap and mesh.dp > 1 and not zero
+        self.overlap = overlap and mesh.dp > 1
+        self.summed = True  # whether the step's gradients are the replicas' sums (sync_grads)
         self.in_flight = []
         self.counts, self.chunks = counts, placement(schedule, p, v, r)
         self.train_actions = SCHEDULES[schedule](p, M, r, v)
@@ -304,6 +306,7 @@ class Runner:
             e, h = self.embed.g["wte"], self.head.g["wte"]
             e += h          # the order sum_tied adds in: the embedding's + the head's
             h[...] = e
+        self.summed = bool(self.in_flight) or not self.zero
         if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
             rest = [st.g[n] for st in self.stages for n in WHOLE if n in st.g]
             if rest:  # (a middle chunk has none)
@@ -314,6 +317,11 @@ class Runner:
         elif not self.zero:
             for st in self.stages:
                 self.tr.all_reduce(st.grads, "dp")
+
+    def optimizer_step(self, lr=None):
+        """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
+        unless the overlapped sum did."""
+        self.opt.step(lr, self.summed)
 
     def zero_grad(self):
         for st in self.stages:
@@ -334,7 +342,7 @@ class Runner:
     def train_step(self, x, y, lr=None):
         if not self.graphs or self.steps_done == 0:  # the first step allocates workspaces
             loss = self.gradients(x, y)
-            self.opt.step(lr)
+            self.optimizer_step(lr)
             self.steps_done += 1
             return loss
         self.launch_graph_step(x, y, lr)
@@ -353,7 +361,7 @@ class Runner:
             def body():
                 self.zero_grad()
                 self._execute(self.train_actions, 1.0 / (self.B * self.T), True)
-                opt.apply(sched)
+                opt.apply(sched, self.summed)
             self.graph = be.capture(body)
         be.replay(self.graph)
         self.steps_done += 1
