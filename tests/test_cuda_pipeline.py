@@ -116,7 +116,7 @@ def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
     (2, ["--schedule", "zbv"]),
     (2, ["--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "2"]),
     (4, ["--tp", "2", "--pp", "2", "--schedule", "zb1p", "--micro-batches", "2"]),
-    (4, ["--dp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2"]),
+    (4, ["--dp", "2", "--pp", "2", "--zero", "1", "--no-overlap", "--micro-batches", "2"]),
 ], ids=["zbv", "interleaved", "tp2-zb1p", "dp2-zero1"])
 def test_graph_replayed_pipeline_steps_equal_eager_ones(tmp_path, device, ranks, grid):
     """Over nvshmem every wait is on the stream and counted per step, so each rank's whole

@@ -199,6 +199,27 @@ class ndarray(np.ndarray):
     def fill(self, value):
         _enqueue(lambda: np.ndarray.fill(self, value))
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kw):
+        """NumPy arithmetic on device arrays runs at once, so a graph would not hold it:
+        refused while capturing (CuPy's would be a recorded kernel; cudasim records only
+        kernels, cuBLAS calls, copies, fills, += and the ops it wraps)."""
+        _not_capturing(f"numpy.{ufunc.__name__} on device arrays (not recorded)")
+        host = [x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs]
+        outs = kw.get("out")
+        if outs:
+            kw["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in outs)
+        got = getattr(ufunc, method)(*host, **kw)
+        if outs:
+            return outs[0] if len(outs) == 1 else outs
+
+        def device(r):  # a fresh result is fresh device memory, as CuPy's would be
+            if not isinstance(r, np.ndarray):
+                return r
+            d = ndarray(r.shape, r.dtype)
+            np.copyto(d.view(np.ndarray), r)
+            return d
+        return tuple(map(device, got)) if isinstance(got, tuple) else device(got)
+
     def __iadd__(self, other):
         """An elementwise kernel on the stream, like CuPy's."""
         src = other.view(np.ndarray) if isinstance(other, ndarray) else other
