@@ -115,14 +115,20 @@ class Nccl(Mpi):
             return super().start_all_reduce(arrs, axis)
         return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
 
+    def _scattered(self, group, n, mine):
+        """(the largest chunk of n elements over the group, this member's chunk checked)."""
+        _, g, me = group
+        parts = chunks(n, g)
+        a, b = parts[me]
+        assert mine.size == b - a, "not this member's chunk of the collective"
+        return parts[0][1]
+
     def reduce_scatter(self, arr, out, axis):
         group, stream = self._group(axis)
         if group is None:
             return super().reduce_scatter(arr, out, axis)
-        comm, g, me = group
-        parts = chunks(arr.size, g)
-        c, (a, b) = parts[0][1], parts[me]  # c: the largest chunk
-        assert out.size == b - a, "reduce_scatter: out is not this member's chunk"
+        comm, g, _ = group
+        c = self._scattered(group, arr.size, out)
         send = self._padded(arr.reshape(-1), g * c)
         got = out if out.size == c else self.cp.empty(c, out.dtype)
         comm.reduceScatter(send.data.ptr, got.data.ptr, c, self.dtypes[arr.dtype],
@@ -134,10 +140,8 @@ class Nccl(Mpi):
         group, stream = self._group(axis)
         if group is None:
             return super().all_gather(part, out, axis)
-        comm, g, me = group
-        parts = chunks(out.size, g)
-        c, (a, b) = parts[0][1], parts[me]  # c: the largest chunk
-        assert part.size == b - a, "all_gather: part is not this member's chunk"
+        comm, g, _ = group
+        c = self._scattered(group, out.size, part)
         send = self._padded(part.reshape(-1), c)
         got = out if out.size == g * c else self.cp.empty(g * c, out.dtype)
         comm.allGather(send.data.ptr, got.data.ptr, c, self.dtypes[out.dtype], stream)

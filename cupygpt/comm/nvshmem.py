@@ -200,21 +200,26 @@ class Nvshmem(Mpi):
             return super().start_all_reduce(arrs, axis)
         return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
 
-    def reduce_scatter(self, arr, out, axis):
+    def _scattered(self, axis, n, mine):
+        """The compute stream's window of axis (None: one member), mine checked to be this
+        member's chunk (chunks()) of n elements."""
         w = self.windows.get((axis, False))
+        if w is not None:
+            a, b = chunks(n, len(w.members))[w.me]
+            assert mine.size == b - a, "not this member's chunk of the collective"
+        return w
+
+    def reduce_scatter(self, arr, out, axis):
+        w = self._scattered(axis, arr.size, out)
         if w is None:
             return super().reduce_scatter(arr, out, axis)
-        a, b = chunks(arr.size, len(w.members))[w.me]
-        assert out.size == b - a, "reduce_scatter: out is not this member's chunk"
         flat = arr.reshape(-1)
         w.run(flat.size, flat.dtype, src=flat, mine=out.reshape(-1))
 
     def all_gather(self, part, out, axis):
-        w = self.windows.get((axis, False))
+        w = self._scattered(axis, out.size, part)
         if w is None:
             return super().all_gather(part, out, axis)
-        a, b = chunks(out.size, len(w.members))[w.me]
-        assert part.size == b - a, "all_gather: part is not this member's chunk"
         w.run(out.size, out.dtype, mine=part.reshape(-1), out=out.reshape(-1))
 
     def finish_sends(self):
