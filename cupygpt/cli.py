@@ -249,7 +249,8 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)
     peak = " ".join(f"{x:g}" for x in sim["peak"])
-    click.echo(f"bubble {sim['bubble']:.4f} (equal stages: (p-1)/(m+p-1) = {ideal:.4f}); "
+    click.echo(f"bubble {sim['bubble']:.4f} (1F1B's with equal stages: (p-1)/(m+p-1) = "
+               f"{ideal:.4f}); "
                f"makespan {sim['makespan']:g} forward-times; peak live activations per rank "
                f"(whole stages) {peak}; deadlock-free")
 
@@ -297,8 +298,8 @@ def timeline(trace, out, schedule):
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     from .timeline import timeline as draw
     measured, predicted, name = draw(trace, out, schedule)
-    click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from the "
-               f"mean op times {predicted:.4f}")
+    click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
+               f"rank's mean op times {predicted:.4f}")
 
 
 def main():

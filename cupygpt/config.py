@@ -169,7 +169,7 @@ class Pipeline:
                                f"model has {shape.L} layers; a chunk needs one", "virtual_stages",
                                v)
         return replace(self, virtual_stages=v,
-                       counts=tuple(plan_split(shape, seq, stages * v, self.split)))
+                       counts=tuple(plan_split(shape, seq, stages * v, self.split, stages)))
 
 
 def default(value, fallback):

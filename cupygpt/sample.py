@@ -24,7 +24,7 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
     the same ids; on_token(id) is called on each rank as tokens arrive. With kv_cache one
     pass over the prompt, then one position per token (Runner.decode); without, a whole
     pass per token (the reference the cache is tested against)."""
-    T, V, tr = run.T, run.cfg.V, run.tr
+    T, tr, head = run.T, run.tr, run.head
     if not prompt:
         raise CupyGPTError("the prompt is empty: generation needs at least one token")
     if len(prompt) >= T:
@@ -34,18 +34,31 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
     tokens[0, :len(prompt)] = prompt
     out, row = list(prompt), {}
 
-    def at(t):  # on_logits keeping position t's logits of row 0
+    def at(t):  # on_logits keeping position t's logits of row 0 (this shard's tokens)
         def grab(mb, logits):
             if mb == 0:
-                row["logits"] = run.be.to_host(logits[0, t, :V])
+                row["logits"] = run.be.to_host(logits[0, t, :head.valid])
         return grab
+
+    def pick():  # the next token, on every rank
+        if run.mesh.tp == 1:
+            tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
+            return tr.bcast(tok, root=run.loss_rank)
+        # tensor parallel: each shard of the head holds its slice of the vocabulary, so
+        # the whole row is put together on rank 0 (replicas send the same slices)
+        slices = tr.gather((head.v0, row["logits"]) if run.last else None)
+        tok = None
+        if slices is not None:
+            whole = dict(s for s in slices if s)
+            tok = next_token(np.concatenate([whole[v0] for v0 in sorted(whole)]), rng,
+                             temperature, top_k)
+        return tr.bcast(tok, root=0)
     for t in range(len(prompt), min(len(prompt) + n, T)):
         if kv_cache and t > len(prompt):
             run.decode(tokens, t - 1, at(t - 1))
         else:
             run.forward_first(tokens, at(t - 1))
-        tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
-        tok = tr.bcast(tok, root=run.loss_rank)
+        tok = pick()
         tokens[0, t] = tok
         out.append(tok)
         if on_token:

@@ -16,8 +16,8 @@ SHADE = {"F": (0.0, None), "B": (0.35, "black"), "W": (0.55, "white")}
 def read_trace(path):
     """({rank: [(op, mb, chunk, start, end)] of its compute slices in the trace's last
     step, seconds}, the trace's top-level "pipeline" object or {}). A trace of several
-    steps (train, bench) is cut at each rank's step actions: the last step is the one
-    warm and undisturbed by the start."""
+    steps (train, bench) is cut at each rank's step actions: the last training step is
+    the one warm and undisturbed by the start."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -47,9 +47,10 @@ def read_trace(path):
         except (KeyError, TypeError, ValueError):
             raise CupyGPTError(f"{path}: slice {n} lacks tid, ts, dur or its micro_batch; "
                                f"give the file that --trace wrote") from None
-    for rank, ends in steps.items():  # the last step: after the one before it
-        if len(ends) > 1:
-            rows[rank] = [x for x in rows[rank] if x[3] > sorted(ends)[-2]]
+    for rank, ends in steps.items():  # the last step: between its step action and the one
+        ends = sorted(ends)               # before (not the evaluation or sampling after it)
+        lo = ends[-2] if len(ends) > 1 else float("-inf")
+        rows[rank] = [x for x in rows[rank] if lo < x[3] < ends[-1]]
     if not any(rows.values()):
         raise CupyGPTError(f"{path}: holds no forward or backward slices")
     pipe = data.get("pipeline") if isinstance(data, dict) else None
@@ -70,18 +71,25 @@ def predict(rows, pipe, schedule):
     times v is a whole stage's). Returns (name, p, m, v, times, its result)."""
     name = schedule or pipe.get("schedule")
     if name not in SCHEDULES:
-        raise CupyGPTError(f"the trace names no schedule{f' ({name})' if name else ''}; give "
-                           f"one of {', '.join(SCHEDULES)}", "schedule", name)
+        raise CupyGPTError(f"{'the trace names no schedule' if not name else f'unknown ({name})'}"
+                           f"; give one of {', '.join(SCHEDULES)}", "schedule",
+                           name or "(none)")
     ev = [e for r in rows.values() for e in r]
     p = int(pipe.get("stages") or len(rows))
     m = int(pipe.get("micro_batches") or max(e[1] for e in ev) + 1)
-    given = pipe.get("virtual_stages")
+    # the trace's chunks per rank belong to its own schedule, not to one asked instead
+    given = pipe.get("virtual_stages") if name == pipe.get("schedule") else None
     v = chunks_per_rank(name, given or (max(e[2] for e in ev) + 1 if name == "interleaved"
                                         else None))
 
-    def mean(*ops):
-        d = [e[4] - e[3] for e in ev if e[0] in ops]
-        return v * sum(d) / len(d) if d else 0.0
+    own = sorted(rows) == list(range(p))  # one rank a stage (in a grid: the mean of all)
+
+    def mean(op):  # per rank: stages differ (the head's), so each keeps its own times
+        def of(evs):
+            d = [e[4] - e[3] for e in evs if e[0] == op]
+            return v * sum(d) / len(d) if d else None
+        every = of(ev) or 0.0
+        return [(of(rows[r]) if own else None) or every for r in range(p)]
     split = any(e[0] == Op.BWD_INPUT for e in ev)
     times = dict(t_fwd=mean(Op.FWD), t_bwd=mean(Op.BWD_INPUT if split else Op.BWD),
                  t_wgt=mean(Op.BWD_WEIGHT) if split else None)
@@ -129,9 +137,10 @@ def timeline(path, out, schedule=None):
     _draw(top, rows, f"{os.path.basename(path)} (last step): {name}, p={p}, m={m}, v={v}; "
                      f"measured bubble {measured:.1%} "
                      f"(F, B, W shaded; hatched: a rank's second chunk on)", colours)
-    ms = ", ".join(f"{k[2:]} {t * 1e3 / v:.3g}" for k, t in times.items() if t is not None)
-    _draw(bottom, predicted, f"simulated from the mean op times (ms per chunk: {ms}): "
-                             f"bubble {sim['bubble']:.1%}", colours)
+    ms = ", ".join(f"{k[2:]} {min(t) * 1e3 / v:.3g}-{max(t) * 1e3 / v:.3g}"
+                   for k, t in times.items() if t is not None)
+    _draw(bottom, predicted, f"simulated from each rank's mean op times (ms per chunk: "
+                             f"{ms}): bubble {sim['bubble']:.1%}", colours)
     bottom.set_xlabel("ms")
     fig.tight_layout()
     from .files import atomic_write

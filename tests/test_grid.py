@@ -90,6 +90,17 @@ def test_grid_trains_like_one_process(made, tmp_path, ranks, grid):
     assert pb == pytest.approx(pa, rel=1e-4, abs=3e-4)
 
 
+def test_sampling_under_tp_draws_from_the_whole_vocabulary(made, tmp_path):
+    """Each shard of the head holds a slice of the vocabulary: the sample is drawn from the
+    whole row, so a tp run writes the single process's text."""
+    one = train(made, tmp_path / "one", "-s", "2", "-g", "12", steps=2)
+    tp = train(made, tmp_path / "tp", "--tp", "3", "-s", "2", "-g", "12", steps=2, ranks=3)
+
+    def text(out):
+        return out.split("generating:")[-1].split("---")[1].strip()
+    assert text(one.stdout) and text(tp.stdout.replace("[pe0] ", "")) == text(one.stdout)
+
+
 def test_zero1_is_bit_identical_and_halves_the_optimizer(made, tmp_path):
     """ZeRO-1 updates each replica's slice with the same elementwise AdamW on the same
     reduced gradients: the same bits as the unsharded step, with half the m and v."""

@@ -178,7 +178,8 @@ def test_schedule_command():
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "rank 0 (3 activation slots): F0 sa0 F1 sa1 F2 sa2 rg0 B0 F3 sa3 rg1 B1 rg2 B2 rg3 B3 step"
-    assert lines[-1].startswith("bubble 0.3333 (equal stages: (p-1)/(m+p-1) = 0.3333)")
+    assert lines[-1].startswith("bubble 0.3333 (1F1B's with equal stages: (p-1)/(m+p-1) = "
+                                "0.3333)")
 
 
 def test_schedule_command_shows_chunks_and_weight_passes():
@@ -199,3 +200,19 @@ def test_transfer_time_between_ranks_only():
     assert r["makespan"] == 1 + 0.5 + 1 + 2 + 0.5 + 2
     r = simulate(1, 1, "zbv", 2, t_fwd=1.0, t_bwd=1.0, t_wgt=1.0, t_comm=5.0)
     assert r["makespan"] == 3.0 and r["bubble"] == 0.0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_forward_only_lists_fit_few_slot_channels(name):
+    """Evaluation and sampling lists: deadlock-free over channels of one and two messages
+    (nvshmem's slots), every rank's receives in its sender's order (interleaved: the
+    micro-batch counts it runs, whole groups of p, and sampling's one)."""
+    for p in range(1, 7):
+        for m in range(1, 17):
+            if name == "interleaved" and m % p and m > 1:
+                continue
+            for v in ((1, 2, 3) if name == "interleaved" else (chunks_per_rank(name),)):
+                for capacity in (1, 2):
+                    r = simulate(p, m, lambda p_, m_, r_, v_: forward_only(p_, m_, r_, v_, name),
+                                 v, capacity=capacity, placed=name)
+                    assert r["bubble"] < 1, (p, m, v)

@@ -31,7 +31,7 @@ def test_timeline_draws_and_measures_the_bubble(tmp_path):
         sim = synthetic_trace(trace, 4, 8, name, v)
         res = cli("timeline", trace, "--out", out)
         assert res.returncode == 0, res.stderr
-        got = re.search(r"measured bubble (\d\.\d+), simulated from the mean op times "
+        got = re.search(r"measured bubble (\d\.\d+), simulated from each rank.s mean op times "
                         r"(\d\.\d+)", res.stdout)
         assert got and got[1] == got[2] == f"{sim['bubble']:.4f}", res.stdout
         png = out.read_bytes()
@@ -47,6 +47,6 @@ def test_timeline_wants_a_schedule_without_the_pipeline_object(tmp_path):
     del data["pipeline"]
     trace.write_text(json.dumps(data))
     res = cli("timeline", trace, "--out", tmp_path / "t.png")
-    assert res.returncode == 1 and "--schedule None: the trace names no schedule" in res.stderr
+    assert res.returncode == 1 and "--schedule (none): the trace names no schedule" in res.stderr
     res = cli("timeline", trace, "--out", tmp_path / "t.png", "--schedule", "1f1b")
     assert res.returncode == 0 and "measured bubble 0.3333" in res.stdout, res.stderr

@@ -178,7 +178,7 @@ class Nvshmem(Mpi):
     def sum_tied(self, arr, peer):
         """Both ranks put their wte gradient into the other's slot, then add in the same
         order (first stage's + last stage's), so both copies stay bit-identical."""
-        mine, theirs = self.tied
+        mine, theirs = (b.reshape(-1)[:arr.size].reshape(arr.shape) for b in self.tied)
         mine[...] = arr
         self.send("tied", mine, peer)
         self.recv("tied", theirs, peer)

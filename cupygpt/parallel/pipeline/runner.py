@@ -34,7 +34,7 @@ def stage_shares(cfg, T, counts):
     return [x / sum(c) for x in c]
 
 
-def plan_split(cfg, T, p, split=None):
+def plan_split(cfg, T, p, split=None, ranks=None):
     """Layer counts per stage: `split` ("6,6"), or balanced by counted cost: the last stage
     carries the LM head (on GPT-2's vocab as much as several blocks), so it takes fewer
     blocks; the others share the rest evenly, earlier ones taking the remainder."""
@@ -49,8 +49,11 @@ def plan_split(cfg, T, p, split=None):
             raise CupyGPTError("not a comma-separated list of layer counts, e.g. 6,6",
                                "split", split) from None
         if len(counts) != p:
-            raise CupyGPTError(f"{len(counts)} stages but {p} ranks; give one layer count "
-                               f"per rank", "split", split)
+            n = len(counts)
+            raise CupyGPTError(
+                f"{n} stages but {p} ranks; give one layer count per rank"
+                if ranks in (None, p) else f"{n} counts but {p} model chunks ({ranks} ranks "
+                f"x {p // ranks}); give one layer count per chunk", "split", split)
         if sum(counts) != L or min(counts) < 1:
             raise CupyGPTError(f"counts must be positive and sum to the model's {L} layers",
                                "split", split)
@@ -149,8 +152,10 @@ class Runner:
         self.graph, self.steps_done = None, 0
         self.trace = None  # [(action, start, end)] while tracing (start_trace)
         io = (self.Bm, T, cfg.C)
+        # the same shapes on every rank (NVSHMEM allocates symmetrically): the largest wte
+        # shard's rows for the tied sum
         transport.prepare({"act": (io, 2), "grad": (io, 2),
-                           "tied": ((self.parts[0].vocab(cfg)[1], cfg.C), 1)})
+                           "tied": ((-(-cfg.Vp // mesh.tp), cfg.C), 1)})
         sts = self.stages
         # The action table: an op missing here is refused (_execute), never skipped.
         self.ops = {

@@ -88,7 +88,9 @@ def chunks_per_rank(name, v=None):
         raise CupyGPTError(f"{name} holds {fixed} chunks per rank; leave it out",
                            "virtual_stages", v)
     v = fixed or (1 if v is None else v)
-    if v < 1 or (v > 1 and fixed is None and name != "interleaved"):
+    if v < 1:
+        raise CupyGPTError("must be at least 1", "virtual_stages", v)
+    if v > 1 and fixed is None and name != "interleaved":
         raise CupyGPTError("several chunks per rank need the interleaved schedule; 1 for "
                            "the others", "virtual_stages", v)
     return v
@@ -119,6 +121,11 @@ def interleaved(p, m, r, v=1):
     return _interleave("interleaved", p, m, r, v)
 
 
+def _ring_forward(p, v):
+    """Interleaved's k-th forward: micro-batches go through a chunk in groups of p."""
+    return lambda k: (Op.FWD, k // (p * v) * p + k % p, k // p % v)
+
+
 def _interleave(name, p, m, r, v):
     """Warm-up forwards, then a forward and a backward in turn, then the cool-down. The
     k-th forward is chunk (k // p) % v of micro-batch (k // pv) p + k % p; backwards take
@@ -126,9 +133,7 @@ def _interleave(name, p, m, r, v):
     Megatron's 2(p-r-1) + (v-1)p (the simulator shows fewer leave gaps round the ring, and
     deadlock over one-message channels)."""
     n = m * v
-
-    def fwd(k):
-        return Op.FWD, k // (p * v) * p + k % p, k // p % v
+    fwd = _ring_forward(p, v)
 
     def bwd(k):
         return Op.BWD, k // (p * v) * p + k % p, v - 1 - k // p % v
@@ -215,8 +220,13 @@ def zbv(p, m, r, v=2):
 
 
 def forward_only(p, m, r, v=1, name="1f1b"):
-    """Evaluation and sampling: forwards only, no step; chunk by chunk in model order, all
-    micro-batches through each (a receive waits only on chunks that come earlier)."""
+    """Evaluation and sampling: forwards only, no step. Chunk by chunk in model order, all
+    micro-batches through each (a receive waits only on chunks that come earlier), except
+    interleaved with whole groups of p micro-batches: its training order of forwards, since
+    chunk by chunk a rank's later chunk would wait on messages queued behind its own
+    sends, which a channel of a few slots (nvshmem's) cannot hold."""
+    if name == "interleaved" and v > 1 and m % p == 0:
+        return _emit(name, p, v, r, [_ring_forward(p, v)(k) for k in range(m * v)])
     order = [(Op.FWD, i, c) for c in range(len(placement(name, p, v, r))) for i in range(m)]
     return _emit(name, p, v, r, order)
 

@@ -4,12 +4,14 @@ from .schedule import RECVS, SCHEDULES, SENDS, Op, holders, placement
 
 
 def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
-             capacity=1):
+             capacity=1, placed=None):
     """Runs all ranks' lists together. schedule: a SCHEDULES name or function (p, m, r, v);
-    a function outside the registry has the one-stage-per-rank placement (or Megatron's
+    placed: the schedule whose placement the lists follow (default: schedule's own; a
+    function outside the registry has the one-stage-per-rank placement, or Megatron's
     with v > 1).
 
-    Times are per whole-stage micro-batch; a chunk's op takes 1/v of them. t_wgt None:
+    Times are per whole-stage micro-batch (each a number, or a list of one per rank); a
+    chunk's op takes 1/v of them. t_wgt None:
     t_bwd is the whole backward (a fused BWD; a split one's B and W take half each); else
     BWD_INPUT takes t_bwd, BWD_WEIGHT t_wgt and a fused BWD their sum. A message between
     ranks arrives t_comm after its send; a hand-off between chunks of one rank is a local
@@ -23,8 +25,8 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
     of its compute actions). Raises RuntimeError naming the stuck actions when no rank can
     progress (a deadlock) or when a receive takes another message than it expects.
     """
-    name = schedule if isinstance(schedule, str) else \
-        next((n for n, f in SCHEDULES.items() if f is schedule), "")
+    name = placed or (schedule if isinstance(schedule, str) else
+                      next((n for n, f in SCHEDULES.items() if f is schedule), ""))
     fn = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     lists = [fn(p, m, r, v) for r in range(p)]
     last = p * v - 1
@@ -33,9 +35,14 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
     peer = {(r, c, d): at[k + d] for r in range(p)
             for c, k in enumerate(placement(name, p, v, r)) for d in (-1, 1)
             if 0 <= k + d <= last}
-    split = t_bwd / 2 if t_wgt is None else t_bwd
-    cost = {Op.FWD: t_fwd, Op.BWD: t_bwd if t_wgt is None else t_bwd + t_wgt,
-            Op.BWD_INPUT: split, Op.BWD_WEIGHT: t_bwd - split if t_wgt is None else t_wgt}
+    def costs(t_fwd, t_bwd, t_wgt):
+        split = t_bwd / 2 if t_wgt is None else t_bwd
+        return {Op.FWD: t_fwd, Op.BWD: t_bwd if t_wgt is None else t_bwd + t_wgt,
+                Op.BWD_INPUT: split, Op.BWD_WEIGHT: t_bwd - split if t_wgt is None else t_wgt}
+
+    def of(t, r):  # a time, or a list of one per rank
+        return t[r] if isinstance(t, (list, tuple)) else t
+    cost = [costs(of(t_fwd, r), of(t_bwd, r), of(t_wgt, r)) for r in range(p)]
     pc = [0] * p                     # next action per rank
     clock = [0.0] * p                # time each rank is free
     busy = [0.0] * p
@@ -51,8 +58,8 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
             if pc[r] == len(lists[r]):
                 continue
             a = lists[r][pc[r]]
-            if a.op in cost:
-                dt = cost[a.op] / v
+            if a.op in cost[r]:
+                dt = cost[r][a.op] / v
                 events[r].append((a, clock[r], clock[r] + dt))
                 clock[r] += dt
                 busy[r] += dt

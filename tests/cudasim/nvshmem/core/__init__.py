@@ -12,6 +12,7 @@ cudasim runs every stream operation when it is issued, and then lags (LAG_S).
 import atexit
 import bisect
 import ctypes
+import fcntl
 import mmap
 import os
 import sys
@@ -68,6 +69,8 @@ def init(device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializ
         raise ValueError("cudasim's nvshmem supports MPI-based init only")
     _job["comm"] = mpi_comm
     _job["tag"] = mpi_comm.bcast(uuid.uuid4().hex[:12] if mpi_comm.Get_rank() == 0 else None)
+    if mpi_comm.Get_rank() == 0:
+        _job["own"].append(_lock_path())  # removed at finalize, after its barrier
     atexit.register(_unlink_own)
 
 
@@ -115,9 +118,20 @@ def _as_buffer(x):
     return x if isinstance(x, Buffer) else array_get_buffer(x)[0]
 
 
+def _lock_path():
+    return os.path.join(SHM or "/tmp", f"cudasim-{_job['tag']}.lock")
+
+
 def _signal(sig, value, op, pe):
+    """An atomic set or add (modulo 2^64, as the word wraps), as NVSHMEM's: an add reads
+    and writes, so it holds the job's lock (two PEs may add to one word at once)."""
     word = ctypes.c_uint64.from_address(_remote(sig, pe))
-    word.value = value if op == SignalOp.SIGNAL_SET else word.value + value
+    if op == SignalOp.SIGNAL_SET:
+        word.value = value
+        return
+    with open(_lock_path(), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        word.value = (word.value + value) % (1 << 64)
 
 
 def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
