@@ -299,7 +299,7 @@ def timeline(trace, out, schedule):
     from .timeline import timeline as draw
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
-               f"rank's mean op times {predicted:.4f}")
+               f"rank's op and transfer times {predicted:.4f}")
 
 
 def main():

@@ -10,14 +10,17 @@ from .parallel.pipeline.simulate import simulate
 
 # Compute ops (the trace's "cat") and how they are drawn: F full colour, B darker, W paler.
 LETTER = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W"}
+TRANSFER = {Op.SEND_ACT: "send", Op.SEND_GRAD: "send", Op.RECV_ACT: "recv",
+            Op.RECV_GRAD: "recv"}
 SHADE = {"F": (0.0, None), "B": (0.35, "black"), "W": (0.55, "white")}
 
 
 def read_trace(path):
     """({rank: [(op, mb, chunk, start, end)] of its compute slices in the trace's last
-    step, seconds}, the trace's top-level "pipeline" object or {}). A trace of several
-    steps (train, bench) is cut at each rank's step actions: the last training step is
-    the one warm and undisturbed by the start."""
+    step, seconds}, {rank: {"send": [seconds], "recv": [seconds]} of its transfers in that
+    step}, the trace's top-level "pipeline" object or {}). A trace of several steps (train,
+    bench) is cut at each rank's step actions: the last training step is the one warm and
+    undisturbed by the start."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -31,19 +34,20 @@ def read_trace(path):
     if not slices:
         raise CupyGPTError(f"{path}: holds no action slices (\"ph\": \"X\"); give the file "
                            f"that --trace wrote")
-    rows, steps = {}, {}
+    rows, comm, steps = {}, {}, {}
     for n, e in enumerate(slices):
         try:
             rank, start, dur = int(e["tid"]), float(e["ts"]) / 1e6, float(e["dur"]) / 1e6
-            args = e.get("args") or {}
-            if e.get("cat") in LETTER:
-                rows.setdefault(rank, []).append((Op(e["cat"]), int(args["micro_batch"]),
-                                                  int(args.get("chunk", 0)), start,
-                                                  start + dur))
-            else:
-                rows.setdefault(rank, [])
-                if e.get("cat") == Op.STEP.value:
-                    steps.setdefault(rank, []).append(start)
+            args, cat = e.get("args") or {}, e.get("cat")
+            rows.setdefault(rank, [])
+            comm.setdefault(rank, [])
+            if cat in LETTER:
+                rows[rank].append((Op(cat), int(args["micro_batch"]),
+                                   int(args.get("chunk", 0)), start, start + dur))
+            elif cat in TRANSFER:
+                comm[rank].append((TRANSFER[cat], start, dur))
+            elif cat == Op.STEP.value:
+                steps.setdefault(rank, []).append(start)
         except (KeyError, TypeError, ValueError):
             raise CupyGPTError(f"{path}: slice {n} lacks tid, ts, dur or its micro_batch; "
                                f"give the file that --trace wrote") from None
@@ -51,10 +55,13 @@ def read_trace(path):
         ends = sorted(ends)               # before (not the evaluation or sampling after it)
         lo = ends[-2] if len(ends) > 1 else float("-inf")
         rows[rank] = [x for x in rows[rank] if lo < x[3] < ends[-1]]
+        comm[rank] = [x for x in comm[rank] if lo < x[1] < ends[-1]]
     if not any(rows.values()):
         raise CupyGPTError(f"{path}: holds no forward or backward slices")
     pipe = data.get("pipeline") if isinstance(data, dict) else None
-    return rows, pipe if isinstance(pipe, dict) else {}
+    transfers = {r: {k: [d for kind, _, d in c if kind == k] for k in ("send", "recv")}
+                 for r, c in comm.items()}
+    return rows, transfers, pipe if isinstance(pipe, dict) else {}
 
 
 def bubble(rows):
@@ -66,9 +73,11 @@ def bubble(rows):
     return 1.0 - busy / (len(rows) * (t1 - t0)) if t1 > t0 else 0.0
 
 
-def predict(rows, pipe, schedule):
-    """The simulator's run of the schedule from the trace's mean op times (a chunk's time
-    times v is a whole stage's). Returns (name, p, m, v, times, its result)."""
+def predict(rows, transfers, pipe, schedule):
+    """The simulator's run of the schedule from the trace's op times (a chunk's time times v
+    is a whole stage's) and each rank's transfer costs: a send's mean time, and a receive's
+    when its message is already there (the lower quartile of its receives; the others
+    waited). Returns (name, p, m, v, times, its result)."""
     name = schedule or pipe.get("schedule")
     if name not in SCHEDULES:
         raise CupyGPTError(f"{'the trace names no schedule' if not name else f'unknown ({name})'}"
@@ -90,9 +99,14 @@ def predict(rows, pipe, schedule):
             return v * sum(d) / len(d) if d else None
         every = of(ev) or 0.0
         return [(of(rows[r]) if own else None) or every for r in range(p)]
+    def cost(kind, pick):
+        return [pick(sorted(transfers.get(r, {}).get(kind, []))) if own else 0.0
+                for r in range(p)]
     split = any(e[0] == Op.BWD_INPUT for e in ev)
     times = dict(t_fwd=mean(Op.FWD), t_bwd=mean(Op.BWD_INPUT if split else Op.BWD),
-                 t_wgt=mean(Op.BWD_WEIGHT) if split else None)
+                 t_wgt=mean(Op.BWD_WEIGHT) if split else None,
+                 t_send=cost("send", lambda d: sum(d) / len(d) if d else 0.0),
+                 t_recv=cost("recv", lambda d: d[len(d) // 4] if d else 0.0))
     return name, p, m, v, times, simulate(p, m, name, v, **times)
 
 
@@ -126,9 +140,9 @@ def timeline(path, out, schedule=None):
         import matplotlib.pyplot as plt
     except ImportError:
         raise CupyGPTError("timeline needs matplotlib: pip install -e '.[plot]'") from None
-    rows, pipe = read_trace(path)
+    rows, transfers, pipe = read_trace(path)
     measured = bubble(rows)
-    name, p, m, v, times, sim = predict(rows, pipe, schedule)
+    name, p, m, v, times, sim = predict(rows, transfers, pipe, schedule)
     predicted = {r: [(a.op, a.mb, a.chunk, s, e) for a, s, e in ev]
                  for r, ev in enumerate(sim["events"])}
     colours = plt.get_cmap("tab10" if m <= 10 else "tab20")
@@ -137,10 +151,11 @@ def timeline(path, out, schedule=None):
     _draw(top, rows, f"{os.path.basename(path)} (last step): {name}, p={p}, m={m}, v={v}; "
                      f"measured bubble {measured:.1%} "
                      f"(F, B, W shaded; hatched: a rank's second chunk on)", colours)
-    ms = ", ".join(f"{k[2:]} {min(t) * 1e3 / v:.3g}-{max(t) * 1e3 / v:.3g}"
+    ms = ", ".join(f"{k[2:]} {min(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}-"
+                   f"{max(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}"
                    for k, t in times.items() if t is not None)
-    _draw(bottom, predicted, f"simulated from each rank's mean op times (ms per chunk: "
-                             f"{ms}): bubble {sim['bubble']:.1%}", colours)
+    _draw(bottom, predicted, f"simulated from each rank's op and transfer times (ms; ops per "
+                             f"chunk: {ms}): bubble {sim['bubble']:.1%}", colours)
     bottom.set_xlabel("ms")
     fig.tight_layout()
     from .files import atomic_write

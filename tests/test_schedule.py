@@ -216,3 +216,12 @@ def test_forward_only_lists_fit_few_slot_channels(name):
                     r = simulate(p, m, lambda p_, m_, r_, v_: forward_only(p_, m_, r_, v_, name),
                                  v, capacity=capacity, placed=name)
                     assert r["bubble"] < 1, (p, m, v)
+
+
+def test_transfers_keep_their_ranks_busy():
+    """A host-staged send and a receive whose message has come take their rank's time, not
+    counted as compute: 2 stages, one micro-batch, F 1, B 2, each copy 0.5."""
+    plain = simulate(2, 1, "1f1b")
+    staged = simulate(2, 1, "1f1b", t_send=0.5, t_recv=0.5)
+    assert plain["makespan"] == 6.0 and staged["makespan"] == 8.0  # four copies on the path
+    assert staged["busy"] == plain["busy"] == [3.0, 3.0]

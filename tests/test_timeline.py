@@ -31,8 +31,8 @@ def test_timeline_draws_and_measures_the_bubble(tmp_path):
         sim = synthetic_trace(trace, 4, 8, name, v)
         res = cli("timeline", trace, "--out", out)
         assert res.returncode == 0, res.stderr
-        got = re.search(r"measured bubble (\d\.\d+), simulated from each rank.s mean op times "
-                        r"(\d\.\d+)", res.stdout)
+        got = re.search(r"measured bubble (\d\.\d+), simulated from each rank.s op and "
+                        r"transfer times (\d\.\d+)", res.stdout)
         assert got and got[1] == got[2] == f"{sim['bubble']:.4f}", res.stdout
         png = out.read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(png) < 2_000_000

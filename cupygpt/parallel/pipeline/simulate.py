@@ -4,7 +4,7 @@ from .schedule import RECVS, SCHEDULES, SENDS, Op, holders, placement
 
 
 def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
-             capacity=1, placed=None):
+             capacity=1, placed=None, t_send=0.0, t_recv=0.0):
     """Runs all ranks' lists together. schedule: a SCHEDULES name or function (p, m, r, v);
     placed: the schedule whose placement the lists follow (default: schedule's own; a
     function outside the registry has the one-stage-per-rank placement, or Megatron's
@@ -15,9 +15,11 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
     t_bwd is the whole backward (a fused BWD; a split one's B and W take half each); else
     BWD_INPUT takes t_bwd, BWD_WEIGHT t_wgt and a fused BWD their sum. A message between
     ranks arrives t_comm after its send; a hand-off between chunks of one rank is a local
-    copy (no latency, never full). Between ranks, sends are buffered in a FIFO channel of
-    `capacity` messages per (kind, source, destination) and block while it is full;
-    receives block until a message arrives.
+    copy (no latency, never full). t_send and t_recv: how long a send, and a receive whose
+    message has come, keep their rank busy (a host-staged copy; not counted as compute).
+    Between ranks, sends are buffered in a FIFO channel of `capacity` messages per (kind,
+    source, destination) and block while it is full; receives block until a message
+    arrives.
 
     Returns dict(makespan, busy per rank, bubble fraction, peak per rank: the most
     (micro-batch, chunk) activations alive at once, from forward to the end of its
@@ -78,6 +80,7 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
                         continue     # full: wait for the receiver
                     clock[r] = max(clock[r], taken[n - capacity])
                 sent[key] = n + 1
+                clock[r] += of(t_send, r)
                 chans.setdefault(key, []).append(
                     (a.mb, c, clock[r] + (t_comm if dst != r else 0.0)))
             elif a.op in RECVS:
@@ -91,7 +94,7 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
                 if (mb, c) != (a.mb, a.chunk):
                     raise RuntimeError(f"rank {r} expected {kind} of micro-batch {a.mb} chunk "
                                        f"{a.chunk}, got micro-batch {mb} chunk {c}")
-                clock[r] = max(clock[r], t)
+                clock[r] = max(clock[r], t) + of(t_recv, r)
                 pops.setdefault(key, []).append(clock[r])
             elif a.op != Op.STEP:
                 raise ValueError(f"rank {r}: unknown pipeline action {a}")
