@@ -228,7 +228,8 @@ def sample(**kw):
 @click.option("--micro-batches", "-m", default=8, show_default=True)
 @click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
 @click.option("--virtual-stages", "-v", type=int, default=None,
-              help="model chunks per rank (interleaved; zbv holds 2)  [default: 1]")
+              help="model chunks per rank (interleaved; zbv holds 2)  [default: 2 with "
+                   "interleaved, else 1]")
 @click.option("--backward-cost", default=2.0, show_default=True,
               help="time of a backward relative to a forward (split: half B, half W)")
 @entry

@@ -94,8 +94,11 @@ pipeline_options = options(
     click.option("--schedule", default="1f1b", show_default=True,
                  type=click.Choice(list(SCHEDULES))),
     click.option("--virtual-stages", type=int, default=None,
-                 help="model chunks per rank (interleaved; zbv holds 2)  [default: 1]"),
-    click.option("--split", default=None, help="layers per stage, e.g. 6,6 (default even)"))
+                 help="model chunks per rank (interleaved; zbv holds 2)  [default: 2 with "
+                      "interleaved, else 1]"),
+    click.option("--split", default=None,
+                 help="layers per model chunk (a stage's, but with interleaved or zbv), e.g. "
+                      "6,6 (default: balanced by counted cost)"))
 grid_options = options(
     click.option("--dp", type=int, default=None,
                  help="data-parallel replicas (each takes -b/DP rows)  [default: 1]"),

@@ -36,6 +36,7 @@ Action = namedtuple("Action", "op mb chunk", defaults=(0,))
 
 
 CHUNKS = {"zbv": 2}  # chunks per rank where a schedule fixes them
+DEFAULT_CHUNKS = {"interleaved": 2}  # where it only suggests (one chunk would be 1f1b)
 
 
 def placement(name, p, v, r):
@@ -81,13 +82,14 @@ def _emit(name, p, v, r, compute):
 
 
 def chunks_per_rank(name, v=None):
-    """The model chunks each rank holds: zbv's fixed 2, interleaved's v, 1 for the others
-    (v None: the schedule's default). Refuses a v the schedule cannot take."""
+    """The model chunks each rank holds: zbv's fixed 2, interleaved's v (2 by default), 1
+    for the others (v None: the schedule's default). Refuses a v the schedule cannot
+    take."""
     fixed = CHUNKS.get(name)
     if v is not None and fixed is not None and v != fixed:
         raise CupyGPTError(f"{name} holds {fixed} chunks per rank; leave it out",
                            "virtual_stages", v)
-    v = fixed or (1 if v is None else v)
+    v = fixed or (DEFAULT_CHUNKS.get(name, 1) if v is None else v)
     if v < 1:
         raise CupyGPTError("must be at least 1", "virtual_stages", v)
     if v > 1 and fixed is None and name != "interleaved":
