@@ -5,12 +5,12 @@ A communicator is named by its unique id; each message is a file in /dev/shm, wr
 whole and then renamed into place, so a reader never sees half of one. A send is eager
 (its file is the message: real NCCL may instead wait for the receiver, which a schedule
 that works on a GPU never depends on); a receive waits for the file and removes it. A
-collective's call number k names each member's contribution; every member reads them all
-and sums in member order (member 0 + member 1 + ...), so tests are deterministic (real
-NCCL's order is its own). A member removes its contribution to call k - 1 once it has
-read everyone's to call k: by then all of them have read k - 1.
+collective's call number k names each member's contribution, written once for each other
+member; every member reads (and removes) those for it and sums in member order (member 0 +
+member 1 + ...), so tests are deterministic (real NCCL's order is its own). So the reader
+removes every message: a member that finishes first leaves nothing a slower one still
+needs (removing its own at exit raced with them), and a finished job leaves no files.
 """
-import atexit
 import ctypes
 import os
 import time
@@ -24,7 +24,6 @@ available = True
 WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 _DTYPES = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
-_own = []  # files this process wrote and may still have to remove
 
 
 def get_unique_id():
@@ -44,26 +43,18 @@ def _write(path, arr):
     tmp = f"{path}.tmp"
     arr.tofile(tmp)
     os.replace(tmp, path)
-    _own.append(path)
 
 
-def _read(path, dtype, remove):
+def _read(path, dtype):
+    """Waits for the message, takes it and removes it."""
     deadline = time.monotonic() + WAIT_S
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             raise RuntimeError(f"cudasim NCCL: waited {WAIT_S:g}s for {path}: a deadlock")
         time.sleep(1e-4)
     out = np.fromfile(path, dtype)
-    if remove:
-        os.unlink(path)
+    os.unlink(path)
     return out
-
-
-@atexit.register
-def _clean():
-    for path in _own:
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 class NcclCommunicator:
@@ -81,17 +72,17 @@ class NcclCommunicator:
         out = _device(recvbuf, count, datatype)
         k = self._got[peer] = self._got.get(peer, 0) + 1
         path = f"{self._name}-p{peer}-{self._rank}-{k}"
-        cupy._enqueue(lambda: np.copyto(out, _read(path, out.dtype, True).reshape(out.shape)))
+        cupy._enqueue(lambda: np.copyto(out, _read(path, out.dtype).reshape(out.shape)))
 
     def _all(self, data):
         """Every member's data of this call, in member order."""
         self._calls += 1
         k, me = self._calls, self._rank
-        _write(f"{self._name}-c{k}-{me}", data)
-        parts = [_read(f"{self._name}-c{k}-{r}", data.dtype, False) for r in range(self._n)]
-        if k > 1:
-            os.unlink(f"{self._name}-c{k - 1}-{me}")
-        return parts
+        for r in range(self._n):
+            if r != me:
+                _write(f"{self._name}-c{k}-{me}-{r}", data)
+        return [np.array(data) if r == me else _read(f"{self._name}-c{k}-{r}-{me}", data.dtype)
+                for r in range(self._n)]
 
     def _sum(self, data):
         parts = self._all(data)
