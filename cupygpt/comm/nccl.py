@@ -115,38 +115,37 @@ class Nccl(Mpi):
             return super().start_all_reduce(arrs, axis)
         return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
 
-    def _scattered(self, group, n, mine):
-        """(the largest chunk of n elements over the group, this member's chunk checked)."""
-        _, g, me = group
+    def _even(self, group, stream, n, src, dst, scatter):
+        """NCCL's reduceScatter (scatter: src the whole n elements, dst this member's chunk)
+        or allGather (src the chunk, dst the whole): NCCL wants the same count from every
+        member, and chunks() gives the last ones less, so both sides go through
+        zero-padded staging of the largest chunk c where their sizes differ."""
+        comm, g, me = group
         parts = chunks(n, g)
-        a, b = parts[me]
-        assert mine.size == b - a, "not this member's chunk of the collective"
-        return parts[0][1]
+        c, (a, b) = parts[0][1], parts[me]
+        assert (dst if scatter else src).size == b - a, "not this member's chunk"
+        send = self._padded(src.reshape(-1), g * c if scatter else c)
+        size = c if scatter else g * c
+        got = dst if dst.size == size else self.cp.empty(size, dst.dtype)
+        args = (send.data.ptr, got.data.ptr, c, self.dtypes[dst.dtype])
+        if scatter:
+            comm.reduceScatter(*args, self.nccl.NCCL_SUM, stream)
+        else:
+            comm.allGather(*args, stream)
+        if got is not dst:
+            dst[...] = got[:dst.size].reshape(dst.shape)
 
     def reduce_scatter(self, arr, out, axis):
         group, stream = self._group(axis)
         if group is None:
             return super().reduce_scatter(arr, out, axis)
-        comm, g, _ = group
-        c = self._scattered(group, arr.size, out)
-        send = self._padded(arr.reshape(-1), g * c)
-        got = out if out.size == c else self.cp.empty(c, out.dtype)
-        comm.reduceScatter(send.data.ptr, got.data.ptr, c, self.dtypes[arr.dtype],
-                           self.nccl.NCCL_SUM, stream)
-        if got is not out:
-            out[...] = got[:out.size].reshape(out.shape)
+        self._even(group, stream, arr.size, arr, out, scatter=True)
 
     def all_gather(self, part, out, axis):
         group, stream = self._group(axis)
         if group is None:
             return super().all_gather(part, out, axis)
-        comm, g, _ = group
-        c = self._scattered(group, out.size, part)
-        send = self._padded(part.reshape(-1), c)
-        got = out if out.size == g * c else self.cp.empty(g * c, out.dtype)
-        comm.allGather(send.data.ptr, got.data.ptr, c, self.dtypes[out.dtype], stream)
-        if got is not out:
-            out[...] = got[:out.size].reshape(out.shape)
+        self._even(group, stream, out.size, part, out, scatter=False)
 
     def finish_sends(self):
         streams = (self.send_stream, self.cp.cuda.get_current_stream())
