@@ -12,7 +12,7 @@ from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
                       grid_options, pipeline_options, progress, session, trace_option)
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
-from .parallel.pipeline.schedule import LABEL, SCHEDULES
+from .parallel.pipeline.schedule import SCHEDULES
 
 
 @click.group()
@@ -236,7 +236,7 @@ def sample(**kw):
 def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
     bubble and each rank's peak of live activations of a pipeline schedule."""
-    from .parallel.pipeline.schedule import chunks_per_rank, slot_plan
+    from .parallel.pipeline.schedule import chunks_per_rank, short, slot_plan
     from .parallel.pipeline.simulate import simulate
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
@@ -244,8 +244,7 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     fn = SCHEDULES[schedule]
     for r in range(stages):
         acts = fn(stages, micro_batches, r, v)
-        text = " ".join(LABEL[a.op] + ("" if a.mb is None else str(a.mb)) +
-                        (f".{a.chunk}" if a.chunk else "") for a in acts)
+        text = " ".join(map(short, acts))
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
     sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)

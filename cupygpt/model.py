@@ -260,6 +260,7 @@ class Stage:
             else:
                 kept(dres, "dencoded", None)
 
+
 def init_params(cfg, seed):
     """A fresh GPT-2 (host, fp32, whole model), deterministic in seed, llm.c's scheme:
     N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), layernorm 1/0, biases 0."""

@@ -89,6 +89,7 @@ class AdamW:
         """Bytes of m and v on this rank (1/dp of the stages' with ZeRO-1)."""
         return sum(m.nbytes + v.nbytes for m, v, *_ in self.state)
 
+
 def lr_at(step, lr, warmup, steps, final_frac):
     """llm.c: linear warm-up over `warmup` steps, then cosine decay to lr * final_frac."""
     if step < warmup:

@@ -12,7 +12,7 @@ from ...layout import (PARAM_NAMES, WHOLE, Part, activation_layout, assemble, co
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
-from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holder, placement,
+from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement,
                        slot_plan)
 
 
@@ -121,7 +121,8 @@ class Runner:
         self.head = next((st for st in self.stages if st.head), None)
         self.first, self.last = self.embed is not None, self.head is not None
         # the ranks that hold the loss (replica 0, shard 0's reports it) and the tied wte
-        embed_rank, head_rank = (holder(schedule, p, v, k)[0] for k in (0, K - 1))
+        at = holders(schedule, p, v)  # model chunk -> (rank, its chunk index there)
+        embed_rank, head_rank = at[0][0], at[K - 1][0]
         self.loss_rank = mesh.rank_at(head_rank)
         ends = (embed_rank, head_rank)
         self.tied_peer = mesh.stage_rank(ends[1 - ends.index(r)]) \
@@ -131,7 +132,7 @@ class Runner:
         def peer(k):
             if not 0 <= k < K:
                 return None
-            rk, c = holder(schedule, p, v, k)
+            rk, c = at[k]
             return ("local", c) if rk == r else mesh.stage_rank(rk)
         self.next = [peer(k + 1) for k in self.chunks]
         self.prev = [peer(k - 1) for k in self.chunks]

@@ -27,6 +27,12 @@ LABEL = {Op.RECV_ACT: "ra", Op.FWD: "F", Op.SEND_ACT: "sa", Op.RECV_GRAD: "rg", 
          Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W", Op.SEND_GRAD: "sg", Op.STEP: "step"}
 COMPUTE = (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)
 
+
+def short(a):
+    """An action as `schedule` prints it: F3, sa3, W3.1 (micro-batch 3 on the rank's chunk 1),
+    step."""
+    return LABEL[a.op] + ("" if a.mb is None else str(a.mb)) + (f".{a.chunk}" if a.chunk else "")
+
 # The point-to-point ops: (channel, step along the model's chunks).
 SENDS = {Op.SEND_ACT: ("act", +1), Op.SEND_GRAD: ("grad", -1)}
 RECVS = {Op.RECV_ACT: ("act", -1), Op.RECV_GRAD: ("grad", +1)}

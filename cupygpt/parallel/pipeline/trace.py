@@ -3,16 +3,16 @@ chrome://tracing): a row per rank, a slice per action."""
 import json
 
 from ...files import atomic_write
-from .schedule import LABEL, Op
+from .schedule import COMPUTE, short
 
 
 def name(a):
     """An action's slice name: F3, B3, W3 for compute (F3.1 on the rank's chunk 1);
     send_act 3; step."""
-    chunk = f".{a.chunk}" if a.chunk else ""
-    if a.op in (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT):
-        return f"{LABEL[a.op]}{a.mb}{chunk}"
-    return a.op.value if a.mb is None else f"{a.op.value} {a.mb}{chunk}"
+    if a.op in COMPUTE:
+        return short(a)
+    return a.op.value if a.mb is None else \
+        f"{a.op.value} {a.mb}{f'.{a.chunk}' if a.chunk else ''}"
 
 
 def write(run, path):
