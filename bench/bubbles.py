@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "timelines"))
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
-    from cupygpt.config import GPT2Config
+    from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
     from cupygpt.model import init_params
     os.makedirs(a.out, exist_ok=True)

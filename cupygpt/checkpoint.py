@@ -15,7 +15,7 @@ import zipfile
 import numpy as np
 
 from . import CupyGPTError
-from .files import atomic_write, write_model
+from .files import atomic_write, read_model, write_model
 
 LATEST = "latest"
 NAME = re.compile(r"ckpt_\d{8}$")
@@ -146,7 +146,6 @@ def check_matches(path, meta, run):
 def restore(run, path):
     """Loads this rank's part of the whole parameters (model.bin) and AdamW state; returns
     the saved meta. Every rank reads the same files, so all report the same difference."""
-    from .files import read_model
     f = _state_file(path)
     try:
         with np.load(f) as z:

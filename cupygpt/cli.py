@@ -8,11 +8,22 @@ import time
 import click
 
 from . import CupyGPTError
+from .backends import gpu_available
+from .bench import bench as run_bench
+from .bench_comm import comm_bench, format_rows, sizes
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
                       grid_options, pipeline_options, progress, session, trace_option)
-from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
-from .gpucheck import PARTS as GPUCHECK_PARTS  # stdlib imports only
-from .parallel.pipeline.schedule import SCHEDULES
+from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir
+from .files import atomic_write, write_shard
+from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
+from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
+from .parallel.pipeline.simulate import simulate
+from .plot import plot as run_plot
+from .sample import sample_text
+from .timeline import timeline as draw
+from .tokenizer import Tokenizer, tokenize_tinyshakespeare
+from .train import train as run_train
+from .verify import format_report, verify as run_verify
 
 
 @click.group()
@@ -40,7 +51,6 @@ def cli():
 @entry
 def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    from .verify import format_report, verify as run_verify
     sess = session(VerifyConfig, kw, tf32_default=False)
     report = run_verify(sess)
     if sess.mesh.rank == 0:
@@ -58,9 +68,6 @@ def verify(as_json, **kw):
 def prepare(text, out, tokenizer, name):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
-    from .config import make_dir
-    from .files import write_shard
-    from .tokenizer import Tokenizer, tokenize_tinyshakespeare
     try:
         body = open(text, encoding="utf-8").read()
     except UnicodeDecodeError as e:
@@ -118,7 +125,6 @@ def prepare(text, out, tokenizer, name):
 @entry
 def train(**kw):
     """Train GPT-2 llm.c-style; writes OUT/model.bin in llm.c's format."""
-    from .train import train as run_train
     run_train(session(TrainConfig, kw, tf32_default=True))
 
 
@@ -145,12 +151,9 @@ def train(**kw):
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
-    from .bench import bench as run_bench
-    from .files import atomic_write
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
     if sess.config.comm:
-        from .bench_comm import comm_bench, format_rows, sizes
         with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq)),
                       "timing transfers") as bar:
             rows = comm_bench(sess, lambda: bar.update(1))
@@ -194,7 +197,6 @@ def bench(out, **kw):
 @entry
 def sample(**kw):
     """Generate text from an llm.c model file."""
-    from .sample import sample_text
     sess = session(SampleConfig, kw, tf32_default=True)
     first, prompt, asked = sess.mesh.rank == 0, sess.config.prompt, sess.config.max_new_tokens
     began = {}
@@ -236,8 +238,6 @@ def sample(**kw):
 def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
     bubble and each rank's peak of live activations of a pipeline schedule."""
-    from .parallel.pipeline.schedule import chunks_per_rank, short, slot_plan
-    from .parallel.pipeline.simulate import simulate
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
     v = chunks_per_rank(schedule, virtual_stages)
@@ -266,8 +266,6 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
 def gpucheck(out, quick, parts, mps):
     """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
     run, in one report; exit 0 only when every part has run and passed."""
-    from .backends import gpu_available
-    from .gpucheck import gpucheck as run_check, problems
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
@@ -282,7 +280,6 @@ def gpucheck(out, quick, parts, mps):
 @entry
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
-    from .plot import plot as run_plot
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
 
@@ -296,7 +293,6 @@ def plot(log, out):
 def timeline(trace, out, schedule):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
-    from .timeline import timeline as draw
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")

@@ -12,6 +12,7 @@ from . import CupyGPTError
 from .comm.launch import fail, launched_ranks, start_mpi
 from .config import Device, Grid, Pipeline
 from .parallel.pipeline.schedule import SCHEDULES
+from .session import Session
 
 PKG = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(PKG, "data")            # shipped: tokenizer, tinyshakespeare, its shards
@@ -56,7 +57,6 @@ def config(cls, kw):
 
 
 def session(cls, kw, tf32_default):
-    from .session import Session
     return Session(config(cls, kw), tf32_default)
 
 

@@ -1,5 +1,4 @@
-"""What a run is: the model's shape (llm.c's GPT2Config, presets) and one frozen config per
-command, checked by its validate() before anything is allocated.
+"""What a run is: one frozen config per command, checked by its validate() before anything is allocated.
 
 The CLI builds a config from its flags (each field is named as the flag's parameter) and
 calls validate(backend, world), which resolves what depends on the device (the default
@@ -10,67 +9,15 @@ checkpoint's identity) stay with the readers.
 import glob
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import CupyGPTError
-
-
-@dataclass(frozen=True)
-class GPT2Config:
-    maxT: int  # max sequence length
-    V: int     # vocab size
-    Vp: int    # vocab padded to a multiple of 128 (llm.c), rows V..Vp-1 stay zero
-    L: int     # layers
-    NH: int    # heads
-    C: int     # channels
-
-    def __post_init__(self):
-        for k, v in asdict(self).items():
-            if not isinstance(v, int) or v <= 0:
-                raise CupyGPTError(f"model config: {k}={v} must be a positive integer")
-        if self.C % self.NH:
-            raise CupyGPTError(f"model config: C={self.C} is not divisible by NH={self.NH}")
-        if self.Vp < self.V:
-            raise CupyGPTError(f"model config: Vp={self.Vp} is smaller than V={self.V}")
-
-    @property
-    def HS(self):
-        return self.C // self.NH
-
-    def num_parameters(self):
-        from .layout import param_layout
-        return param_layout(self).size
-
-
-def padded_vocab(V, multiple=128):
-    return (V + multiple - 1) // multiple * multiple
-
-
-GPT2_V = 50257
-# name -> (L, NH, C); d12..d48 are GPT-2 124M/350M/774M/1558M, "tiny" runs in seconds on a CPU.
-_SHAPES = {"tiny": (4, 4, 128, 256), "d12": (12, 12, 768, 1024), "d24": (24, 16, 1024, 1024),
-           "d36": (36, 20, 1280, 1024), "d48": (48, 25, 1600, 1024)}
-PRESETS = {name: GPT2Config(maxT=T, V=GPT2_V, Vp=padded_vocab(GPT2_V), L=L, NH=NH, C=C)
-           for name, (L, NH, C, T) in _SHAPES.items()}
-
-
-def preset(name):
-    if name not in PRESETS:
-        raise CupyGPTError(f"not a model file and not a preset; presets are "
-                           f"{', '.join(PRESETS)}", "init", name)
-    return PRESETS[name]
-
-
-def is_model_file(spec):
-    """-e names a file (rather than a preset) when it looks like a path."""
-    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
-
-
-def model_shape(spec):
-    """The shape an -e names: a model file's header, or a preset."""
-    from .files import read_model_header
-    return read_model_header(spec)[0] if is_model_file(spec) else preset(spec)
+from .checkpoint import resolve as resolve_checkpoint
+from .files import model_shape, read_state_header
+from .parallel.pipeline.plan import plan_split
+from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
+from .shape import preset
 
 
 # --- run configs -------------------------------------------------------------------------
@@ -152,8 +99,6 @@ class Pipeline:
     counts: tuple = ()              # layers per model chunk, in model order
 
     def validate(self, shape, seq, stages, batch):
-        from .parallel.pipeline.runner import plan_split
-        from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
         if self.micro_batches < 1 or batch % self.micro_batches:
             raise CupyGPTError(f"must divide the batch size {batch} (per data-parallel "
                                f"replica)", "micro_batches", self.micro_batches)
@@ -240,7 +185,6 @@ class TrainConfig:
 
     def validate(self, be, world):
         """Returns the config with every default resolved and the model's shape (`shape`)."""
-        from . import checkpoint
         init, seq = be.DEFAULT_RUN
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq),
                     sample_every=default(self.sample_every, self.steps))
@@ -250,7 +194,7 @@ class TrainConfig:
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
         if c.resume:
-            c = replace(c, resume=checkpoint.resolve(c.resume))
+            c = replace(c, resume=resolve_checkpoint(c.resume))
             if self.init is not None:
                 raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
                                    f"({os.path.join(c.resume, 'model.bin')}), not this one; "
@@ -287,7 +231,6 @@ class VerifyConfig:
     grid: Grid = field(default_factory=Grid)
 
     def validate(self, be, world):
-        from .files import read_state_header
         positive(self, "steps", "lr")
         positive(self, "weight_decay", zero_ok=True)
         if self.expected:

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import CupyGPTError
-from .config import GPT2Config
 from .layout import param_layout
+from .shape import GPT2Config, preset
 
 UMASK = os.umask(0)
 os.umask(UMASK)
@@ -91,6 +91,16 @@ def read_model_header(path):
     itemsize = 4 if version == 3 else 2
     expect_size(path, "model", HEADER_BYTES + param_layout(cfg).size * itemsize)
     return cfg, version
+
+
+def is_model_file(spec):
+    """-e names a file (rather than a preset) when it looks like a path."""
+    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
+
+
+def model_shape(spec):
+    """The shape an -e names: a model file's header, or a preset."""
+    return read_model_header(spec)[0] if is_model_file(spec) else preset(spec)
 
 
 def read_model(path, out=None, mmap=False):

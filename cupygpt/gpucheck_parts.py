@@ -13,6 +13,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+from .shape import preset
+
 PKG = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = os.path.join(PKG, "reference")  # llm.c's reference files, package data
 # The repository around the package, when it is a clone (an installed wheel has no tests/).
@@ -134,7 +136,6 @@ def benches(out, work, plan):
 def pipeline(out, work, plan, ranks=2):
     """Per-step time and losses of one run on one GPU, then as a `ranks`-stage nvshmem
     pipeline, and with plan["mps"] that pipeline again under an MPS server."""
-    from .config import preset
     # what one handoff moves: a (B, T, C) fp32 activation forward or gradient back
     yield {"bytes_per_handoff": 4 * plan["t_short"] * preset(plan["model"]).C * 4}
     mpi = ["mpiexec", "-n", str(ranks)]

@@ -2,6 +2,7 @@
 import json
 
 from . import CupyGPTError
+from .files import atomic_write
 
 
 def read_log(path):
@@ -49,7 +50,6 @@ def plot(log_path, out_path):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    from .files import atomic_write
     with atomic_write(out_path) as f:
         fig.savefig(f, format="png")
     plt.close(fig)

@@ -8,16 +8,16 @@ import numpy as np
 from .backends import get_backend
 from .comm import make_transport
 from .comm.launch import launched_ranks, world_rank
-from .files import read_model
+from .files import is_model_file, read_model
 from .log import Log
 from .model import init_params
 from .parallel.mesh import Mesh
 from .parallel.pipeline.runner import Runner
+from .shape import preset
 
 
 def load_model(spec, seed):
     """-e: an llm.c model file (fp32 or bf16), or a preset name for a fresh model."""
-    from .config import is_model_file, preset
     if is_model_file(spec):
         return read_model(spec, mmap=True)
     cfg = preset(spec)

@@ -5,6 +5,7 @@ import json
 import os
 
 from . import CupyGPTError
+from .files import atomic_write
 from .parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from .parallel.pipeline.simulate import simulate
 
@@ -158,7 +159,6 @@ def timeline(path, out, schedule=None):
                              f"chunk: {ms}): bubble {sim['bubble']:.1%}", colours)
     bottom.set_xlabel("ms")
     fig.tight_layout()
-    from .files import atomic_write
     with atomic_write(out) as f:
         fig.savefig(f, format="png")
     plt.close(fig)

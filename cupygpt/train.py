@@ -13,7 +13,7 @@ from . import checkpoint
 from .data import DataLoader
 from .files import write_model
 from .optim import AdamWConfig, lr_at
-from .parallel.pipeline.runner import stage_shares
+from .parallel.pipeline.plan import stage_shares
 from .sample import generate
 from .session import load_model
 from .tokenizer import Tokenizer

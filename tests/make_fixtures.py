@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cupygpt.config import GPT2Config  # noqa: E402
+from cupygpt.shape import GPT2Config  # noqa: E402
 from cupygpt.files import MODEL_MAGIC, atomic_write, make_header, write_model  # noqa: E402
 from cupygpt.layout import param_layout  # noqa: E402
 from statefile import write_state  # noqa: E402

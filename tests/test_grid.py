@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.mpi,
 def made(tmp_path_factory):
     """A model shaped for grids (4 layers; 6 heads: TP 2 and 3; a vocab of 301 padded to
     320, divisible by neither) and shards of the shipped text's tokens folded into it."""
-    from cupygpt.config import GPT2Config
+    from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
     from cupygpt.model import init_params
     d = tmp_path_factory.mktemp("grid")

@@ -4,7 +4,7 @@ import pytest
 
 from cupygpt import CupyGPTError
 from cupygpt.backends import numpy_backend
-from cupygpt.config import preset
+from cupygpt.shape import preset
 from cupygpt.comm.local import Local
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.runner import Runner

@@ -3,7 +3,7 @@ and a model cut into stages by hand giving the same loss and gradients as the wh
 import numpy as np
 
 from cupygpt.backends import numpy_backend as be
-from cupygpt.config import GPT2Config
+from cupygpt.shape import GPT2Config
 from cupygpt.layout import Part, assemble, param_layout
 from cupygpt.model import Stage, init_params
 

@@ -67,7 +67,7 @@ def deep(tmp_path_factory):
     """8 layers (interleaved V=2 and zbv on 4 stages need 8 chunks), 4 heads, a vocab of
     301 padded to 320; B=12 splits into 2, 3, 4 or 6 micro-batches. Its reference: the
     single process's float64 state."""
-    from cupygpt.config import GPT2Config
+    from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
     from cupygpt.model import init_params
     from statefile import make_state64

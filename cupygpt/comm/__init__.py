@@ -5,13 +5,14 @@ TRANSPORTS, preferred first); the single process needs none and gets Local.
 """
 import importlib
 
+from .local import Local
+
 KINDS = {"mpi": ("mpi", "Mpi"), "nccl": ("nccl", "Nccl"), "nvshmem": ("nvshmem", "Nvshmem")}
 
 
 def make_transport(name, be, mesh, timeout):
     """name: auto or one of the backend's TRANSPORTS (config.Device.validate checked it)."""
     if mesh.size == 1:
-        from .local import Local
         return Local()
     name = be.TRANSPORTS[0] if name == "auto" else name
     module, cls = KINDS[name]

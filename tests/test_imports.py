@@ -1,0 +1,68 @@
+"""The package's import graph: every module imports alone, and no module reaches itself
+through others, counting imports inside functions (which would otherwise hide a circle)."""
+import ast
+import os
+import subprocess
+import sys
+
+import cupygpt
+
+PKG = os.path.dirname(cupygpt.__file__)
+
+
+def modules():
+    """{dotted name: path} of every module in the package."""
+    out = {}
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), os.path.dirname(PKG))[:-3]
+                out[rel.replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(d, f)
+    return out
+
+
+def imports(name, path, known):
+    """The package's modules that module `name` imports, anywhere in its body."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            base = f"{base}.{node.module}" if node.module else base
+            for alias in node.names:  # `from . import x` may name a module
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module in known:
+            found.add(node.module)
+    return found & set(known) - {name}
+
+
+def test_no_circle_in_the_import_graph():
+    known = modules()
+    graph = {n: imports(n, p, known) for n, p in known.items()}
+    # a package's __init__ is imported with each of its modules: those edges are implied
+    state, path = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        path.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(m):] + [m]))
+            if m not in state:
+                visit(m)
+        path.pop()
+        state[n] = "done"
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+
+
+def test_every_module_imports_alone():
+    procs = {n: subprocess.Popen([sys.executable, "-c", f"import {n}"], stderr=subprocess.PIPE,
+                                 text=True)
+             for n in modules() if n != "cupygpt.__main__"}  # (importing it runs the CLI)
+    failed = {n: p.communicate()[1].strip().splitlines()[-1:] for n, p in procs.items()
+              if p.wait() != 0}
+    assert not failed, failed
