@@ -5,7 +5,6 @@ import time
 from .data import DataLoader
 from .model import init_params
 from .optim import AdamWConfig
-from .parallel.pipeline import trace
 
 
 def flops_per_token(cfg, T):
@@ -18,21 +17,20 @@ def bench(sess, on_step=None):
     each step, warm-up included."""
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
-    run = sess.runner(cfg, init_params(cfg, 0), B, T, adamw=AdamWConfig(lr=1e-4),
+    run = sess.runner(cfg, init_params(cfg, 0), batch=B, seq=T, adamw=AdamWConfig(lr=1e-4),
                       graphs=c.graphs and not c.trace)
     if c.trace:
         run.start_trace()
     x, y = DataLoader(c.data, B, T, cfg.V).next_batch()
-    times, launch = _timed_steps(run, be, x, y, warmup, steps, on_step)
+    times, launch = _timed_steps(run, sess.tr, be, x, y, warmup, steps, on_step)
+    if c.trace:
+        run.write_trace(c.trace)
     out_extra = {}
     if run.overlap:  # the same steps with the replicas' gradient sum after the backward
-        run.overlap = False
-        plain = _timed_steps(run, be, x, y, 1, steps, on_step)[0]
-        run.overlap = True
+        run.set_overlap(False)
+        plain = _timed_steps(run, sess.tr, be, x, y, 1, steps, on_step)[0]
+        run.set_overlap(True)
         out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
-    if c.trace:
-        trace.write(run, c.trace)
-        run.trace = None
     ms = statistics.median(times) * 1e3
 
     peak = be.peak_flops()
@@ -44,8 +42,9 @@ def bench(sess, on_step=None):
            "tf32_peak_tflops": peak / 1e12 if peak else None,
            "mfu": achieved / peak if peak else None,
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
-           "grid": {"dp": run.mesh.dp, "tp": run.mesh.tp, "pp": run.mesh.pp,
-                    "micro_batches": run.M, "zero": int(run.zero), "overlap": run.overlap},
+           "grid": {"dp": sess.mesh.dp, "tp": sess.mesh.tp, "pp": sess.mesh.pp,
+                    "micro_batches": c.pipeline.micro_batches, "zero": c.grid.zero,
+                    "overlap": run.overlap},
            **out_extra}
     if be.asynchronous:  # the host's share of a step: elsewhere the host does all of it
         out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
@@ -57,17 +56,14 @@ def bench(sess, on_step=None):
     return out
 
 
-def _timed_steps(run, be, x, y, warmup, steps, on_step):
+def _timed_steps(run, tr, be, x, y, warmup, steps, on_step):
     """Seconds of each step after warm-up, and of its host side (launch) alone."""
     times, launch = [], []
     for i in range(warmup + steps):
         be.synchronize()
-        run.tr.barrier()  # every rank starts the step together
+        tr.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
-        if run.graphs and run.steps_done > 0:
-            run.launch_graph_step(x, y)
-        else:
-            run.train_step(x, y)
+        run.launch(x, y)
         t1 = time.perf_counter()
         be.synchronize()
         t2 = time.perf_counter()

@@ -37,25 +37,26 @@ STATE = "adamw.npz"
 def identity(run):
     """What a resume must match: the model's shape and the step's batch (the grid, split and
     micro-batches may differ: the checkpoint holds whole tensors)."""
-    return {"config": run.cfg.__dict__, "B": run.B, "T": run.T}
+    return {"config": run.shape.__dict__, "B": run.plan.batch, "T": run.plan.seq}
 
 
-def save(run, out, step, state, keep=2):
-    """Collective over all ranks. state: JSON-able run state (loader, RNG...), the same on
-    every rank; rank 0's is written. Returns the checkpoint's directory."""
-    tr, rank = run.tr, run.tr.rank
+def save(run, tr, out, step, state, keep=2):
+    """Collective over all ranks (tr: their transport). state: JSON-able run state (loader,
+    RNG...), the same on every rank; rank 0's is written. Returns the checkpoint's
+    directory."""
+    rank = tr.rank
     final = os.path.join(out, f"ckpt_{step:08d}")
     tmp = final + ".partial"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    full, (m, v) = run.gather_params(), run.gather_adamw()
+    whole = run.state_dict()
     if rank == 0:
-        write_model(os.path.join(tmp, "model.bin"), run.cfg, full)
-        meta = {**identity(run), "step": step, "adam_t": run.opt.t,
+        write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"])
+        meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
                 "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
         with atomic_write(os.path.join(tmp, STATE)) as f:
-            np.savez(f, m=m, v=v, meta=np.array(json.dumps(meta)))
+            np.savez(f, m=whole["m"], v=whole["v"], meta=np.array(json.dumps(meta)))
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -154,7 +155,6 @@ def restore(run, path):
             m, v = z["m"], z["v"]
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
-    run.load(read_model(os.path.join(path, "model.bin"), mmap=True)[1])
-    run.load_adamw(m, v)
-    run.opt.t = meta["adam_t"]
+    run.load_state_dict(read_model(os.path.join(path, "model.bin"), mmap=True)[1], m, v,
+                        meta["adam_t"])
     return meta

@@ -28,16 +28,15 @@ class Stage:
         self.part, self.comm = part, comm or Local()
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
         self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
-        self.v0, rows, self.valid = part.vocab(cfg)
-        self.layout = param_layout(cfg, part)
-        self.params = be.zeros(self.layout.size, dtype)
-        self.grads = be.zeros(self.layout.size, dtype)
+        self.v0, _, self.valid = part.vocab(cfg)
+        self.layout, alay, slay = self.layouts(cfg, B, T, part, split)
+        n = self.sizes(cfg, B, T, part, slots, split)
+        self.params = be.zeros(n["params"], dtype)
+        self.grads = be.zeros(n["grads"], dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
-        alay = activation_layout(cfg, B, T, self.nl, self.head, part.tp, rows, split, self.embed)
-        self.acts_buf = be.zeros(alay.size * slots, dtype)
+        self.acts_buf = be.zeros(n["activations"], dtype)
         self.acts = [alay.views(self.acts_buf, i * alay.size) for i in range(slots)]
-        slay = scratch_layout(cfg, B, T, part.tp)
-        self.scratch_buf = be.zeros(slay.size, dtype)
+        self.scratch_buf = be.zeros(n["scratch"], dtype)
         self.s = slay.views(self.scratch_buf)
         # attention output's gradient (C/tp wide) lives in dbt_c's memory: it is read once,
         # by attention_backward, before dbt_c is written
@@ -46,15 +45,30 @@ class Stage:
         # row-parallel biases: every shard's partial sum, shard 0's with the bias, is summed
         self.bias_here = part.shard == 0
 
+    @staticmethod
+    def layouts(cfg, B, T, part, split):
+        """(parameters, one slot's activations, scratch) of a stage holding part."""
+        return (param_layout(cfg, part),
+                activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp,
+                                  part.vocab(cfg)[1], split, part.embed),
+                scratch_layout(cfg, B, T, part.tp))
+
+    @classmethod
+    def sizes(cls, cfg, B, T, part, slots, split):
+        """Elements of each buffer a stage allocates (the constructor allocates these; the
+        memory estimate reads them before anything is allocated)."""
+        params, acts, scratch = cls.layouts(cfg, B, T, part, split)
+        return {"params": params.size, "grads": params.size, "activations": acts.size * slots,
+                "scratch": scratch.size}
+
     def tp_sum(self, arr):
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
         self.comm.all_reduce(arr, "tp")
 
     def memory_bytes(self):
         """Bytes of parameters, gradients and activations (+ scratch) this stage allocated."""
-        item = np.dtype(self.dtype).itemsize
-        return {"params": self.params.size * item, "grads": self.grads.size * item,
-                "activations": (self.acts_buf.size + self.scratch_buf.size) * item}
+        return {"params": self.params.nbytes, "grads": self.grads.nbytes,
+                "activations": self.acts_buf.nbytes + self.scratch_buf.nbytes}
 
     def load(self, full_params):
         """This stage's part of a whole model's host parameters (array or memmap), in one

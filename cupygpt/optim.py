@@ -30,10 +30,16 @@ class AdamW:
     def __init__(self, stages, hp, transport=None, parts=None):
         self.hp, self.t, self.tr = hp, 0, transport
         self.stages, self.parts = stages, parts or [None] * len(stages)
-        self.state = []  # per stage (m, v, the summed gradient slice with ZeRO-1)
-        for st, part in zip(stages, self.parts):
-            n = st.params.size if part is None else part[1] - part[0]
-            self.state.append([st.be.zeros(n, st.dtype) for _ in range(2 if part is None else 3)])
+        # per stage (m, v, the summed gradient slice with ZeRO-1)
+        self.state = [[st.be.zeros(n, st.dtype) for n in self.sizes(st.params.size, part)]
+                      for st, part in zip(stages, self.parts)]
+
+    @staticmethod
+    def sizes(n_params, part=None):
+        """Elements of each state buffer kept for a stage of n_params parameters: m and v,
+        and with ZeRO-1 (part: this replica's (a, b)) their slice and the summed gradient
+        slice the reduce-scatter fills."""
+        return [n_params] * 2 if part is None else [part[1] - part[0]] * 3
 
     def advance(self, lr=None):
         """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
@@ -86,8 +92,9 @@ class AdamW:
                 st.be.upload(x, host[a:b])
 
     def state_bytes(self):
-        """Bytes of m and v on this rank (1/dp of the stages' with ZeRO-1)."""
-        return sum(m.nbytes + v.nbytes for m, v, *_ in self.state)
+        """Bytes of the state on this rank (m and v, with ZeRO-1 1/dp of them and the summed
+        gradient slice)."""
+        return sum(x.nbytes for state in self.state for x in state)
 
 
 def lr_at(step, lr, warmup, steps, final_frac):

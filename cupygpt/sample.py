@@ -22,44 +22,24 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
              kv_cache=True):
     """Appends up to n tokens to prompt (ids), limited by the runner's T. Every rank returns
     the same ids; on_token(id) is called on each rank as tokens arrive. With kv_cache one
-    pass over the prompt, then one position per token (Runner.decode); without, a whole
-    pass per token (the reference the cache is tested against)."""
-    T, tr, head = run.T, run.tr, run.head
+    pass over the prompt, then one position per token (Runner.next_token); without, a
+    whole pass per token (the reference the cache is tested against)."""
+    T = run.plan.seq
     if not prompt:
         raise CupyGPTError("the prompt is empty: generation needs at least one token")
     if len(prompt) >= T:
         raise CupyGPTError(f"the prompt encodes to {len(prompt)} tokens, leaving no room in "
                            f"the model's context of {T}; shorten it")
-    tokens = np.full((run.Bm * run.M, T), fill, np.int32)
-    tokens[0, :len(prompt)] = prompt
-    out, row = list(prompt), {}
+    # every row holds the text, so each replica's row 0 (the one decoded) is the same
+    tokens = np.full((run.plan.batch, T), fill, np.int32)
+    tokens[:, :len(prompt)] = prompt
+    out = list(prompt)
 
-    def at(t):  # on_logits keeping position t's logits of row 0 (this shard's tokens)
-        def grab(mb, logits):
-            if mb == 0:
-                row["logits"] = run.be.to_host(logits[0, t, :head.valid])
-        return grab
-
-    def pick():  # the next token, on every rank
-        if run.mesh.tp == 1:
-            tok = next_token(row["logits"], rng, temperature, top_k) if run.last else None
-            return tr.bcast(tok, root=run.loss_rank)
-        # tensor parallel: each shard of the head holds its slice of the vocabulary, so
-        # the whole row is put together on rank 0 (replicas send the same slices)
-        slices = tr.gather((head.v0, row["logits"]) if run.last else None)
-        tok = None
-        if slices is not None:
-            whole = dict(s for s in slices if s)
-            tok = next_token(np.concatenate([whole[v0] for v0 in sorted(whole)]), rng,
-                             temperature, top_k)
-        return tr.bcast(tok, root=0)
+    def choose(logits):
+        return next_token(logits, rng, temperature, top_k)
     for t in range(len(prompt), min(len(prompt) + n, T)):
-        if kv_cache and t > len(prompt):
-            run.decode(tokens, t - 1, at(t - 1))
-        else:
-            run.forward_first(tokens, at(t - 1))
-        tok = pick()
-        tokens[0, t] = tok
+        tok = run.next_token(tokens, t - 1, choose, cached=kv_cache and t > len(prompt))
+        tokens[:, t] = tok
         out.append(tok)
         if on_token:
             on_token(tok)
@@ -80,7 +60,7 @@ def sample_text(sess, on_start=None, on_token=None):
                            f"model's context is {cfg.maxT}; shorten it", "prompt",
                            repr(o.prompt[:20] + "..." if len(o.prompt) > 20 else o.prompt))
     T = min(cfg.maxT, len(prompt) + max(o.max_new_tokens, 1))
-    run = sess.runner(cfg, params, 1, T)
+    run = sess.runner(cfg, params, batch=1, seq=T)
     if on_start:
         on_start(min(o.max_new_tokens, T - len(prompt)))
     ids = generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),

@@ -41,24 +41,27 @@ class Session:
                           device_of=self.mesh.device, ranks_here=world)
         self.log = Log(self.mesh.rank, self.mesh.size)
 
-    def runner(self, cfg, params, B, T, dtype=np.float32, adamw=None, graphs=False):
-        """params: the whole model's host parameters (None: a resume fills the stage)."""
-        p = self.config.pipeline
-        run = Runner(cfg, self.be, self.tr, self.mesh, B, T, p.micro_batches, p.schedule,
-                     list(p.counts), dtype, adamw, graphs, bool(self.config.grid.zero),
-                     self.config.grid.overlap, p.virtual_stages)
+    def runner(self, shape, params, *, batch, seq, dtype=np.float32, adamw=None,
+               graphs=False):
+        """This rank's Runner over the command's pipeline and grid; params: the whole
+        model's host parameters (None: a resume fills the stages)."""
+        p, g = self.config.pipeline, self.config.grid
+        run = Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
+                     batch=batch, seq=seq, micro_batches=p.micro_batches, schedule=p.schedule,
+                     virtual=p.virtual_stages, counts=p.counts, dtype=dtype, adamw=adamw,
+                     graphs=graphs, zero=bool(g.zero), overlap=g.overlap)
         if params is not None:
-            run.load(params)
+            run.load_state_dict(params)
         return run
 
     def describe(self, cfg, run, extra=()):
         """llm.c-style header: the config, then this rank's memory, one line per rank."""
-        m = self.mesh
+        m, g = self.mesh, self.config.grid
         rows = [*self.be.device_info().items(), ("transport", self.tr.name),
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
                 ("dp gradient sum", "-" if m.dp == 1 else "overlapped, per layer" +
-                 (" (zero 1)" if run.zero else "") if run.overlap else
-                 "reduce-scatter (zero 1)" if run.zero else "after backward"),
+                 (" (zero 1)" if g.zero else "") if run.overlap else
+                 "reduce-scatter (zero 1)" if g.zero else "after backward"),
                 ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
                 ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
@@ -66,13 +69,6 @@ class Session:
         bar = "+" + "-" * 25 + "+" + "-" * 52 + "+"
         self.log("\n".join([self.backend_note, bar] +
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))
-        mem = {}
-        for st in run.stages:
-            for k, v in st.memory_bytes().items():
-                mem[k] = mem.get(k, 0) + v
-        mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items())
-        opt = f", optimizer {run.opt.state_bytes() / 2**20:.1f} MiB" if run.opt else ""
-        layers = " and ".join(f"{st.l0}..{st.l1 - 1}{' +embedding' if st.embed else ''}"
-                              f"{' +head' if st.head else ''}" for st in run.stages)
+        mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in run.memory.items() if v)
         self.log(f"rank {m.rank} = stage {m.stage} replica {m.replica} shard {m.shard} "
-                 f"(pid {os.getpid()}): layers {layers}: {mem}{opt}", every_rank=True)
+                 f"(pid {os.getpid()}): layers {run.layers()}: {mem}", every_rank=True)

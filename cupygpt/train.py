@@ -17,7 +17,6 @@ from .parallel.pipeline.plan import stage_shares
 from .sample import generate
 from .session import load_model
 from .tokenizer import Tokenizer
-from .parallel.pipeline import trace
 
 
 def open_tokenizer(path, cfg, log):
@@ -55,7 +54,7 @@ def train(sess):
     """The `train` command over a Session holding its validated TrainConfig."""
     log, tr, o = sess.log, sess.tr, sess.config
     cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
-    run = sess.runner(cfg, params, o.batch, o.seq,
+    run = sess.runner(cfg, params, batch=o.batch, seq=o.seq,
                       adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay),
                       graphs=o.graphs and not o.trace)  # a trace marks each action: eager
     if o.trace:
@@ -77,9 +76,9 @@ def train(sess):
     sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
                              ("micro_batches", o.pipeline.micro_batches),
                              ("schedule", o.pipeline.schedule),
-                             ("stages (layers)", ",".join(map(str, run.counts)) + " (cost " +
+                             ("stages (layers)", ",".join(map(str, run.plan.counts)) + " (cost " +
                               ", ".join(f"{100 * x:.0f}%" for x in
-                                        stage_shares(cfg, o.seq, run.counts)) + ")"),
+                                        stage_shares(cfg, o.seq, run.plan.counts)) + ")"),
                              ("train shards", len(train_data.files)),
                              ("start step", start)])
     if tr.rank == 0:
@@ -89,10 +88,10 @@ def train(sess):
 
     def save(step):
         nonlocal ckpt
-        if tr.any(not all(sess.be.all_finite(st.params) for st in run.stages)):
+        if tr.any(not run.params_finite()):
             raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
                                f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower the learning rate")
-        ckpt = checkpoint.save(run, o.out, step, {"train_loader": train_data.state(),
+        ckpt = checkpoint.save(run, tr, o.out, step, {"train_loader": train_data.state(),
                                                   "rng": rng.bit_generator.state}, o.keep)
         log(f"checkpoint {ckpt}")
 
@@ -117,7 +116,7 @@ def train(sess):
             x, y = train_data.next_batch()
             lr = lr_at(step, o.lr, o.warmup, o.steps, o.final_lr_frac)
             t0 = time.perf_counter()
-            loss = run.train_step(x, y, lr)
+            loss = run.step(x, y, lr)
             sess.be.synchronize()
             dt = time.perf_counter() - t0
             if fault == (step + 1, tr.rank):
@@ -126,7 +125,7 @@ def train(sess):
                 if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != o.resume:
                     ckpt = checkpoint.demote(tr, o.out, ckpt)  # its parameters gave this loss
                 raise CupyGPTError(
-                    f"step {step + 1}: train loss is {loss} (computed on rank {run.loss_rank}, "
+                    f"step {step + 1}: train loss is {loss} (computed on rank {run.plan.loss_rank}, "
                     f"the last stage); stopping. " + (
                         f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
                         if ckpt else "No checkpoint yet; lower -l"))
@@ -151,10 +150,10 @@ def train(sess):
     if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
         save(o.steps)
     if o.trace:
-        trace.write(run, o.trace)
+        run.write_trace(o.trace)
         log(f"wrote trace {o.trace}")
-    full = run.gather_params()
+    full = run.state_dict(optimizer=False)
     if tr.rank == 0:
         path = os.path.join(o.out, "model.bin")
-        write_model(path, cfg, full)
+        write_model(path, cfg, full["params"])
         log(f"wrote {path}")

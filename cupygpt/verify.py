@@ -7,7 +7,6 @@ import numpy as np
 from .files import read_model, read_state
 from .layout import copy_part, param_layout
 from .optim import AdamWConfig
-from .parallel.pipeline import trace
 
 # Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
 # A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
@@ -25,8 +24,8 @@ def verify(sess):
     cfg, params = read_model(c.model)
     st = read_state(c.state, cfg)
     B, T = st["B"], st["T"]
-    run = sess.runner(cfg, params, B, T, np.dtype(c.dtype).type,
-                      AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
+    run = sess.runner(cfg, params, batch=B, seq=T, dtype=np.dtype(c.dtype).type,
+                      adamw=AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
     if c.trace:
         run.start_trace()
     key = sess.be.numerics()
@@ -34,10 +33,8 @@ def verify(sess):
 
     logit_diff = [0.0]
 
-    def check_logits(mb, logits):  # this rank's rows, and columns (its vocab shard)
-        head = run.head
-        got = sess.be.to_host(logits)[..., :head.valid]
-        ref = st["logits"][run.rows(mb), :, head.v0:head.v0 + head.valid]
+    def check_logits(rows, v0, got):  # this rank's rows, and columns (its vocab shard)
+        ref = st["logits"][rows, :, v0:v0 + got.shape[-1]]
         logit_diff[0] = max(logit_diff[0], float(np.abs(got - ref).max()))
 
     fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
@@ -45,16 +42,10 @@ def verify(sess):
     loss = run.gradients(st["x"], st["y"])
 
     mine = {}
-    for stage in run.stages:
-        grads = stage.g
-        if not run.summed:  # ZeRO-1 sums the replicas' gradients inside the optimizer step
-            whole = stage.grads.copy()
-            tr.all_reduce(whole, "dp")
-            grads = stage.layout.views(whole)
-        ref = copy_part(np.empty(stage.layout.size, np.float32), stage.part, st["grads"], cfg)
-        refv = stage.layout.views(ref)
-        for name, g in grads.items():
-            gh = sess.be.to_host(g)
+    for part, grads in run.grads_by_part():
+        lay = param_layout(cfg, part)
+        refv = lay.views(copy_part(np.empty(lay.size, np.float32), part, st["grads"], cfg))
+        for name, gh in grads.items():
             d, m = mine.get(name, (0.0, 0.0))
             mine[name] = (max(d, float(np.abs(gh - refv[name]).max())),
                           max(m, float(np.abs(refv[name]).max())))
@@ -67,9 +58,9 @@ def verify(sess):
     step_losses = [loss]
     run.optimizer_step()
     for _ in range(1, c.steps):
-        step_losses.append(run.train_step(st["x"], st["y"]))
+        step_losses.append(run.step(st["x"], st["y"]))
     if c.trace:
-        trace.write(run, c.trace)
+        run.write_trace(c.trace)
     if tr.rank != 0:
         return True
 

@@ -26,16 +26,16 @@ def make_state64(model, d, B, T, seed=3):
     from cupygpt.parallel.mesh import Mesh
     from cupygpt.parallel.pipeline.runner import Runner
     cfg, params = read_model(model)
-    run = Runner(cfg, be, Local(), Mesh(), B, T, dtype=np.float64,
-                 adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
-    run.load(params)
+    run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=B, seq=T,
+                 dtype=np.float64, adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
+    run.load_state_dict(params)
     xy = np.random.default_rng(seed).integers(0, cfg.V, (B, T + 1)).astype(np.int32)
     x, y = xy[:, :-1], xy[:, 1:]
     logits = []
-    run.eval_loss(x, y, lambda mb, lg: logits.append(lg[..., :cfg.V].copy()))
+    run.eval_loss(x, y, lambda rows, v0, lg: logits.append(lg.copy()))
     losses = [run.gradients(x, y)]
     write_state(d / "state.bin", x, y, logits[0], losses[0], run.stages[0].grads)
-    run.opt.step()
-    losses += [run.train_step(x, y) for _ in range(9)]
+    run.optimizer_step()
+    losses += [run.step(x, y) for _ in range(9)]
     (d / "expected.json").write_text(json.dumps({"losses": losses}))
     return model, d / "state.bin", d / "expected.json"

@@ -246,7 +246,7 @@ def test_out_of_memory_at_start_is_one_line(device):
     res = run(device, "train", "--backend", "cuda", "-e", "d12", "-b", "512", "-t", "1024",
               "-n", "1")
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert "out of GPU memory at start" in res.stderr and "GiB is free" in res.stderr
+    assert "out of memory at start" in res.stderr and "GiB of the GPU is free" in res.stderr
 
 
 def test_bench_writes_json(device, tmp_path):

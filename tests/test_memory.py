@@ -1,18 +1,22 @@
-"""Out of GPU memory at start: refused before allocating, with the numbers and the fix."""
+"""Memory: what a runner allocates is what its estimate says (the estimate is the
+allocators' own sizes), on every grid; more than there is is refused before allocating,
+with the numbers and the fix."""
 import numpy as np
 import pytest
 
 from cupygpt import CupyGPTError
-from cupygpt.backends import numpy_backend
-from cupygpt.shape import preset
+from cupygpt.backends import host_memory, numpy_backend
 from cupygpt.comm.local import Local
+from cupygpt.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.shape import GPT2Config, preset
 
 
 class SmallDevice:
     """The NumPy backend pretending to be a device with 1 GiB free; allocating is an error."""
     name = "small-device"
+    memory_name = "the GPU"
 
     def __getattr__(self, attr):
         return getattr(numpy_backend, attr)
@@ -28,16 +32,52 @@ class SmallDevice:
 
 def test_refused_before_allocating_with_numbers():
     with pytest.raises(CupyGPTError) as e:
-        Runner(preset("d12"), SmallDevice(), Local(), Mesh(), 8, 1024, adamw=object())
+        Runner(shape=preset("d12"), backend=SmallDevice(), transport=Local(), mesh=Mesh(),
+               batch=8, seq=1024, adamw=AdamWConfig())
     msg = str(e.value)
-    assert "out of GPU memory at start" in msg and "1.00 GiB is free" in msg
+    assert "out of memory at start: rank 0 needs 1" in msg
+    assert "1.00 GiB of the GPU is free" in msg and "optimizer 0.93" in msg
     assert "lower the batch size or sequence length" in msg and "pipeline stages" in msg
 
 
-def test_estimate_matches_what_the_stage_allocates():
-    from cupygpt.optim import AdamWConfig
-    run = Runner(preset("tiny"), numpy_backend, Local(), Mesh(), 4, 64, adamw=AdamWConfig())
-    st, = run.stages
-    allocated = (st.params.nbytes + st.grads.nbytes + st.acts_buf.nbytes +
-                 st.scratch_buf.nbytes + run.opt.state_bytes())
-    assert run.bytes_needed(st.part, len(st.acts), np.float32, True, False) == allocated
+def allocated(run):
+    """Bytes the runner's stages and optimizer hold, by kind, counted from the arrays."""
+    out = dict.fromkeys(run.memory, 0)
+    for st in run.stages:
+        out["params"] += st.params.nbytes
+        out["grads"] += st.grads.nbytes
+        out["activations"] += st.acts_buf.nbytes
+        out["scratch"] += st.scratch_buf.nbytes
+    out["optimizer"] = run.opt.state_bytes()
+    return out
+
+
+# (pp, dp, tp, zero, schedule, micro-batches): every rank of each grid is built
+GRIDS = [(1, 1, 1, 0, "1f1b", 1), (2, 1, 1, 0, "1f1b", 4), (2, 2, 1, 1, "1f1b", 2),
+         (1, 2, 3, 1, "gpipe", 2), (2, 1, 2, 0, "zbv", 4), (2, 1, 1, 0, "interleaved", 4),
+         (3, 2, 1, 0, "zb1p", 3)]
+
+
+@pytest.mark.parametrize("pp,dp,tp,zero,schedule,m", GRIDS)
+def test_estimate_is_what_is_allocated_on_every_grid(pp, dp, tp, zero, schedule, m):
+    shape = GPT2Config(maxT=16, V=301, Vp=320, L=6, NH=6, C=48)
+    for rank in range(pp * dp * tp):
+        run = Runner(shape=shape, backend=numpy_backend, transport=Local(),
+                     mesh=Mesh(rank, pp=pp, dp=dp, tp=tp), batch=dp * m, seq=16,
+                     micro_batches=m, schedule=schedule, adamw=AdamWConfig(), zero=bool(zero))
+        assert run.memory == allocated(run), (rank, run.memory)
+        # ZeRO-1 keeps m, v and the summed gradient slice: 3 of a replica's 1/dp share
+        n = run.memory["params"] // 4
+        want = 3 * -(-n // dp) if zero else 2 * n
+        assert abs(run.memory["optimizer"] // 4 - want) <= 3 * len(run.stages), rank
+
+
+def test_host_memory_reads_the_cgroup_limit(tmp_path):
+    """A container's limit, less what it uses (droppable page cache not counted)."""
+    (tmp_path / "memory.max").write_text("3221225472\n")
+    (tmp_path / "memory.current").write_text(str(2 ** 30 + 2 ** 28))
+    (tmp_path / "memory.stat").write_text(f"anon 1\ninactive_file {2 ** 28}\n")
+    assert host_memory._cgroup_left(str(tmp_path)) == 2 * 2 ** 30
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_memory._cgroup_left(str(tmp_path)) is None
+    assert 0 < host_memory.available() <= host_memory._meminfo("MemAvailable")

@@ -8,6 +8,7 @@ from cupygpt.backends import numpy_backend
 from cupygpt.comm.local import Local
 from cupygpt.shape import GPT2Config
 from cupygpt.parallel.mesh import Mesh
+from cupygpt.parallel.pipeline.executor import Pass
 from cupygpt.parallel.pipeline.runner import Runner
 from cupygpt.parallel.pipeline.schedule import Action, Op
 
@@ -58,12 +59,12 @@ def test_device_round_robin():
 
 def test_runner_refuses_an_unknown_action():
     cfg = GPT2Config(maxT=8, V=16, Vp=16, L=1, NH=2, C=8)
-    run = Runner(cfg, numpy_backend, Local(), Mesh(), 2, 4)
+    run = Runner(shape=cfg, backend=numpy_backend, transport=Local(), mesh=Mesh(), batch=2,
+                 seq=4)
     x = np.zeros((2, 4), np.int32)
     run.eval_loss(x, x)  # the real actions run
-    run.eval_actions = [Action(Op.FWD, 0), Action("fwd_typo", 0)]
     with pytest.raises(CupyGPTError, match="rank 0: unknown pipeline action 'fwd_typo'"):
-        run.eval_loss(x, x)
+        run.exec.run([Action(Op.FWD, 0), Action("fwd_typo", 0)], Pass())
 
 
 def test_default_split_balances_the_counted_cost():

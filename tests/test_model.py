@@ -86,18 +86,18 @@ def test_decoding_on_the_kv_cache_matches_whole_passes():
     from cupygpt.parallel.pipeline.runner import Runner
     from cupygpt.sample import generate
     cfg = GPT2Config(maxT=24, V=50, Vp=64, L=2, NH=4, C=32)
-    run = Runner(cfg, be, Local(), Mesh(), 2, 24)  # two rows: decoding reads row 0 only
-    run.load(init_params(cfg, 5))
+    run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=2, seq=24)
+    run.load_state_dict(init_params(cfg, 5))  # two rows: decoding reads row 0 only
     x = np.random.default_rng(0).integers(0, cfg.V, (2, 24)).astype(np.int32)
-    whole = {}
-    run.forward_first(x, lambda mb, logits: whole.setdefault("logits", logits[0].copy()))
+
+    def row(r):
+        return r.copy()
+    whole = [run.next_token(x, t, row, cached=False) for t in range(24)]
     prompt = x.copy()
     prompt[:, 5:] = 0  # positions 5.. come only from the decode steps below
-    run.forward_first(prompt, lambda mb, logits: None)
+    run.next_token(prompt, 4, row, cached=False)
     for t in range(5, 24):
-        got = {}
-        run.decode(x, t, lambda mb, logits: got.setdefault("row", logits[0, t].copy()))
-        np.testing.assert_allclose(got["row"], whole["logits"][t], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(run.next_token(x, t, row), whole[t], rtol=1e-5, atol=1e-5)
     for seed in range(3):
         ids = [generate(run, list(x[0, :3]), 20, 0, np.random.default_rng(seed), kv_cache=c)
                for c in (True, False)]

@@ -15,8 +15,8 @@ from cupygpt.parallel.pipeline.runner import Runner
 cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size
 mesh = Mesh(MPI.COMM_WORLD.rank, tp=world)
-run = Runner(cfg, be, Mpi(be, mesh, 60.0), mesh, 2, 8)
-run.load(params)
+run = Runner(shape=cfg, backend=be, transport=Mpi(be, mesh, 60.0), mesh=mesh, batch=2, seq=8)
+run.load_state_dict(params)
 x = np.random.default_rng(0).integers(0, cfg.V, (2, 9)).astype(np.int32)
 run.gradients(x[:, :-1], x[:, 1:])
 whole = ("wpe", "ln1w", "ln1b", "attprojb", "ln2w", "ln2b", "fcprojb", "lnfw", "lnfb")
@@ -27,7 +27,8 @@ theirs = MPI.COMM_WORLD.allgather(mine)
 for n in whole:
     assert all(np.array_equal(t[n], mine[n]) for t in theirs), n
 mem = run.stages[0].memory_bytes()
-alone = Runner(cfg, be, Mpi(be, Mesh(0), 60.0), Mesh(0), 2, 8).stages[0].memory_bytes()
+alone = Runner(shape=cfg, backend=be, transport=Mpi(be, Mesh(0), 60.0), mesh=Mesh(0), batch=2,
+               seq=8).stages[0].memory_bytes()
 assert mem["params"] < 1.1 * alone["params"] / world, (mem, alone)
 assert mem["activations"] < alone["activations"], (mem, alone)
 if mesh.rank == 0:

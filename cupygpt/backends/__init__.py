@@ -13,7 +13,9 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   travel by, preferred first; DEFAULT_RUN, (-e, -t) when the user gives none;
 - supports_graphs: a step can be captured and replayed (capture, replay, adamw_schedule);
   asynchronous: calls return before the device is done (so host launch time means something);
-- configure(tf32, device_of), device_memory() (free bytes, None for host memory),
+- configure(tf32, device_of), device_memory() (free bytes where it allocates: the GPU's,
+  or the host's), memory_domain() (ranks with equal answers share that memory; its name in
+  memory_name),
   memory_in_use(), numerics() (verify's tolerance row), peak_flops() (None: no MFU),
   device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none).
 """

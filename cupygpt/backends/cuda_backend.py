@@ -10,6 +10,7 @@ functions), and cudasim loads this file whole against its stand-in CuPy.
 """
 import functools
 import math
+import socket
 import time
 
 import cupy as cp
@@ -245,6 +246,14 @@ def memory_in_use():
 def device_memory():
     """Free device memory, bytes (the driver's free plus what CuPy's pool holds unused)."""
     return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+
+
+memory_name = "the GPU"
+
+
+def memory_domain():
+    """What ranks with the same answer allocate from: this host's GPU of this rank."""
+    return socket.gethostname(), cp.cuda.Device().id
 
 
 def numerics():

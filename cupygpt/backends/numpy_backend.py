@@ -2,9 +2,12 @@
 import functools
 import math
 import os
+import socket
 import time
 
 import numpy as np
+
+from . import host_memory
 
 name = "numpy"
 # Capabilities (backends/__init__.py lists them)
@@ -50,8 +53,16 @@ def all_finite(a):
 
 
 def device_memory():
-    """Free device memory, bytes; None: memory is the host's."""
-    return None
+    """Free memory where this backend allocates (the host's), bytes."""
+    return host_memory.available()
+
+
+memory_name = "this host's memory"
+
+
+def memory_domain():
+    """What ranks with the same answer allocate from: this host's memory."""
+    return socket.gethostname()
 
 
 def configure(tf32=False, device_of=None, ranks_here=1):

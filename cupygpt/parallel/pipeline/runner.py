@@ -1,345 +1,203 @@
-"""The rank-conditional runner: executes this rank's action list over its stage.
+"""The runner: one rank's part of every step, behind a small facade that train, verify,
+sample, bench and checkpoint use (step, gradients, eval_loss, next_token, state_dict,
+load_state_dict) and nothing deeper.
 
-The single process is the pipeline of one stage (no sends, no receives), so `train`,
-`verify` and `sample` have one code path for every world size. Which ranks are the
-neighbours, and which one holds the loss, the Mesh says.
+It puts together the pieces, each in its own file: the step plan (plan.py: what this rank
+holds and does, pure data), the memory it needs (memory.py, from the allocators' own
+sizes, checked before anything is allocated), the stages (model.py), the action executor
+(executor.py), the gradient sums (parallel/grad_sync.py) and AdamW (optim.py). Whether a
+step is a replayed CUDA graph or eager is decided here, once. The single process is the
+pipeline of one stage (no sends, no receives): one code path for every world size.
 """
 import numpy as np
 
-from ... import CupyGPTError
-from ...layout import (PARAM_NAMES, WHOLE, Part, activation_layout, assemble, copy_part,
-                       param_layout, scratch_layout)
+from ...layout import assemble, copy_part, param_layout
 from ...model import Stage
 from ...comm.base import chunks
 from ...optim import AdamW
-from .plan import plan_split
-from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement,
-                       slot_plan)
-
-
-TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
+from ..grad_sync import GradSync
+from . import trace
+from .executor import Executor, Pass
+from .memory import check_memory, memory_plan
+from .plan import plan_step
 
 
 class Runner:
-    def __init__(self, cfg, be, transport, mesh, B, T, micro_batches=1, schedule="1f1b",
-                 counts=None, dtype=np.float32, adamw=None, graphs=False, zero=False,
-                 overlap=True, virtual=None):
-        """counts: layers per model chunk (plan_split's, already checked); a rank holds the
-        chunks the schedule places on it (one per rank, or `virtual` for an interleaved
-        schedule; None: its default), a Stage each. B the batch of one step: each
-        data-parallel replica computes B / dp of its rows, in micro_batches. zero: AdamW's
-        state sharded across the replicas (ZeRO-1). overlap: the replicas' gradient sum
-        starts layer by layer during each chunk's last backward (an all-reduce; with ZeRO-1
-        each replica then updates its slice of the sums instead of reduce-scattering after
-        the backward: twice the bytes, hidden behind the backward)."""
-        p, r, M = mesh.pp, mesh.stage, micro_batches
-        v = chunks_per_rank(schedule, virtual)
-        K = p * v                               # model chunks
-        counts = counts or plan_split(cfg, T, K)
-        self.cfg, self.be, self.tr, self.mesh = cfg, be, transport, mesh
-        self.B, self.T, self.M, self.schedule = B, T, M, schedule
-        self.Bl = B // mesh.dp                  # this replica's rows
-        self.Bm = self.Bl // M
-        self.zero = zero
-        self.overlap = overlap and mesh.dp > 1
-        self.summed = True  # whether the step's gradients are the replicas' sums (sync_grads)
-        self.in_flight = []
-        self.counts, self.chunks = counts, placement(schedule, p, v, r)
-        self.train_actions = SCHEDULES[schedule](p, M, r, v)
-        self.eval_actions = forward_only(p, M, r, v, schedule)
-        self.first_actions = forward_only(p, 1, r, v, schedule)
-        split = any(a.op == Op.BWD_WEIGHT for a in self.train_actions)
-        # each chunk's last backward pass (its layers' gradients are final after it)
-        self.last_bwd = {a.chunk: a.mb for a in self.train_actions
-                         if a.op in (Op.BWD, Op.BWD_WEIGHT)}
-        self.parts = [Part(sum(counts[:k]), sum(counts[:k + 1]), k == 0, k == K - 1, mesh.tp,
-                           mesh.shard) for k in self.chunks]
-        slots = [max(slot_plan([a for a in acts if a.chunk == c])[0]
-                     for acts in (self.train_actions, self.eval_actions))
-                 for c in range(len(self.chunks))]
-        need = sum(self.bytes_needed(pt, n, dtype, adamw is not None, split)
-                   for pt, n in zip(self.parts, slots))
-        free = be.device_memory()
-        if free is not None and need > free:
-            raise CupyGPTError(
-                f"rank {mesh.rank}: out of GPU memory at start: its stages need "
-                f"{need / 2**30:.2f} GiB (parameters, gradients, AdamW state, activations for "
-                f"{sum(slots)} micro-batch(es) of {self.Bm}x{T}) and {free / 2**30:.2f} GiB is "
-                f"free; lower the batch size or sequence length, use more micro-batches, or "
-                f"more pipeline stages or tensor-parallel ranks")
-        self.stages = [Stage(cfg, be, self.Bm, T, pt, n, dtype, transport, split)
-                       for pt, n in zip(self.parts, slots)]
-        self.embed = next((st for st in self.stages if st.embed), None)
+    def __init__(self, *, shape, backend, transport, mesh, batch, seq, micro_batches=1,
+                 schedule="1f1b", virtual=None, counts=None, dtype=np.float32, adamw=None,
+                 graphs=False, zero=False, overlap=True):
+        """batch: the step's rows over every replica (each computes batch / dp of them, in
+        micro_batches); counts: layers per model chunk (plan_split's, already checked; None:
+        balanced); virtual: model chunks per rank (None: the schedule's); adamw: an
+        AdamWConfig (None: no optimizer); zero: AdamW's state sharded across the replicas
+        (ZeRO-1); overlap: the replicas' gradient sum during the last backward; graphs: a
+        step as a CUDA graph where the backend and transport allow it."""
+        self.shape, self.be, self.tr, self.mesh = shape, backend, transport, mesh
+        self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
+                                     micro_batches=micro_batches, schedule=schedule,
+                                     virtual=virtual, counts=counts)
+        zero_parts = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
+                      for pt in plan.parts] if zero else None
+        self.memory = memory_plan(shape, plan, dtype, adamw is not None, zero_parts)
+        check_memory(self.memory, backend, transport, mesh)
+        self.stages = [Stage(shape, backend, plan.mb_rows, seq, pt, n, dtype, transport,
+                             plan.split_backward) for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
-        self.first, self.last = self.embed is not None, self.head is not None
-        # the ranks that hold the loss (replica 0, shard 0's reports it) and the tied wte
-        at = holders(schedule, p, v)  # model chunk -> (rank, its chunk index there)
-        embed_rank, head_rank = at[0][0], at[K - 1][0]
-        self.loss_rank = mesh.rank_at(head_rank)
-        ends = (embed_rank, head_rank)
-        self.tied_peer = mesh.stage_rank(ends[1 - ends.index(r)]) \
-            if r in ends and embed_rank != head_rank else None
-        # where each chunk's activation goes and its gradient comes back from: a rank, or
-        # ("local", that chunk's index here) for a chunk of this rank
-        def peer(k):
-            if not 0 <= k < K:
-                return None
-            rk, c = at[k]
-            return ("local", c) if rk == r else mesh.stage_rank(rk)
-        self.next = [peer(k + 1) for k in self.chunks]
-        self.prev = [peer(k - 1) for k in self.chunks]
-        self.local = {}   # (kind, receiving chunk) -> copies handed over on this rank, in order
-        self.spare = []
-        parts = [chunks(st.params.size, mesh.dp)[mesh.replica] for st in self.stages] \
-            if zero else None
-        self.opt = AdamW(self.stages, adamw, transport, parts) if adamw is not None else None
-        Bl = self.Bl
-        self.x_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.first else None
-        self.y_dev = be.zeros(Bl * T, np.int32).reshape(Bl, T) if self.last else None
-        self.loss_acc = be.zeros(1, np.float64)
+        self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
+                             zero=zero, overlap=overlap)
+        self.opt = AdamW(self.stages, adamw, transport, zero_parts) if adamw else None
+        self.exec = Executor(plan, self.stages, backend, transport, self.sync)
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum packs its
         # buckets in fresh memory on a side stream, so it stays eager
-        self.graphs = graphs and be.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not self.overlap))
+        self.graphs = graphs and backend.supports_graphs and (
+            mesh.size == 1 or (transport.graphable and not self.sync.overlap))
         self.graph, self.steps_done = None, 0
-        self.trace = None  # [(action, start, end)] while tracing (start_trace)
-        io = (self.Bm, T, cfg.C)
+        io = (plan.mb_rows, seq, shape.C)
         # the same shapes on every rank (NVSHMEM allocates symmetrically): the largest wte
         # shard's rows for the tied sum
         transport.prepare({"act": (io, 2), "grad": (io, 2),
-                           "tied": ((-(-cfg.Vp // mesh.tp), cfg.C), 1)})
-        sts = self.stages
-        # The action table: an op missing here is refused (_execute), never skipped.
-        self.ops = {
-            Op.FWD: self._forward, Op.BWD: self._backward,
-            Op.BWD_INPUT: lambda a, slot: sts[a.chunk].backward_input(slot),
-            Op.BWD_WEIGHT: self._backward_weight,
-            Op.SEND_ACT: lambda a, slot: self._send("act", sts[a.chunk].output(slot),
-                                                    self.next[a.chunk], a.mb),
-            Op.RECV_ACT: lambda a, slot: self._recv("act", sts[a.chunk].input(slot),
-                                                    self.prev[a.chunk], a),
-            Op.SEND_GRAD: lambda a, slot: self._send("grad", sts[a.chunk].grad_io(),
-                                                     self.prev[a.chunk], a.mb),
-            Op.RECV_GRAD: lambda a, slot: self._recv("grad", sts[a.chunk].grad_io(),
-                                                     self.next[a.chunk], a),
-            Op.STEP: lambda a, slot: self.sync_grads()}
+                           "tied": ((-(-shape.Vp // mesh.tp), shape.C), 1)})
 
-    def bytes_needed(self, pt, slots, dtype, with_adamw, split):
-        """Bytes a Stage of part pt allocates, with AdamW's state for it."""
-        cfg = self.cfg
-        n_params = param_layout(cfg, pt).size
-        adam = 2 * (-(-n_params // self.mesh.dp) if self.zero else n_params)
-        n = n_params * 2 + (adam if with_adamw else 0)
-        n += activation_layout(cfg, self.Bm, self.T, pt.l1 - pt.l0, pt.head, pt.tp,
-                               pt.vocab(cfg)[1], split, pt.embed).size * slots
-        n += scratch_layout(cfg, self.Bm, self.T, pt.tp).size
-        return n * np.dtype(dtype).itemsize
+    # --- training ----------------------------------------------------------------------
 
-    def _run(self, actions, x, y, dloss, on_logits=None, decode=None):
-        """Executes actions on micro-batches of the host batch x, y (B, T). Returns the loss
-        sum over the batch on the rank holding the head (0 elsewhere)."""
-        self._feed(x, y)
-        self._execute(actions, dloss, y is not None, on_logits, decode)
-        self.tr.finish_sends()
-        return self._loss()
+    def step(self, x, y, lr=None):
+        """One training step on the host batch x, y (B, T); returns the mean loss on every
+        rank."""
+        loss = self.launch(x, y, lr)
+        if loss is None:
+            self.tr.finish_sends()
+            loss = self._mean_loss()
+        return loss
 
-    def rows(self, mb=None):
-        """Rows of the step's batch that this replica (or its micro-batch mb) computes."""
-        a = self.mesh.replica * self.Bl + (0 if mb is None else mb * self.Bm)
-        return slice(a, a + (self.Bl if mb is None else self.Bm))
-
-    def _feed(self, x, y):
-        if self.first:
-            self.be.upload(self.x_dev, x[self.rows()])
-        if self.last and y is not None:
-            self.be.upload(self.y_dev, y[self.rows()])
-
-    def _loss(self):
-        """The loss sum over the whole batch (the replicas' sums added) on the head's rank."""
-        if not self.last:
-            return 0.0
-        self.tr.all_reduce(self.loss_acc, "dp")
-        return float(self.be.to_host(self.loss_acc)[0])
-
-    def _execute(self, actions, dloss, with_targets, on_logits=None, decode=None):
-        """The device side of _run: no host transfers but the transport's, so a
-        single-stage step can be captured as a CUDA graph. decode: a position, for
-        generation's one-position forwards (Stage.decode)."""
-        _, release = slot_plan(actions)
-        free = [list(range(len(st.acts)))[::-1] for st in self.stages]
-        slot_of = {}
-        self.loss_acc.fill(0)
-        self.pass_args = (dloss, with_targets, on_logits, decode)
-        for i, a in enumerate(actions):
-            do = self.ops.get(a.op)
-            if do is None:
-                raise CupyGPTError(f"rank {self.mesh.rank}: unknown pipeline action {a.op!r} "
-                                   f"(micro-batch {a.mb}); the runner knows "
-                                   f"{', '.join(op.value for op in self.ops)}")
-            key = (a.mb, a.chunk)
-            if a.mb is not None and key not in slot_of:
-                slot_of[key] = free[a.chunk].pop()
-            if self.trace is not None and len(self.trace) < TRACE_MAX:
-                t0 = self.be.stamp()
-                do(a, slot_of.get(key))
-                self.trace.append((a, t0, self.be.stamp()))
-            else:
-                do(a, slot_of.get(key))
-            if i in release:
-                k = release[i]
-                free[k[1]].append(slot_of.pop(k))
-        self.tr.end_step()
-
-    def _send(self, kind, arr, peer, mb):
-        """To a peer rank, or to a chunk of this rank: a copy in a buffer kept for reuse
-        (the source may change before the receive; the same buffers serve every step, so
-        a captured step allocates nothing)."""
-        if not isinstance(peer, tuple):
-            return self.tr.send(kind, arr, peer, mb)
-        buf = self.spare.pop() if self.spare else self.be.zeros(arr.size, arr.dtype)
-        buf.reshape(arr.shape)[...] = arr
-        self.local.setdefault((kind, peer[1]), []).append(buf)
-
-    def _recv(self, kind, out, peer, a):
-        if not isinstance(peer, tuple):
-            return self.tr.recv(kind, out, peer, a.mb)
-        # a chunk's micro-batches keep their order, so its hand-overs arrive in order
-        buf = self.local[(kind, a.chunk)].pop(0)
-        out[...] = buf.reshape(out.shape)
-        self.spare.append(buf)
-
-    def _rows(self, mb):
-        return slice(mb * self.Bm, (mb + 1) * self.Bm)
-
-    def _tokens(self, st, mb):
-        return self.x_dev[self._rows(mb)] if st.embed else None
-
-    def _forward(self, a, slot):
-        dloss, with_targets, on_logits, t = self.pass_args
-        st, mb = self.stages[a.chunk], a.mb
-        if t is not None:
-            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if st.embed else None)
-            if st.head and on_logits is not None:
-                on_logits(mb, st.acts[slot]["logits"])
-            return
-        targets = self.y_dev[self._rows(mb)] if st.head and with_targets else None
-        st.forward(slot, self._tokens(st, mb), targets, dloss)
-        if targets is not None:
-            self.be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
-        if st.head and on_logits is not None:
-            on_logits(mb, st.acts[slot]["logits"])
-
-    def _done_hook(self, a):
-        """Overlap: the layer-by-layer start of the replicas' sum, in the chunk's last pass."""
-        if self.overlap and a.mb == self.last_bwd[a.chunk]:
-            return lambda l: self._layer_done(self.stages[a.chunk], l)
+    def launch(self, x, y, lr=None):
+        """One training step, returning once launched: an eager step's mean loss, or None
+        for a replayed CUDA graph (captured on the second step: the first allocates the
+        workspaces), which does not wait for the device."""
+        self.steps_done += 1
+        if not self.graphs or self.steps_done == 1:
+            loss = self.gradients(x, y)
+            self.optimizer_step(lr)
+            return loss
+        self.exec.feed(x, y)
+        sched = self.opt.advance(lr)
+        self.be.adamw_schedule(sched)
+        if self.graph is None:
+            self.graph = self.be.capture(lambda: self._graph_body(sched))
+        self.be.replay(self.graph)
         return None
 
-    def _backward(self, a, slot):
-        st = self.stages[a.chunk]
-        st.backward(slot, self._tokens(st, a.mb), self._done_hook(a))
+    def _graph_body(self, sched):
+        self.zero_grad()
+        self.exec.run(self.plan.train, self._train_pass())
+        self.opt.apply(sched, self.sync.summed)
 
-    def _backward_weight(self, a, slot):
-        st = self.stages[a.chunk]
-        st.backward_weight(slot, self._tokens(st, a.mb), self._done_hook(a))
-
-    def _layer_done(self, st, l):
-        """Overlap: layer l's gradients are final (the step's last backward passed it), so
-        the replicas start summing them while the layers below are computed."""
-        for h in self.in_flight:  # in start order, stopping at the first not ready
-            if not h.progress():
-                break
-        self.in_flight.append(self.tr.start_all_reduce(
-            [st.g[n][l] for n in PARAM_NAMES if n in st.g and n not in WHOLE], "dp"))
-
-    def sync_grads(self):
-        """After the step's last backward: GPT-2 ties the LM head to wte, so the embedding's
-        and the head's chunks sum their wte gradients (through the transport when they are
-        on two ranks); then the replicas sum theirs (with ZeRO-1 the optimizer
-        reduce-scatters them instead)."""
-        if self.tied_peer is not None:
-            self.tr.sum_tied((self.embed or self.head).g["wte"], self.tied_peer)
-        elif self.embed is not None and self.embed is not self.head and self.head is not None:
-            e, h = self.embed.g["wte"], self.head.g["wte"]
-            e += h          # the order sum_tied adds in: the embedding's + the head's
-            h[...] = e
-        self.summed = bool(self.in_flight) or not self.zero
-        if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
-            rest = [st.g[n] for st in self.stages for n in WHOLE if n in st.g]
-            if rest:  # (a middle chunk has none)
-                self.in_flight.append(self.tr.start_all_reduce(rest, "dp"))
-            for h in self.in_flight:
-                h.wait()
-            self.in_flight = []
-        elif not self.zero:
-            for st in self.stages:
-                self.tr.all_reduce(st.grads, "dp")
-
-    def optimizer_step(self, lr=None):
-        """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
-        unless the overlapped sum did."""
-        self.opt.step(lr, self.summed)
-
-    def zero_grad(self):
-        for st in self.stages:
-            st.zero_grad()
-
-    def load(self, params):
-        """Every chunk's part of the whole model's host parameters."""
-        for st in self.stages:
-            st.load(params)
+    def _train_pass(self):
+        return Pass(dloss=1.0 / (self.plan.batch * self.plan.seq), targets=True)
 
     def gradients(self, x, y):
         """Forward and backward over the batch (gradients summed, the tied wte synced);
         returns the mean loss on every rank."""
         self.zero_grad()
-        loss = self._run(self.train_actions, x, y, 1.0 / (self.B * self.T))
-        return self.tr.bcast(loss / (self.B * self.T), root=self.loss_rank)
+        return self._pass(self.plan.train, x, y, self._train_pass())
 
-    def train_step(self, x, y, lr=None):
-        if not self.graphs or self.steps_done == 0:  # the first step allocates workspaces
-            loss = self.gradients(x, y)
-            self.optimizer_step(lr)
-            self.steps_done += 1
-            return loss
-        self.launch_graph_step(x, y, lr)
-        self.tr.finish_sends()
-        return self.tr.bcast(self._loss() / (self.B * self.T), root=self.loss_rank)
+    def optimizer_step(self, lr=None):
+        """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
+        unless the overlapped sum did."""
+        self.opt.step(lr, self.sync.summed)
 
-    def launch_graph_step(self, x, y, lr=None):
-        """One step as a replayed CUDA graph (captured on the first call): zero the
-        gradients, forward and backward over the micro-batches, the transfers, AdamW.
-        Returns once launched, without waiting for the GPU."""
-        be, opt = self.be, self.opt
-        self._feed(x, y)
-        sched = opt.advance(lr)
-        be.adamw_schedule(sched)
-        if self.graph is None:
-            def body():
-                self.zero_grad()
-                self._execute(self.train_actions, 1.0 / (self.B * self.T), True)
-                opt.apply(sched, self.summed)
-            self.graph = be.capture(body)
-        be.replay(self.graph)
-        self.steps_done += 1
+    def zero_grad(self):
+        for st in self.stages:
+            st.zero_grad()
+
+    @property
+    def overlap(self):
+        """Whether the replicas' gradient sum overlaps the backward."""
+        return self.sync.overlap
+
+    def set_overlap(self, on):
+        """Whether the replicas' sum overlaps the backward (bench times both)."""
+        self.sync.overlap = on and self.mesh.dp > 1
+
+    # --- forward only ------------------------------------------------------------------
 
     def eval_loss(self, x, y, on_logits=None):
-        loss = self._run(self.eval_actions, x, y, None, on_logits)
-        return self.tr.bcast(loss / (self.B * self.T), root=self.loss_rank)
+        """The mean loss of x, y on every rank. on_logits(rows, v0, logits): this rank's
+        rows of the batch (a slice), its first vocabulary column and those logits (host,
+        its real vocabulary columns), per micro-batch, on the head's ranks."""
+        grab = None
+        if on_logits is not None and self.head is not None:
+            def grab(mb, logits):
+                on_logits(self.plan.global_rows(mb), self.head.v0,
+                          self.be.to_host(logits)[..., :self.head.valid])
+        return self._pass(self.plan.evaluate, x, y, Pass(targets=True, on_logits=grab))
 
-    def forward_first(self, x, on_logits):
-        """Forward of the first micro-batch only (sampling reads one row of its logits)."""
-        self._run(self.first_actions, x, None, None, on_logits)
+    def next_token(self, tokens, t, choose, cached=True):
+        """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns
+        choose(the logits at t over the whole vocabulary), the same on every rank. cached:
+        position t alone through every stage, on the activations the passes before left
+        (the KV cache: the first call is a whole pass over the prompt); else a whole pass."""
+        row = {}
 
-    def decode(self, x, t, on_logits):
-        """Position t of x's row 0 alone through every stage, on the activations that
-        forward_first and the decodes before it left (the KV cache)."""
-        self._run(self.first_actions, x, None, None, on_logits, decode=t)
+        def grab(mb, logits):
+            if mb == 0:
+                row["logits"] = self.be.to_host(logits[0, t, :self.head.valid])
+        self.exec.feed(tokens, None)
+        self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
+        self.tr.finish_sends()
+        if self.mesh.tp == 1:
+            tok = choose(row["logits"]) if self.head is not None else None
+            return self.tr.bcast(tok, root=self.plan.loss_rank)
+        # tensor parallel: each shard of the head holds its slice of the vocabulary, so
+        # the whole row is put together on rank 0 (replicas send the same slices)
+        slices = self.tr.gather((self.head.v0, row["logits"]) if self.head else None)
+        tok = None
+        if slices is not None:
+            whole = dict(s for s in slices if s)
+            tok = choose(np.concatenate([whole[v0] for v0 in sorted(whole)]))
+        return self.tr.bcast(tok, root=0)
 
-    def start_trace(self):
-        """Records every action's start and end from now on (the first TRACE_MAX)."""
-        self.trace = []
+    def _pass(self, actions, x, y, ps):
+        self.exec.feed(x, y)
+        self.exec.run(actions, ps)
+        self.tr.finish_sends()
+        return self._mean_loss()
+
+    def _mean_loss(self):
+        """The replicas' loss sums added, on the head's ranks, as a mean on every rank."""
+        total = 0.0
+        if self.head is not None:
+            self.tr.all_reduce(self.exec.loss_acc, "dp")
+            total = float(self.be.to_host(self.exec.loss_acc)[0])
+        return self.tr.bcast(total / (self.plan.batch * self.plan.seq),
+                             root=self.plan.loss_rank)
+
+    # --- state -------------------------------------------------------------------------
+
+    def state_dict(self, optimizer=True):
+        """Collective: {"params", "m", "v"} (whole-model host arrays; m and v when there is
+        an optimizer and it is asked for) and "adam_t", on rank 0 (None elsewhere)."""
+        host = [[st.export() for st in self.stages]]
+        optimizer = optimizer and self.opt is not None
+        if optimizer:
+            per_stage = self.opt.stage_state()
+            host += [[m for m, _ in per_stage], [v for _, v in per_stage]]
+        whole = self._gather_whole(*host)
+        if self.tr.rank != 0:
+            return None
+        out = dict(zip(("params", "m", "v"), whole))
+        return {**out, "adam_t": self.opt.t} if optimizer else out
+
+    def load_state_dict(self, params, m=None, v=None, adam_t=None):
+        """params (and AdamW's m, v): the whole model's host arrays; this rank takes its
+        parts. adam_t: AdamW's step count."""
+        for st in self.stages:
+            st.load(params)
+        if m is not None:
+            self.opt.load_stage_state([[copy_part(np.empty(st.layout.size, np.float32),
+                                                  st.part, x, self.shape) for x in (m, v)]
+                                       for st in self.stages])
+            self.opt.t = adam_t
 
     def _gather_whole(self, *host):
         """Whole-model tensors from every part's host buffers (host: per buffer kind, a list
@@ -350,19 +208,32 @@ class Runner:
         parts = [p for ps in self.tr.gather(mine) or [] for p in ps]
         if self.tr.rank != 0:
             return [None] * len(host)
-        return [assemble(self.cfg, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
+        return [assemble(self.shape, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
-    def gather_params(self):
-        """The whole model's host parameters on rank 0 (None elsewhere)."""
-        return self._gather_whole([st.export() for st in self.stages])[0]
+    def grads_by_part(self):
+        """Collective over the replicas: per stage, (its Part, {name: host gradient summed
+        over the replicas})."""
+        return [(st.part, {n: self.be.to_host(g) for n, g in self.sync.summed_grads(st).items()})
+                for st in self.stages]
 
-    def gather_adamw(self):
-        """AdamW's m and v in the whole model's layout on rank 0 (None elsewhere)."""
-        per_stage = self.opt.stage_state()
-        return self._gather_whole([m for m, _ in per_stage], [v for _, v in per_stage])
+    def params_finite(self):
+        return all(self.be.all_finite(st.params) for st in self.stages)
 
-    def load_adamw(self, m, v):
-        """m, v: whole-model host arrays (a checkpoint's); this rank takes its parts."""
-        self.opt.load_stage_state([[copy_part(np.empty(st.layout.size, np.float32), st.part,
-                                              x, self.cfg) for x in (m, v)]
-                                   for st in self.stages])
+    # --- what the run table and --trace show ----------------------------------------------
+
+    def layers(self):
+        """This rank's model chunks, e.g. "0..2 +embedding and 9..11 +head"."""
+        return " and ".join(f"{st.l0}..{st.l1 - 1}{' +embedding' if st.embed else ''}"
+                            f"{' +head' if st.head else ''}" for st in self.stages)
+
+    def start_trace(self):
+        """Records every action's start and end from now on (the first TRACE_MAX)."""
+        self.exec.trace = []
+
+    def write_trace(self, path):
+        """Collective: rank 0 writes every rank's recorded actions; recording stops."""
+        trace.write(path, self.exec.trace, self.be, self.tr, self.mesh,
+                    {"schedule": self.plan.schedule, "stages": self.mesh.pp,
+                     "micro_batches": self.plan.micro_batches,
+                     "virtual_stages": len(self.plan.chunks)})
+        self.exec.trace = None

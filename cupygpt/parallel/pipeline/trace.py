@@ -15,16 +15,15 @@ def name(a):
         f"{a.op.value} {a.mb}{f'.{a.chunk}' if a.chunk else ''}"
 
 
-def write(run, path):
-    """Collective over the runners' ranks: rank 0 writes every rank's recorded actions
-    (run.trace: (action, start mark, end mark)), in microseconds from the first action of
-    any rank. Marks are the backend's stamps, turned into the host clock every process
-    shares."""
-    secs = run.be.stamp_seconds([m for _, a, b in run.trace for m in (a, b)])
+def write(path, records, be, tr, mesh, pipeline):
+    """Collective over the ranks: rank 0 writes every rank's records ((action, start mark,
+    end mark), the executor's), in microseconds from the first action of any rank, with
+    pipeline (the schedule's name and sizes). Marks are the backend's stamps, turned into
+    the host clock every process shares."""
+    secs = be.stamp_seconds([m for _, a, b in records for m in (a, b)])
     mine = [(name(a), a.op.value, a.mb, a.chunk, secs[2 * i], secs[2 * i + 1])
-            for i, (a, _, _) in enumerate(run.trace)]
-    m = run.mesh
-    every = run.tr.gather((m.rank, m.stage, m.replica, m.shard, mine))
+            for i, (a, _, _) in enumerate(records)]
+    every = tr.gather((mesh.rank, mesh.stage, mesh.replica, mesh.shard, mine))
     if every is None:
         return
     t0 = min((e[4] for *_, ev in every for e in ev), default=0.0)
@@ -35,8 +34,6 @@ def write(run, path):
                 "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6,
                 "args": {"micro_batch": mb, "chunk": c}}
                for r, _, _, _, ev in every for label, op, mb, c, a, b in ev]
-    pipeline = {"schedule": run.schedule, "stages": m.pp, "micro_batches": run.M,
-                "virtual_stages": len(run.chunks)}
     with atomic_write(path) as f:
         f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
                             "pipeline": pipeline}).encode())

@@ -1,0 +1,47 @@
+"""What a rank's runner will allocate, from the allocators' own sizes (Stage.sizes,
+AdamW.sizes), and the check against the memory there is, made before anything is
+allocated. The run table shows the same figures."""
+import numpy as np
+
+from ... import CupyGPTError
+from ...model import Stage
+from ...optim import AdamW
+
+GiB = 2 ** 30
+
+
+def memory_plan(shape, plan, dtype, with_adamw, zero_parts=None):
+    """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
+    params, grads, activations (every slot), scratch, optimizer."""
+    item = np.dtype(dtype).itemsize
+    out = dict.fromkeys(("params", "grads", "activations", "scratch", "optimizer"), 0)
+    for i, (part, slots) in enumerate(zip(plan.parts, plan.slots)):
+        sizes = Stage.sizes(shape, plan.mb_rows, plan.seq, part, slots, plan.split_backward)
+        for k, n in sizes.items():
+            out[k] += n * item
+        if with_adamw:
+            zp = zero_parts[i] if zero_parts else None
+            out["optimizer"] += sum(AdamW.sizes(sizes["params"], zp)) * item
+    return out
+
+
+def check_memory(memory, be, tr, mesh):
+    """Collective. Refuses, on every rank alike, when the ranks sharing a memory (a GPU, or
+    the host's RAM for the CPU) need more than it has free: one line with both figures and
+    what to lower."""
+    need = sum(memory.values())
+    every = tr.bcast(tr.gather((be.memory_domain(), be.device_memory(), need, mesh.rank)))
+    totals = {}
+    for domain, free, n, rank in every:
+        total, _, ranks = totals.get(domain, (0, free, []))
+        totals[domain] = (total + n, free, ranks + [rank])
+    for domain, (total, free, ranks) in totals.items():
+        if free is not None and total > free:
+            mine = ", ".join(f"{k} {v / GiB:.2f}" for k, v in memory.items() if v)
+            who = f"rank {ranks[0]} needs" if len(ranks) == 1 else \
+                f"the {len(ranks)} ranks sharing {be.memory_name} need"
+            raise CupyGPTError(
+                f"out of memory at start: {who} {total / GiB:.2f} GiB (rank {mesh.rank}'s, "
+                f"in GiB: {mine}) and {free / GiB:.2f} GiB of {be.memory_name} is free; "
+                f"lower the batch size or sequence length, use more micro-batches, or more "
+                f"pipeline stages or tensor-parallel ranks")
