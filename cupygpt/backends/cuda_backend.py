@@ -38,12 +38,12 @@ _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], 
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
-def configure(tf32=False, device_of=lambda count: 0, ranks_here=1):
-    """Uses GPU device_of(visible GPUs); TF32 tensor-core matmuls on (training) or off
-    (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy
-    default stream cannot be captured into a CUDA graph)."""
+def configure(tf32=False, device_of=None, ranks_here=1):
+    """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
+    (training) or off (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking
+    stream (the legacy default stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
-    cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount())).use()
+    cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount()) if device_of else 0).use()
     cp.cuda.Stream(non_blocking=True).use()
     h = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -71,11 +71,11 @@ def _launch(fn, grid, block, *args):
         _traced(fn, _k(fn), grid, block, args)
 
 
-def _timed(f, *args):
-    """(start, end) CUDA events around f(*args)."""
+def _timed(f, *args, **kw):
+    """(start, end) CUDA events around f(*args, **kw)."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record()
-    f(*args)
+    f(*args, **kw)
     end.record()
     return start, end
 
@@ -88,11 +88,11 @@ def _op(fn):
     """A public op: under kernel_profile it is timed whole, and the kernels and cuBLAS
     calls inside it are counted as its own."""
     @functools.wraps(fn)
-    def op(*args):
+    def op(*args, **kw):
         if _trace is None:
-            return fn(*args)
+            return fn(*args, **kw)
         _trace["op"] = fn.__name__
-        _trace["ops"].append((fn.__name__, *_timed(fn, *args)))
+        _trace["ops"].append((fn.__name__, *_timed(fn, *args, **kw)))
     return op
 
 
