@@ -5,8 +5,9 @@ Attention keeps q, k, v and its other temporaries in backend workspaces (reused 
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
 allocates after the first step, so a whole step can be captured as a CUDA graph.
 
-One module, though longer than the others: a backend is a module (the interface is its
-functions), and cudasim loads this file whole against its stand-in CuPy.
+One module, as each backend is: its public functions are the interface, and cudasim
+loads this file whole against its stand-in CuPy (conftest.load_cudasim); modules imported
+beside it would keep whichever CuPy they were first imported with.
 """
 import functools
 import math

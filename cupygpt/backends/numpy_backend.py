@@ -1,4 +1,8 @@
-"""The reference backend: every op vectorized over B, T and C; float32 or float64."""
+"""The reference backend: every op vectorized over B, T and C; float32 or float64.
+
+One module, as each backend is: its public functions are the interface
+(backends/__init__.py), read against cuda_backend.py's function by function.
+"""
 import functools
 import math
 import os
