@@ -1,10 +1,11 @@
-"""Where the CUDA C sources are and how they are compiled (shared by the backend and the
-compile test, so CI compiles exactly what the GPU runs).
+"""Where the CUDA C sources are, how they are compiled and the launch geometry they share
+with the backend (used by the backend and the compile test, so CI compiles exactly what
+the GPU runs).
 
 Options, chosen deliberately:
 - no --use_fast_math: the non-matmul kernels are memory-bound, so fast intrinsics buy
   little, and exact expf/tanhf/sqrtf keep `verify --backend cuda` close to PyTorch;
-- -std=c++17, -I cupygpt/kernels_cu (common.cuh);
+- -std=c++17, -I cupygpt/kernels_cu (common.cuh), and -D for each GEOMETRY value;
 - the architecture is the running GPU's (CuPy picks it); the compile test builds for
   compute_80 (A100) and compute_90 (H100/H200).
 CuPy caches each compiled module on disk (~/.cupy/kernel_cache), so a process compiles
@@ -16,7 +17,18 @@ import re
 
 # package data: the wheel carries them, and the repository's kernels_cu/ links here
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cu")
-OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
+# Launch geometry, defined here only: the backend launches with these values and the
+# kernels are compiled with them (-D), so the two cannot disagree. common.cuh refuses to
+# compile a kernel without them.
+GEOMETRY = {
+    "WARP": 32,           # threads per warp
+    "EW_THREADS": 256,    # elementwise kernels: threads per block, one element each
+    "ROW_WARPS": 8,       # row kernels (layernorm, softmax): warps per block, a row each
+    "CLS_THREADS": 1024,  # classifier kernels and loss_accumulate: threads per block
+    "COL_TILE": 32,       # column sums, stage 1: columns per block (one per lane)
+    "ROW_LANES": 8,       # column sums, stage 1: threads down the rows of each column
+}
+OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
 
 
 def sources():
@@ -28,13 +40,13 @@ def kernels_in(src):
     return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
 
 
-def nvrtc_compile(path, arch):
-    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90"); returns the log and
-    raises RuntimeError with it on failure."""
+def nvrtc_compile(path, arch, options=OPTIONS):
+    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90") and options; returns
+    the log and raises RuntimeError with it on failure."""
     from cuda.bindings import nvrtc
     src = open(path, "rb").read()
     _, prog = nvrtc.nvrtcCreateProgram(src, os.path.basename(path).encode(), 0, [], [])
-    opts = [f"-arch={arch}".encode()] + [o.encode() for o in OPTIONS]
+    opts = [f"-arch={arch}".encode()] + [o.encode() for o in options]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * n

@@ -50,11 +50,21 @@ def test_a_broken_kernel_is_caught(tmp_path):
         nvrtc_compile(str(bad), ARCHS[1])
 
 
+def test_a_kernel_without_the_launch_geometry_is_refused():
+    """common.cuh holds no launch geometry of its own: compiled without kernels.py's -D
+    options, a kernel stops at its #error rather than building with other values."""
+    if not have_nvrtc():
+        pytest.skip("NVRTC not installed")
+    bare = tuple(o for o in OPTIONS if not o.startswith("-D"))
+    with pytest.raises(RuntimeError, match="launch geometry not defined"):
+        nvrtc_compile(sources()[0], ARCHS[1], bare)
+
+
 def test_every_backend_kernel_exists():
     """Each kernel name the CUDA backend launches is defined in kernels_cu."""
     import re
     src = open(os.path.join(os.path.dirname(KERNEL_DIR), "backends", "cuda_backend.py")).read()
-    used = set(re.findall(r'_(?:ew|rows|k)\("(\w+)"', src))
+    used = set(re.findall(r'_(?:ew|rows|launch)\("(\w+)"', src))
     defined = set()
     for path in sources():
         defined |= set(kernels_in(open(path).read()))

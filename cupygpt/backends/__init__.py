@@ -1,4 +1,4 @@
-"""Backends: one module each, the same functions with the same signatures.
+"""Backends: one module each, the same functions with the same signatures (test_backends.py).
 
 Conventions every backend keeps (the model relies on them):
 - arrays are the backend's own (numpy.ndarray / cupy.ndarray), C-contiguous views into
@@ -9,13 +9,14 @@ Conventions every backend keeps (the model relies on them):
   input gradients, so the residual stream's gradient and micro-batch gradients add up.
 
 Nothing outside this package asks which backend runs; it asks a capability instead:
-- DTYPES, the float types it computes in; TRANSPORTS, the transports its arrays can
-  travel by, preferred first; DEFAULT_RUN, (-e, -t) when the user gives none;
+- name, for messages only; DTYPES, the float types it computes in; TRANSPORTS, the
+  transports its arrays can travel by, preferred first; DEFAULT_RUN, (-e, -t) when the
+  user gives none;
 - supports_graphs: a step can be captured and replayed (capture, replay, adamw_schedule);
   asynchronous: calls return before the device is done (so host launch time means something);
-- configure(tf32, device_of), device_memory() (free bytes where it allocates: the GPU's,
-  or the host's), memory_domain() (ranks with equal answers share that memory; its name in
-  memory_name),
+- configure(tf32, device_of, ranks_here), device_memory() (free bytes where it allocates:
+  the GPU's, or the host's), memory_domain() (ranks with equal answers share that memory;
+  its name in memory_name),
   memory_in_use(), numerics() (verify's tolerance row), peak_flops() (None: no MFU),
   device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none).
 """

@@ -5,8 +5,9 @@ Attention keeps q, k, v and its other temporaries in backend workspaces (reused 
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
 allocates after the first step, so a whole step can be captured as a CUDA graph.
 
-One module, though longer than the others: a backend is a module (the interface is its
-functions), and cudasim loads this file whole against its stand-in CuPy.
+One module, as each backend is: its public functions are the interface, and cudasim
+loads this file whole against its stand-in CuPy (conftest.load_cudasim); modules imported
+beside it would keep whichever CuPy they were first imported with.
 """
 import functools
 import math
@@ -18,7 +19,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from .. import CupyGPTError
-from ..kernels import OPTIONS, kernels_in, sources
+from ..kernels import GEOMETRY, OPTIONS, kernels_in, sources
 
 name = "cuda"
 # Capabilities (backends/__init__.py lists them)
@@ -34,19 +35,17 @@ TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 4
 
 CUBLAS_TF32_TENSOR_OP_MATH = 3  # cublas_api.h; CuPy's cublas module does not export it
 tf32 = False
-EW = 256          # EW_THREADS in common.cuh
-ROW_WARPS = 8     # ROW_WARPS in common.cuh
 _modules, _functions, _workspace = {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
-def configure(tf32=False, device_of=lambda count: 0, ranks_here=1):
-    """Uses GPU device_of(visible GPUs); TF32 tensor-core matmuls on (training) or off
-    (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking stream (the legacy
-    default stream cannot be captured into a CUDA graph)."""
+def configure(tf32=False, device_of=None, ranks_here=1):
+    """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
+    (training) or off (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking
+    stream (the legacy default stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
-    cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount())).use()
+    cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount()) if device_of else 0).use()
     cp.cuda.Stream(non_blocking=True).use()
     h = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -74,11 +73,11 @@ def _launch(fn, grid, block, *args):
         _traced(fn, _k(fn), grid, block, args)
 
 
-def _timed(f, *args):
-    """(start, end) CUDA events around f(*args)."""
+def _timed(f, *args, **kw):
+    """(start, end) CUDA events around f(*args, **kw)."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record()
-    f(*args)
+    f(*args, **kw)
     end.record()
     return start, end
 
@@ -91,11 +90,11 @@ def _op(fn):
     """A public op: under kernel_profile it is timed whole, and the kernels and cuBLAS
     calls inside it are counted as its own."""
     @functools.wraps(fn)
-    def op(*args):
+    def op(*args, **kw):
         if _trace is None:
-            return fn(*args)
+            return fn(*args, **kw)
         _trace["op"] = fn.__name__
-        _trace["ops"].append((fn.__name__, *_timed(fn, *args)))
+        _trace["ops"].append((fn.__name__, *_timed(fn, *args, **kw)))
     return op
 
 
@@ -128,11 +127,13 @@ def kernel_profile(step, steps):
 
 
 def _ew(fn, n, *args):
-    _launch(fn, ((n + EW - 1) // EW,), (EW,), *args)
+    threads = GEOMETRY["EW_THREADS"]
+    _launch(fn, ((n + threads - 1) // threads,), (threads,), *args)
 
 
 def _rows(fn, rows, *args):
-    _launch(fn, ((rows + ROW_WARPS - 1) // ROW_WARPS,), (ROW_WARPS * 32,), *args)
+    warps = GEOMETRY["ROW_WARPS"]
+    _launch(fn, ((rows + warps - 1) // warps,), (warps * GEOMETRY["WARP"],), *args)
 
 
 def _ws(key, n, dtype=np.float32):
@@ -352,15 +353,15 @@ def residual_forward(out, a, b):
 @_op
 def classifier_stats(stats, logits, targets, v0, valid):
     Vs = logits.shape[-1]
-    _launch("classifier_stats", (logits.size // Vs,), (1024,), stats, logits, targets,
-            _i(v0), _i(valid), _i(Vs))
+    _launch("classifier_stats", (logits.size // Vs,), (GEOMETRY["CLS_THREADS"],), stats, logits,
+            targets, _i(v0), _i(valid), _i(Vs))
 
 
 @_op
 def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
     Vs = logits.shape[-1]
     N = logits.size // Vs
-    _launch("classifier", (N,), (1024,), logits, losses, stats, targets,
+    _launch("classifier", (N,), (GEOMETRY["CLS_THREADS"],), logits, losses, stats, targets,
             np.float32(dloss or 0.0), _i(dloss is not None), _i(v0), _i(valid), _i(Vs),
             _i(stats.shape[0]), _i(N))
 
@@ -368,7 +369,7 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
 @_op
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
-    _launch("loss_accumulate", (1,), (1024,), acc, losses, _i(losses.size))
+    _launch("loss_accumulate", (1,), (GEOMETRY["CLS_THREADS"],), acc, losses, _i(losses.size))
 
 
 # --- backward ----------------------------------------------------------------------------
@@ -378,8 +379,9 @@ def _column_sum(out, inp, N, OC):
     R = max(1, min(128, N // 64))
     per = (N + R - 1) // R
     partial = _ws("colsum", R * OC)
-    _launch("column_sum_partial", ((OC + 31) // 32, R), (32, 8), partial, inp, _i(N), _i(OC),
-            _i(per))
+    tile, lanes = GEOMETRY["COL_TILE"], GEOMETRY["ROW_LANES"]
+    _launch("column_sum_partial", ((OC + tile - 1) // tile, R), (tile, lanes), partial, inp,
+            _i(N), _i(OC), _i(per))
     _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
 
 

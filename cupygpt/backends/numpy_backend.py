@@ -1,4 +1,8 @@
-"""The reference backend: every op vectorized over B, T and C; float32 or float64."""
+"""The reference backend: every op vectorized over B, T and C; float32 or float64.
+
+One module, as each backend is: its public functions are the interface
+(backends/__init__.py), read against cuda_backend.py's function by function.
+"""
 import functools
 import math
 import os
@@ -107,11 +111,11 @@ _trace = None  # {op: seconds} while kernel_profile runs
 def _op(fn):
     """A public op: under kernel_profile its wall time is added to its name's."""
     @functools.wraps(fn)
-    def op(*args):
+    def op(*args, **kw):
         if _trace is None:
-            return fn(*args)
+            return fn(*args, **kw)
         t0 = time.perf_counter()
-        fn(*args)
+        fn(*args, **kw)
         _trace[fn.__name__] = _trace.get(fn.__name__, 0.0) + time.perf_counter() - t0
     return op
 

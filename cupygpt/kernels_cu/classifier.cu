@@ -1,8 +1,8 @@
 // Softmax + cross-entropy over a vocab-parallel head, one block per (b, t) row: each
 // tensor-parallel shard holds Vs columns of the logits (vocab rows [v0, v0 + Vs)), the
 // first `valid` of them real tokens, the rest padding.
+// Launch: CLS_THREADS per block (V is ~50k for GPT-2: ~49 logits per thread, two passes).
 #include "common.cuh"
-#define CLS_THREADS 1024  // V is ~50k for GPT-2: ~49 logits per thread, two passes
 
 // stats[row] = (max, sum of exp(x - max) over the shard's valid columns, the target's
 // logit if this shard holds the target else 0).
@@ -47,9 +47,9 @@ extern "C" __global__ void classifier(float* logits, float* losses, const float*
         x[i] = i < valid ? (expf(x[i] - m) / s - (i == tgt ? 1.f : 0.f)) * dloss : 0.f;
 }
 
-// acc[0] += sum of n losses, in double, one block of 1024 threads (deterministic).
+// acc[0] += sum of n losses, in double, one block of CLS_THREADS threads (deterministic).
 extern "C" __global__ void loss_accumulate(double* acc, const float* losses, int n) {
-    __shared__ double part[1024 / WARP];
+    __shared__ double part[CLS_THREADS / WARP];
     double s = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += losses[i];
     s = warp_sum_d(s);

@@ -3,12 +3,13 @@
 #ifndef INFINITY  // NVRTC (CuPy's compiler) has no <math.h>
 #define INFINITY __int_as_float(0x7f800000)
 #endif
-#define WARP 32
+// The launch geometry comes from cupygpt/kernels.py (GEOMETRY), as -D options, so the
+// Python that launches a kernel and the kernel agree on it.
+#if !defined(WARP) || !defined(EW_THREADS) || !defined(ROW_WARPS) || !defined(CLS_THREADS) || \
+    !defined(COL_TILE) || !defined(ROW_LANES)
+#error "launch geometry not defined: compile with cupygpt.kernels.OPTIONS"
+#endif
 #define FULL_MASK 0xffffffffu
-// Elementwise kernels: 256 threads per block, one element per thread.
-#define EW_THREADS 256
-// Row kernels (layernorm, softmax): one warp per row, 8 warps per block.
-#define ROW_WARPS 8
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -1,10 +1,9 @@
 // Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC).
 // Two deterministic stages instead of atomics, so a step's gradients are reproducible.
 #include "common.cuh"
-#define COL_TILE 32  // columns per block (one per lane: coalesced rows)
-#define ROW_LANES 8  // threads down the rows per column
 
-// Stage 1. Launch: grid (ceil(OC/32), R), block (32, 8); chunk r sums rows
+// Stage 1. Launch: grid (ceil(OC/COL_TILE), R), block (COL_TILE, ROW_LANES): a lane per
+// column, so each row is read coalesced; chunk r sums rows
 // [r*rows_per_chunk, (r+1)*rows_per_chunk) into partial[r, c].
 extern "C" __global__ void column_sum_partial(float* partial, const float* in, int N, int OC,
                                               int rows_per_chunk) {

@@ -359,8 +359,10 @@ def _compile(code, options):
                         f'    return sim::launch({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ '
                         f'{name}({call}); }});\n}}\n')
     src = code + '\n#include "sim_runtime.h"\n' + "".join(wrappers)
+    # of CuPy's options, the include directories and the macros (the launch geometry)
     flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-x", "c++", "-include",
-             os.path.join(HERE, "sim.h"), f"-I{HERE}"] + [o for o in options if o.startswith("-I")]
+             os.path.join(HERE, "sim.h"), f"-I{HERE}",
+             *(o for o in options if o.startswith(("-I", "-D")))]
     key = hashlib.sha256("\0".join([src, *map(_key_flag, flags),
                                     open(os.path.join(HERE, "sim.h")).read(),
                                     open(os.path.join(HERE, "sim_runtime.h")).read()]).encode())
