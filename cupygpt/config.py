@@ -106,9 +106,7 @@ class Pipeline:
             raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
                                self.schedule)
         v = chunks_per_rank(self.schedule, self.virtual_stages)
-        if self.schedule == "interleaved" and self.micro_batches % stages:
-            raise CupyGPTError(f"interleaved needs a multiple of the {stages} pipeline "
-                               f"stages", "micro_batches", self.micro_batches)
+        SCHEDULES[self.schedule](stages, self.micro_batches, 0, v)  # (refuses what it can't do)
         if v > 1 and stages * v > shape.L:  # (one chunk a rank: plan_split says it)
             raise CupyGPTError(f"{stages * v} model chunks ({stages} stage(s) x {v}) but the "
                                f"model has {shape.L} layers; a chunk needs one", "virtual_stages",

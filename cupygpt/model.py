@@ -17,8 +17,13 @@ from .layout import Part, activation_layout, copy_part, param_layout, scratch_la
 
 
 class Stage:
-    def __init__(self, cfg, be, B, T, part=None, slots=1, dtype=np.float32, comm=None,
-                 split=False):
+    def __init__(self, cfg, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
+                 comm=None, split=False):
+        """cfg: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
+        T; part: what this stage holds (None: the whole model); slots: micro-batches whose
+        activations it keeps at once; comm: the transport of its tensor-parallel sums (None:
+        one shard); split: it keeps what a split backward's weight pass reads."""
+        B, T = batch, seq
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
                                f"{', '.join(np.dtype(d).name for d in be.DTYPES)}", "dtype",
@@ -30,7 +35,7 @@ class Stage:
         self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
         self.v0, _, self.valid = part.vocab(cfg)
         self.layout, alay, slay = self.layouts(cfg, B, T, part, split)
-        n = self.sizes(cfg, B, T, part, slots, split)
+        n = self.sizes(cfg, batch=B, seq=T, part=part, slots=slots, split=split)
         self.params = be.zeros(n["params"], dtype)
         self.grads = be.zeros(n["grads"], dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
@@ -54,10 +59,10 @@ class Stage:
                 scratch_layout(cfg, B, T, part.tp))
 
     @classmethod
-    def sizes(cls, cfg, B, T, part, slots, split):
+    def sizes(cls, cfg, *, batch, seq, part, slots, split):
         """Elements of each buffer a stage allocates (the constructor allocates these; the
         memory estimate reads them before anything is allocated)."""
-        params, acts, scratch = cls.layouts(cfg, B, T, part, split)
+        params, acts, scratch = cls.layouts(cfg, batch, seq, part, split)
         return {"params": params.size, "grads": params.size, "activations": acts.size * slots,
                 "scratch": scratch.size}
 
@@ -129,10 +134,10 @@ class Stage:
         """Vocab-parallel softmax cross-entropy: each shard's (max, sum of exponentials,
         target logit) per position are gathered, every shard combines them in shard order,
         and the (B, T, Vp) logits are never gathered."""
-        be, st = self.be, self.s["lstats"]
-        be.classifier_stats(st[self.part.shard], logits, targets, self.v0, self.valid)
-        self.comm.all_gather(st[self.part.shard], st, "tp")
-        be.classifier(logits, losses, st, targets, self.v0, self.valid, dloss)
+        be, stats = self.be, self.s["lstats"]
+        be.classifier_stats(stats[self.part.shard], logits, targets, self.v0, self.valid)
+        self.comm.all_gather(stats[self.part.shard], stats, "tp")
+        be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
     def decode(self, slot, t, tokens=None):
         """Generation's forward of one position: row 0 at position t only. Every earlier

@@ -20,26 +20,26 @@ class AdamW:
     rank several) and the step count t (the only copy: backends see lr and the bias
     corrections, never t).
 
-    parts: None, or per stage (a, b), ZeRO-1 (llm.c's -z 1): this replica updates
+    slices: None, or per stage (a, b), ZeRO-1 (llm.c's -z 1): this replica updates
     params[a:b] only, so m and v hold that slice; the replicas' gradients are
     reduce-scattered into it first (unless the runner's overlapped all-reduce has summed
     them already: the same member-order sums) and the updated slices all-gathered after,
     through the transport's "dp" group. The update is elementwise, so the parameters are
     bit-identical to the unsharded step's."""
 
-    def __init__(self, stages, hp, transport=None, parts=None):
+    def __init__(self, stages, hp, transport=None, slices=None):
         self.hp, self.t, self.tr = hp, 0, transport
-        self.stages, self.parts = stages, parts or [None] * len(stages)
+        self.stages, self.slices = stages, slices or [None] * len(stages)
         # per stage (m, v, the summed gradient slice with ZeRO-1)
-        self.state = [[st.be.zeros(n, st.dtype) for n in self.sizes(st.params.size, part)]
-                      for st, part in zip(stages, self.parts)]
+        self.state = [[st.be.zeros(n, st.dtype) for n in self.sizes(st.params.size, piece)]
+                      for st, piece in zip(stages, self.slices)]
 
     @staticmethod
-    def sizes(n_params, part=None):
+    def sizes(n_params, piece=None):
         """Elements of each state buffer kept for a stage of n_params parameters: m and v,
-        and with ZeRO-1 (part: this replica's (a, b)) their slice and the summed gradient
+        and with ZeRO-1 (piece: this replica's (a, b)) their slice and the summed gradient
         slice the reduce-scatter fills."""
-        return [n_params] * 2 if part is None else [part[1] - part[0]] * 3
+        return [n_params] * 2 if piece is None else [piece[1] - piece[0]] * 3
 
     def advance(self, lr=None):
         """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
@@ -55,27 +55,27 @@ class AdamW:
         from the device instead, where the runner uploads each step's before replay).
         summed: the gradients are the replicas' sums already."""
         hp = self.hp
-        for st, part, (m, v, *gpart) in zip(self.stages, self.parts, self.state):
+        for st, piece, (m, v, *summed_slice) in zip(self.stages, self.slices, self.state):
             params, grads = st.params, st.grads
-            if part is not None:
-                a, b = part
+            if piece is not None:
+                a, b = piece
                 if not summed:
-                    self.tr.reduce_scatter(st.grads, gpart[0], "dp")
-                params, grads = st.params[a:b], st.grads[a:b] if summed else gpart[0]
+                    self.tr.reduce_scatter(st.grads, summed_slice[0], "dp")
+                params, grads = st.params[a:b], st.grads[a:b] if summed else summed_slice[0]
             if params.size:
                 st.be.adamw(params, grads, m, v, sched, hp.beta1, hp.beta2, hp.eps,
                             hp.weight_decay)
-            if part is not None:
+            if piece is not None:
                 self.tr.all_gather(params, st.params, "dp")
 
     def stage_state(self):
         """Per stage, (m, v) over its whole flat buffer, on the host (ZeRO-1: the
         replicas' slices all-gathered; collective over the dp group)."""
         out = []
-        for st, part, state in zip(self.stages, self.parts, self.state):
+        for st, piece, state in zip(self.stages, self.slices, self.state):
             both = []
             for x in state[:2]:
-                if part is not None:
+                if piece is not None:
                     whole = st.be.zeros(st.params.size, st.dtype)
                     self.tr.all_gather(x, whole, "dp")
                     x = whole
@@ -86,8 +86,8 @@ class AdamW:
     def load_stage_state(self, states):
         """states: per stage, host (m, v) over its whole flat buffer; this rank keeps its
         slice."""
-        for st, part, mine, theirs in zip(self.stages, self.parts, self.state, states):
-            a, b = part or (0, st.params.size)
+        for st, piece, mine, theirs in zip(self.stages, self.slices, self.state, states):
+            a, b = piece or (0, st.params.size)
             for x, host in zip(mine, theirs):
                 st.be.upload(x, host[a:b])
 

@@ -20,31 +20,66 @@ TOLERANCES = {
 def verify(sess):
     """The `verify` command over a Session holding its validated VerifyConfig; returns the
     report on rank 0 (True elsewhere)."""
-    c, tr, mesh = sess.config, sess.tr, sess.mesh
+    c, tr = sess.config, sess.tr
     cfg, params = read_model(c.model)
-    st = read_state(c.state, cfg)
-    B, T = st["B"], st["T"]
-    run = sess.runner(cfg, params, batch=B, seq=T, dtype=np.dtype(c.dtype).type,
+    state = read_state(c.state, cfg)
+    run = sess.runner(cfg, params, batch=state["B"], seq=state["T"],
+                      dtype=np.dtype(c.dtype).type,
                       adamw=AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
     if c.trace:
         run.start_trace()
-    key = sess.be.numerics()
-    tol = TOLERANCES[key]
+    fwd_loss, logit_diff = forward_check(run, tr, state)
+    loss = run.gradients(state["x"], state["y"])
+    grad_diffs = gradient_check(run, tr, state, cfg)
+    step_losses = [loss]
+    run.optimizer_step()
+    for _ in range(1, c.steps):
+        step_losses.append(run.step(state["x"], state["y"]))
+    if c.trace:
+        run.write_trace(c.trace)
+    if tr.rank != 0:
+        return True
+    tol = TOLERANCES[sess.be.numerics()]
+    report = {
+        "model": c.model, "state": c.state, "backend": sess.be.numerics(),
+        "ranks": sess.mesh.size, "schedule": c.pipeline.schedule,
+        "micro_batches": c.pipeline.micro_batches, "B": state["B"], "T": state["T"],
+        "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],
+                   "ok": logit_diff <= tol["logits"]},
+        "loss": {"got": loss, "expected": state["loss"], "forward_only": fwd_loss,
+                 "abs_diff": abs(loss - state["loss"]),
+                 "ok": abs(loss - state["loss"]) <= tol["loss"]
+                 and abs(fwd_loss - loss) <= tol["loss"]},
+        "grads": {n: {"max_abs_diff": d, "max_abs_ref": m,
+                      "tol": tol["grad_atol"] + tol["grad_rtol"] * m,
+                      "ok": d <= tol["grad_atol"] + tol["grad_rtol"] * m}
+                  for n, (d, m) in ((n, grad_diffs[n]) for n in param_layout(cfg).names)},
+        "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)]}
+    report["ok"] = (report["logits"]["ok"] and report["loss"]["ok"]
+                    and all(g["ok"] for g in report["grads"].values())
+                    and compare_steps(report["steps"], c.expected, tol))
+    return report
 
-    logit_diff = [0.0]
 
-    def check_logits(rows, v0, got):  # this rank's rows, and columns (its vocab shard)
-        ref = st["logits"][rows, :, v0:v0 + got.shape[-1]]
-        logit_diff[0] = max(logit_diff[0], float(np.abs(got - ref).max()))
+def forward_check(run, tr, state):
+    """The forward pass's loss, and the largest logit difference from the state's over
+    every rank's rows and columns (its vocab shard), on rank 0."""
+    diff = [0.0]
 
-    fwd_loss = run.eval_loss(st["x"], st["y"], check_logits)
-    logit_diff = max(tr.gather(logit_diff[0]) or [0.0])  # every shard's columns
-    loss = run.gradients(st["x"], st["y"])
+    def check_logits(rows, v0, got):
+        ref = state["logits"][rows, :, v0:v0 + got.shape[-1]]
+        diff[0] = max(diff[0], float(np.abs(got - ref).max()))
+    loss = run.eval_loss(state["x"], state["y"], check_logits)
+    return loss, max(tr.gather(diff[0]) or [0.0])
 
+
+def gradient_check(run, tr, state, cfg):
+    """{tensor: (max |difference| from the state's gradient, max |reference|)} over every
+    rank's part of it, on rank 0 (collective)."""
     mine = {}
     for part, grads in run.grads_by_part():
         lay = param_layout(cfg, part)
-        refv = lay.views(copy_part(np.empty(lay.size, np.float32), part, st["grads"], cfg))
+        refv = lay.views(copy_part(np.empty(lay.size, np.float32), part, state["grads"], cfg))
         for name, gh in grads.items():
             d, m = mine.get(name, (0.0, 0.0))
             mine[name] = (max(d, float(np.abs(gh - refv[name]).max())),
@@ -54,41 +89,22 @@ def verify(sess):
         for name, (d, m) in part.items():
             od, om = merged.get(name, (0.0, 0.0))
             merged[name] = (max(d, od), max(m, om))
+    return merged
 
-    step_losses = [loss]
-    run.optimizer_step()
-    for _ in range(1, c.steps):
-        step_losses.append(run.step(st["x"], st["y"]))
-    if c.trace:
-        run.write_trace(c.trace)
-    if tr.rank != 0:
+
+def compare_steps(steps, expected, tol):
+    """Marks each step's loss against the expected losses file (when given); whether all
+    are within tolerance."""
+    if expected is None:
         return True
-
-    grads = {n: {"max_abs_diff": d, "max_abs_ref": m,
-                 "tol": tol["grad_atol"] + tol["grad_rtol"] * m,
-                 "ok": d <= tol["grad_atol"] + tol["grad_rtol"] * m}
-             for n, (d, m) in ((n, merged[n]) for n in param_layout(cfg).names)}
-    report = {
-        "model": c.model, "state": c.state, "backend": key, "ranks": mesh.size,
-        "schedule": c.pipeline.schedule, "micro_batches": c.pipeline.micro_batches,
-        "B": B, "T": T,
-        "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],
-                   "ok": logit_diff <= tol["logits"]},
-        "loss": {"got": loss, "expected": st["loss"], "forward_only": fwd_loss,
-                 "abs_diff": abs(loss - st["loss"]),
-                 "ok": abs(loss - st["loss"]) <= tol["loss"] and abs(fwd_loss - loss) <= tol["loss"]},
-        "grads": grads, "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)],
-    }
-    ok = report["logits"]["ok"] and report["loss"]["ok"] and all(g["ok"] for g in grads.values())
-    if c.expected is not None:
-        exp = json.load(open(c.expected))["losses"]
-        for s in report["steps"]:
-            if s["step"] < len(exp):
-                s.update(expected=exp[s["step"]], abs_diff=abs(s["loss"] - exp[s["step"]]),
-                         ok=abs(s["loss"] - exp[s["step"]]) <= tol["step_loss"])
-                ok = ok and s["ok"]
-    report["ok"] = ok
-    return report
+    exp = json.load(open(expected))["losses"]
+    ok = True
+    for s in steps:
+        if s["step"] < len(exp):
+            s.update(expected=exp[s["step"]], abs_diff=abs(s["loss"] - exp[s["step"]]),
+                     ok=abs(s["loss"] - exp[s["step"]]) <= tol["step_loss"])
+            ok = ok and s["ok"]
+    return ok
 
 
 def format_report(r):

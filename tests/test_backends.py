@@ -17,7 +17,8 @@ GRAPH_ONLY = {"capture", "replay", "adamw_schedule"}
 CAPABILITIES = {"name": str, "DTYPES": tuple, "TRANSPORTS": tuple, "DEFAULT_RUN": tuple,
                 "supports_graphs": bool, "asynchronous": bool, "memory_name": str}
 CAPABILITY_FUNCTIONS = {"configure", "device_memory", "memory_domain", "memory_in_use",
-                        "numerics", "peak_flops", "device_info", "kernel_profile"}
+                        "numerics", "peak_flops", "device_info", "kernel_profile",
+                        "workspace_bytes"}
 
 
 @pytest.fixture(scope="module")

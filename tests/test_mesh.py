@@ -27,11 +27,10 @@ def test_groups_partition_the_world(pp, dp, tp):
         assert m.rank == (stage * dp + replica) * tp + shard  # tp fastest, then dp, then pp
         assert m.tp_group == list(range(m.rank - shard, m.rank - shard + tp))  # neighbours
         assert m.pipeline[m.stage] == m.rank
-        assert (m.prev is None) == m.first and (m.next is None) == m.last
-        if not m.last:
-            nxt = meshes[m.next]
+        if m.stage < pp - 1:  # the next stage: same replica and shard, one stage on
+            nxt = meshes[m.stage_rank(m.stage + 1)]
             assert nxt.stage == m.stage + 1 and nxt.coords[1:] == m.coords[1:]
-            assert nxt.prev == m.rank
+            assert nxt.stage_rank(m.stage) == m.rank and m.ring(1) == nxt.rank
         at = meshes[m.rank_at(*m.coords)]
         assert at.coords == m.coords
     for axis, kind in (("pp", "pipeline"), ("dp", "dp_group"), ("tp", "tp_group")):

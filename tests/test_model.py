@@ -26,7 +26,7 @@ def params64():
 
 def test_model_gradients_match_finite_differences():
     x, y = batch()
-    m = Stage(CFG, be, B, T, dtype=np.float64)
+    m = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)
     m.load(params64())
 
     def loss():
@@ -54,14 +54,16 @@ def test_stages_by_hand_equal_the_whole_model():
     """Stage [0,1) with the embedding and [1,2) with the head, chained in-process."""
     x, y = batch(2)
     full = params64()
-    whole = Stage(CFG, be, B, T, dtype=np.float64)
+    whole = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)
     whole.load(full)
     whole.zero_grad()
     whole.forward(0, x, y, dloss=1.0 / (B * T))
     whole.backward(0, x)
 
-    s0 = Stage(CFG, be, B, T, Part(0, 1, embed=True, head=False), dtype=np.float64)
-    s1 = Stage(CFG, be, B, T, Part(1, 2, embed=False, head=True), dtype=np.float64)
+    s0 = Stage(CFG, be, batch=B, seq=T, part=Part(0, 1, embed=True, head=False),
+               dtype=np.float64)
+    s1 = Stage(CFG, be, batch=B, seq=T, part=Part(1, 2, embed=False, head=True),
+               dtype=np.float64)
     for s in (s0, s1):
         s.load(full)
         s.zero_grad()

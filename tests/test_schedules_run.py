@@ -30,7 +30,7 @@ def test_split_backward_adds_what_the_fused_one_adds():
     for part in (Part.whole(cfg), Part(0, cfg.L, False, True, 1, 0)):  # + a head-only one
         got = []
         for split in (False, True):
-            st = Stage(cfg, be, B, T, part, M, split=split)
+            st = Stage(cfg, be, batch=B, seq=T, part=part, slots=M, split=split)
             st.load(params)
             st.zero_grad()
             dio = []

@@ -252,6 +252,14 @@ def device_memory():
 memory_name = "the GPU"
 
 
+def workspace_bytes(cfg, batch, seq, part, dtype):
+    """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
+    batch x seq: attention's q, k, v, y and their gradients (B, T, C/tp each), layernorm
+    backward's (B, T, C) and the column sums' partials (up to 128 rows of 4C/tp)."""
+    n = batch * seq * cfg.C
+    return (8 * n // part.tp + n + 128 * 4 * cfg.C // part.tp) * np.dtype(dtype).itemsize
+
+
 def memory_domain():
     """What ranks with the same answer allocate from: this host's GPU of this rank."""
     return socket.gethostname(), cp.cuda.Device().id

@@ -64,6 +64,15 @@ def device_memory():
 memory_name = "this host's memory"
 
 
+def workspace_bytes(cfg, batch, seq, part, dtype):
+    """The most the kept scratch arrays (_ws) reach for a stage holding part, micro-batches
+    of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (its vocab
+    rows' logits) and AdamW's two chunks."""
+    n = 2 * batch * seq * 4 * cfg.C // part.tp if part.l1 > part.l0 else 0
+    n += batch * seq * part.vocab(cfg)[1] if part.head else 0
+    return (n + 2 * ADAM_CHUNK) * np.dtype(dtype).itemsize
+
+
 def memory_domain():
     """What ranks with the same answer allocate from: this host's memory."""
     return socket.gethostname()

@@ -13,7 +13,7 @@ message n - depth before reusing a slot, so no slot is overwritten before it was
 The host never blocks on a peer, except in finish_sends, which polls the stream against
 --peer-timeout.
 
-Counted per step (_Ledger): the values a stream waits for are fixed when the step is
+Counted per step (Ledger): the values a stream waits for are fixed when the step is
 captured as a CUDA graph, so every replay must wait for the same ones. At the end of a step
 (end_step, on the stream) each PE waits for every ack still owed to it (its peers have read
 all it sent, so the next step may reuse slot 0) and takes the step's counts back off its own
@@ -21,37 +21,17 @@ signal words (an atomic add of minus the count): they count from 0 again. A peer
 of the next step that lands before that only adds, so nothing is lost and no barrier is
 needed between steps; the eager step runs the same protocol.
 
-Collectives: not NVSHMEM's teams. Its collectives exit the process with several PEs on one
-GPU and no MPS server (limited MPG), the setup a one-GPU machine runs; puts, signals and
-stream waits work everywhere the point-to-point does, so the collectives are built from
-them, with one code path for every placement. Each round, every member puts each other
-member's chunk of its array into that member's symmetric inbox (put_signal, as above);
-each member adds its chunk in member order (member 0 + member 1 + ...: the interface's
-order, so the bits equal the mpi transport's), then puts the sum into every member's
-gather area, and everyone copies its result from there, so all members hold the same bits.
-Direct puts rather than a ring: the same bytes leave each member ((g-1)/g of the array),
-one signal round per phase instead of g - 1, and the fixed member order comes for free;
-every PE reaches every other directly on one node (NVLink, or one shared GPU). Flow
-control is the point-to-point's: a member acks each inbox and gather area once read, and
-each collective settles its window's counts at its end, so it can be captured too.
-
-The symmetric memory is allocated with the transport (allocation is collective over all
-PEs, so it cannot wait for a group's first collective: other stages may be blocked on a
-receive then): a fixed window per (axis, stream) whose groups have several members, and
-a collective larger than the window runs in rounds, each round a slice of every member's
-chunk. So nothing depends on the runner announcing sizes, and memory stays bounded.
+Collectives: built from the same puts, signals and stream waits (symmetric.py says how
+and why).
 """
 import atexit
-
-import numpy as np
 
 from .. import CupyGPTError
 from .base import chunks, poll
 from .gpu import start_on_side
 from .mpi import Mpi
+from .symmetric import Ledger, Window
 
-WINDOW = 16 << 20  # bytes of each collective inbox and gather area (per axis and stream)
-RED, RED_ACK, GAT, GAT_ACK = range(4)  # a window's signal words, g of each
 _live = []  # this process's transports: NVSHMEM is initialized once, finalized after the last
 
 
@@ -67,7 +47,7 @@ class Nvshmem(Mpi):
         from nvshmem.core.direct import SignalOp
         self.cp, self.nv, self.driver, self.Buffer = cp, nv, driver, Buffer
         self.ADD = SignalOp.SIGNAL_ADD
-        self.ledger = _Ledger(self)  # the point-to-point channels' signal words
+        self.ledger = Ledger(self)  # the point-to-point channels' signal words
         ndev = cp.cuda.runtime.getDeviceCount()
         dev = Device(mesh.device(ndev))
         dev.set_current()
@@ -83,7 +63,7 @@ class Nvshmem(Mpi):
             members = next(g for g in mesh.groups(axis) if self.rank in g)
             if len(members) > 1:  # groups along an axis are equally large: same on every PE
                 for on_side in (False, True):
-                    self.windows[(axis, on_side)] = _Window(self, members)
+                    self.windows[(axis, on_side)] = Window(self, members)
         cp.cuda.get_current_stream().synchronize()
         self.barrier()  # every PE's signal words are zero before anyone signals
         atexit.register(self.close)  # before MPI's own exit handler (atexit runs LIFO)
@@ -246,107 +226,3 @@ class Nvshmem(Mpi):
         _live.remove(self)
         if not _live:
             self.nv.finalize()
-
-
-class _Ledger:
-    """Signal words this PE waits on, counted per step (the module docstring): peers add 1
-    per event; wait() waits for the next event on a word, owe() notes one that will come
-    (an ack for a put); settle() waits for all owed and takes the counts back off."""
-
-    def __init__(self, tr):
-        self.tr, self.taken, self.owed = tr, {}, {}
-
-    def owe(self, addr):
-        self.owed[addr] = self.owed.get(addr, 0) + 1
-
-    def pending(self, addr):
-        return self.owed.get(addr, 0) > self.taken.get(addr, 0)
-
-    def wait(self, addr):
-        n = self.taken[addr] = self.taken.get(addr, 0) + 1
-        self.owed[addr] = max(self.owed.get(addr, 0), n)
-        self.tr.wait_value(addr, n)
-
-    def settle(self):
-        for addr, n in self.owed.items():
-            if self.taken.get(addr, 0) < n:
-                self.tr.wait_value(addr, n)
-            self.tr.signal(addr, -n, self.tr.rank)
-        self.taken, self.owed = {}, {}
-
-
-class _Window:
-    """One group's collective channel on this PE, used from one stream: an inbox and a
-    gather area of WINDOW bytes (g slots each, slot q for member q) and 4 * g signal words,
-    counted by a ledger of its own and settled at the end of each collective (so a captured
-    step holds whole collectives)."""
-
-    def __init__(self, tr, members):
-        self.tr, self.members, self.me = tr, members, members.index(tr.rank)
-        # read only where a peer or this member wrote in the same phase: no zeroing
-        self.inbox, self.gather = (tr.nv.array((WINDOW,), dtype="uint8") for _ in range(2))
-        self.sig = tr.nv.buffer(8 * 4 * len(members))
-        tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
-        self.ledger = _Ledger(tr)
-
-    def word(self, what, q):
-        return self.sig.handle + 8 * (what * len(self.members) + q)
-
-    def run(self, n, dtype, src=None, mine=None, out=None):
-        """A collective over n elements of dtype, in rounds that fit the window. src (n,):
-        this member's addend, reduced to its chunk (chunks()) in member order; mine: its
-        chunk (the reduced one is written there, or, without src, read from there); out (n,):
-        every member's chunk gathered. Each round takes a slice of every member's chunk."""
-        g, item = len(self.members), np.dtype(dtype).itemsize
-        parts, w = chunks(n, g), WINDOW // (g * item)
-        size = parts[0][1] - parts[0][0]  # the largest chunk
-        base = parts[self.me][0]
-        for lo in range(0, size, w):
-            cut = [(min(a + lo, b), min(a + lo + w, b)) for a, b in parts]
-            a, b = cut[self.me]
-            slot = self.gather.view(dtype)[self.me * w:self.me * w + b - a]
-            if src is not None:
-                self.phase(RED, self.inbox, [src[c:d] for c, d in cut], w, item)
-                inbox = self.inbox.view(src.dtype)
-                for q in range(g):  # the sum in member order
-                    part = src[a:b] if q == self.me else inbox[q * w:q * w + b - a]
-                    if q == 0:
-                        slot[...] = part
-                    else:
-                        self.tr.cp.add(slot, part, out=slot)
-                self.read(RED)
-                if mine is not None:
-                    mine[a - base:b - base] = slot
-            else:
-                slot[...] = mine[a - base:b - base]
-            if out is not None:
-                self.phase(GAT, self.gather, [slot] * g, w, item)
-                gathered = self.gather.view(out.dtype)
-                for q, (c, d) in enumerate(cut):
-                    out[c:d] = gathered[q * w:q * w + d - c]
-                self.read(GAT)
-        self.ledger.settle()
-
-    def others(self):
-        """The other members, starting after this one (so members do not all put to the
-        same one first)."""
-        g = len(self.members)
-        return [(self.me + i) % g for i in range(1, g)]
-
-    def phase(self, what, area, parts, w, item):
-        """Puts parts[q] into member q's area (this member's slot of it), once q has read
-        what the phase before left there, then waits for every member's put here."""
-        tr, led = self.tr, self.ledger
-        for q in self.others():
-            if led.pending(self.word(what + 1, q)):
-                led.wait(self.word(what + 1, q))
-            tr.put_at(area.data.ptr + self.me * w * item, parts[q], self.word(what, self.me),
-                      self.members[q])
-            led.owe(self.word(what + 1, q))
-        for q in self.others():
-            led.wait(self.word(what, q))
-
-    def read(self, what):
-        """This member has read the phase's area: the others may put there again."""
-        for q in self.others():
-            self.tr.signal(self.word(what + 1, self.me), 1, self.members[q])

@@ -50,14 +50,6 @@ class Mesh:
         return self.coords[2]
 
     @property
-    def first(self):
-        return self.stage == 0
-
-    @property
-    def last(self):
-        return self.stage == self.pp - 1
-
-    @property
     def pipeline(self):
         """The ranks of this rank's pipeline, stage 0 first."""
         _, d, t = self.coords
@@ -90,15 +82,6 @@ class Mesh:
     def stage_rank(self, stage):
         """The rank holding `stage` of this rank's pipeline."""
         return self.pipeline[stage]
-
-    @property
-    def prev(self):
-        """Previous stage's rank (None on the first stage)."""
-        return None if self.first else self.stage_rank(self.stage - 1)
-
-    @property
-    def next(self):
-        return None if self.last else self.stage_rank(self.stage + 1)
 
     def rank_at(self, stage, replica=0, shard=0):
         """The rank at those coordinates (the schedule says which stage holds the loss:

@@ -10,17 +10,21 @@ from ...optim import AdamW
 GiB = 2 ** 30
 
 
-def memory_plan(shape, plan, dtype, with_adamw, zero_parts=None):
+def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None):
     """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
-    params, grads, activations (every slot), scratch, optimizer."""
+    params, grads, activations (every slot), scratch, optimizer; and workspace, the
+    backend's kept temporaries (shared by the stages: the largest one's)."""
     item = np.dtype(dtype).itemsize
     out = dict.fromkeys(("params", "grads", "activations", "scratch", "optimizer"), 0)
+    out["workspace"] = max(be.workspace_bytes(shape, plan.mb_rows, plan.seq, part, dtype)
+                           for part in plan.parts)
     for i, (part, slots) in enumerate(zip(plan.parts, plan.slots)):
-        sizes = Stage.sizes(shape, plan.mb_rows, plan.seq, part, slots, plan.split_backward)
+        sizes = Stage.sizes(shape, batch=plan.mb_rows, seq=plan.seq, part=part, slots=slots,
+                            split=plan.split_backward)
         for k, n in sizes.items():
             out[k] += n * item
         if with_adamw:
-            zp = zero_parts[i] if zero_parts else None
+            zp = zero_slices[i] if zero_slices else None
             out["optimizer"] += sum(AdamW.sizes(sizes["params"], zp)) * item
     return out
 

@@ -9,12 +9,17 @@ sizes, checked before anything is allocated), the stages (model.py), the action 
 step is a replayed CUDA graph or eager is decided here, once. The single process is the
 pipeline of one stage (no sends, no receives): one code path for every world size.
 """
+from types import ModuleType
+from typing import Optional, Sequence
+
 import numpy as np
 
+from ...comm.base import Transport, chunks
 from ...layout import assemble, copy_part, param_layout
 from ...model import Stage
-from ...comm.base import chunks
-from ...optim import AdamW
+from ...optim import AdamW, AdamWConfig
+from ...shape import GPT2Config
+from ..mesh import Mesh
 from ..grad_sync import GradSync
 from . import trace
 from .executor import Executor, Pass
@@ -23,9 +28,12 @@ from .plan import plan_step
 
 
 class Runner:
-    def __init__(self, *, shape, backend, transport, mesh, batch, seq, micro_batches=1,
-                 schedule="1f1b", virtual=None, counts=None, dtype=np.float32, adamw=None,
-                 graphs=False, zero=False, overlap=True):
+    def __init__(self, *, shape: GPT2Config, backend: ModuleType, transport: Transport,
+                 mesh: Mesh, batch: int, seq: int, micro_batches: int = 1,
+                 schedule: str = "1f1b", virtual: Optional[int] = None,
+                 counts: Optional[Sequence[int]] = None, dtype=np.float32,
+                 adamw: Optional[AdamWConfig] = None, graphs: bool = False,
+                 zero: bool = False, overlap: bool = True):
         """batch: the step's rows over every replica (each computes batch / dp of them, in
         micro_batches); counts: layers per model chunk (plan_split's, already checked; None:
         balanced); virtual: model chunks per rank (None: the schedule's); adamw: an
@@ -36,16 +44,17 @@ class Runner:
         self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
                                      micro_batches=micro_batches, schedule=schedule,
                                      virtual=virtual, counts=counts)
-        zero_parts = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
+        zero_slices = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
                       for pt in plan.parts] if zero else None
-        self.memory = memory_plan(shape, plan, dtype, adamw is not None, zero_parts)
+        self.memory = memory_plan(shape, plan, backend, dtype, adamw is not None, zero_slices)
         check_memory(self.memory, backend, transport, mesh)
-        self.stages = [Stage(shape, backend, plan.mb_rows, seq, pt, n, dtype, transport,
-                             plan.split_backward) for pt, n in zip(plan.parts, plan.slots)]
+        self.stages = [Stage(shape, backend, batch=plan.mb_rows, seq=seq, part=pt, slots=n,
+                             dtype=dtype, comm=transport, split=plan.split_backward)
+                       for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
                              zero=zero, overlap=overlap)
-        self.opt = AdamW(self.stages, adamw, transport, zero_parts) if adamw else None
+        self.opt = AdamW(self.stages, adamw, transport, zero_slices) if adamw else None
         self.exec = Executor(plan, self.stages, backend, transport, self.sync)
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum packs its
@@ -125,12 +134,11 @@ class Runner:
         """The mean loss of x, y on every rank. on_logits(rows, v0, logits): this rank's
         rows of the batch (a slice), its first vocabulary column and those logits (host,
         its real vocabulary columns), per micro-batch, on the head's ranks."""
-        grab = None
-        if on_logits is not None and self.head is not None:
-            def grab(mb, logits):
-                on_logits(self.plan.global_rows(mb), self.head.v0,
-                          self.be.to_host(logits)[..., :self.head.valid])
-        return self._pass(self.plan.evaluate, x, y, Pass(targets=True, on_logits=grab))
+        def grab(mb, logits):
+            on_logits(self.plan.global_rows(mb), self.head.v0,
+                      self.be.to_host(logits)[..., :self.head.valid])
+        return self._pass(self.plan.evaluate, x, y,
+                          Pass(targets=True, on_logits=grab if on_logits else None))
 
     def next_token(self, tokens, t, choose, cached=True):
         """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns
