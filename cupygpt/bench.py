@@ -17,8 +17,9 @@ def bench(sess, on_step=None):
     each step, warm-up included."""
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
-    run = sess.runner(cfg, init_params(cfg, 0), batch=B, seq=T, adamw=AdamWConfig(lr=1e-4),
+    run = sess.runner(cfg, None, batch=B, seq=T, adamw=AdamWConfig(lr=1e-4),
                       graphs=c.graphs and not c.trace)
+    run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
     if c.trace:
         run.start_trace()
     x, y = DataLoader(c.data, B, T, cfg.V).next_batch()

@@ -1,6 +1,7 @@
 """Memory: what a runner allocates is what its estimate says (the estimate is the
 allocators' own sizes), on every grid; more than there is is refused before allocating,
 with the numbers and the fix."""
+import numpy as np
 import pytest
 
 from cupygpt import CupyGPTError
@@ -8,8 +9,11 @@ from cupygpt.backends import host_memory, numpy_backend
 from cupygpt.comm.local import Local
 from cupygpt.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
+from cupygpt.parallel.pipeline.memory import memory_plan
+from cupygpt.parallel.pipeline.plan import plan_step
 from cupygpt.parallel.pipeline.runner import Runner
 from cupygpt.shape import GPT2Config, preset
+from conftest import cli
 
 
 class SmallDevice:
@@ -81,3 +85,26 @@ def test_host_memory_reads_the_cgroup_limit(tmp_path):
     (tmp_path / "memory.max").write_text("max\n")
     assert host_memory._cgroup_left(str(tmp_path)) is None
     assert 0 < host_memory.available() <= host_memory._meminfo("MemAvailable")
+
+
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_a_batch_beyond_the_host_is_one_line(command, tmp_path):
+    res = cli(command, "-b", "100000", *(["-o", tmp_path / "out"] if command == "train" else []))
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    line, = res.stderr.strip().splitlines()
+    assert line.startswith("error: out of memory at start: rank 0 needs ")
+    assert "of this host's memory is free; lower the batch size" in line
+    assert not (tmp_path / "out" / "model.bin").exists()
+
+
+def test_ranks_sharing_the_host_are_counted_together(tmp_path):
+    """Two ranks on one host that each fit alone, not together: refused on both alike."""
+    def need(rows):  # one replica's bytes at `rows` rows of tiny at T=64
+        plan = plan_step(preset("tiny"), Mesh(0, dp=2), batch=2 * rows, seq=64)
+        return sum(memory_plan(preset("tiny"), plan, numpy_backend, np.float32, True).values())
+    per_row, base = need(2) - need(1), 2 * need(1) - need(2)
+    rows = int((0.6 * host_memory.available() - base) / per_row)
+    assert need(rows) < host_memory.available() < 2 * need(rows)
+    res = cli("train", "-b", 2 * rows, "-t", "64", "--dp", "2", "-o", tmp_path, ranks=2)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "out of memory at start: the 2 ranks sharing this host's memory need" in res.stderr

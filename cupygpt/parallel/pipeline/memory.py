@@ -44,8 +44,12 @@ def check_memory(memory, be, tr, mesh):
             mine = ", ".join(f"{k} {v / GiB:.2f}" for k, v in memory.items() if v)
             who = f"rank {ranks[0]} needs" if len(ranks) == 1 else \
                 f"the {len(ranks)} ranks sharing {be.memory_name} need"
+            per_token = memory["activations"] + memory["scratch"] + memory["workspace"]
+            fix = ("lower the batch size or sequence length, use more micro-batches, or more "
+                   "pipeline stages or tensor-parallel ranks" if 2 * per_token > need else
+                   "split the model over more pipeline stages or tensor-parallel ranks, shard "
+                   "AdamW's state over replicas (ZeRO-1), or take a smaller model")
             raise CupyGPTError(
                 f"out of memory at start: {who} {total / GiB:.2f} GiB (rank {mesh.rank}'s, "
                 f"in GiB: {mine}) and {free / GiB:.2f} GiB of {be.memory_name} is free; "
-                f"lower the batch size or sequence length, use more micro-batches, or more "
-                f"pipeline stages or tensor-parallel ranks")
+                f"{fix}")
