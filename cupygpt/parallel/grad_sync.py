@@ -12,7 +12,7 @@ class GradSync:
     reduce-scattering after the backward: twice the bytes, hidden behind the backward)."""
 
     def __init__(self, stages, transport, *, tied_peer, dp, zero, overlap):
-        self.stages, self.tr, self.tied_peer = stages, transport, tied_peer
+        self.stages, self.transport, self.tied_peer = stages, transport, tied_peer
         self.zero, self.dp = zero, dp
         self.overlap = overlap and dp > 1
         self.summed = not zero  # whether the step's gradients are the replicas' sums
@@ -33,7 +33,7 @@ class GradSync:
         for h in self.in_flight:  # in start order, stopping at the first not ready
             if not h.progress():
                 break
-        self.in_flight.append(self.tr.start_all_reduce(
+        self.in_flight.append(self.transport.start_all_reduce(
             [st.g[n][l] for n in PARAM_NAMES if n in st.g and n not in WHOLE], "dp"))
 
     def finish(self):
@@ -41,7 +41,7 @@ class GradSync:
         summed (through the transport when they are on two ranks); then the replicas'
         (with ZeRO-1 and no overlap, the optimizer reduce-scatters them instead)."""
         if self.tied_peer is not None:
-            self.tr.sum_tied((self.embed or self.head).g["wte"], self.tied_peer)
+            self.transport.sum_tied((self.embed or self.head).g["wte"], self.tied_peer)
         elif self.embed is not None and self.head is not None and self.embed is not self.head:
             e, h = self.embed.g["wte"], self.head.g["wte"]
             e += h          # the order sum_tied adds in: the embedding's + the head's
@@ -50,13 +50,13 @@ class GradSync:
         if self.in_flight:  # overlapped: the layers' sums are under way; add the rest
             rest = [st.g[n] for st in self.stages for n in WHOLE if n in st.g]
             if rest:  # (a middle chunk has none)
-                self.in_flight.append(self.tr.start_all_reduce(rest, "dp"))
+                self.in_flight.append(self.transport.start_all_reduce(rest, "dp"))
             for h in self.in_flight:
                 h.wait()
             self.in_flight = []
         elif not self.zero:
             for st in self.stages:
-                self.tr.all_reduce(st.grads, "dp")
+                self.transport.all_reduce(st.grads, "dp")
 
     def summed_grads(self, st):
         """Stage st's gradient views, summed over the replicas (a copy when ZeRO-1 left the
@@ -64,5 +64,5 @@ class GradSync:
         if self.summed:
             return st.g
         whole = st.grads.copy()
-        self.tr.all_reduce(whole, "dp")
+        self.transport.all_reduce(whole, "dp")
         return st.layout.views(whole)

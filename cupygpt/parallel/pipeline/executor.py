@@ -22,7 +22,8 @@ class Executor:
     backwards report layers to and its STEP action finishes."""
 
     def __init__(self, plan, stages, be, transport, sync):
-        self.plan, self.stages, self.be, self.tr, self.sync = plan, stages, be, transport, sync
+        self.plan, self.stages, self.be, self.sync = plan, stages, be, sync
+        self.transport = transport
         embed = next((st for st in stages if st.embed), None)
         head = next((st for st in stages if st.head), None)
         rows, T = plan.rows, plan.seq
@@ -69,7 +70,7 @@ class Executor:
         for i, a in enumerate(actions):
             do = self.ops.get(a.op)
             if do is None:
-                raise CupyGPTError(f"rank {self.tr.rank}: unknown pipeline action {a.op!r} "
+                raise CupyGPTError(f"rank {self.transport.rank}: unknown pipeline action {a.op!r} "
                                    f"(micro-batch {a.mb}); the runner knows "
                                    f"{', '.join(op.value for op in self.ops)}")
             key = (a.mb, a.chunk)
@@ -84,21 +85,21 @@ class Executor:
             if i in release:
                 k = release[i]
                 free[k[1]].append(slot_of.pop(k))
-        self.tr.end_step()
+        self.transport.end_step()
 
     def _send(self, kind, arr, peer, mb):
         """To a peer rank, or to a chunk of this rank: a copy in a buffer kept for reuse
         (the source may change before the receive; the same buffers serve every step, so
         a captured step allocates nothing)."""
         if not isinstance(peer, tuple):
-            return self.tr.send(kind, arr, peer, mb)
+            return self.transport.send(kind, arr, peer, mb)
         buf = self.spare.pop() if self.spare else self.be.zeros(arr.size, arr.dtype)
         buf.reshape(arr.shape)[...] = arr
         self.local.setdefault((kind, peer[1]), []).append(buf)
 
     def _recv(self, kind, out, peer, a):
         if not isinstance(peer, tuple):
-            return self.tr.recv(kind, out, peer, a.mb)
+            return self.transport.recv(kind, out, peer, a.mb)
         # a chunk's micro-batches keep their order, so its hand-overs arrive in order
         buf = self.local[(kind, a.chunk)].pop(0)
         out[...] = buf.reshape(out.shape)

@@ -40,7 +40,7 @@ class Runner:
         AdamWConfig (None: no optimizer); zero: AdamW's state sharded across the replicas
         (ZeRO-1); overlap: the replicas' gradient sum during the last backward; graphs: a
         step as a CUDA graph where the backend and transport allow it."""
-        self.shape, self.be, self.tr, self.mesh = shape, backend, transport, mesh
+        self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
         self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
                                      micro_batches=micro_batches, schedule=schedule,
                                      virtual=virtual, counts=counts)
@@ -75,7 +75,7 @@ class Runner:
         rank."""
         loss = self.launch(x, y, lr)
         if loss is None:
-            self.tr.finish_sends()
+            self.transport.finish_sends()
             loss = self._mean_loss()
         return loss
 
@@ -152,32 +152,32 @@ class Runner:
                 row["logits"] = self.be.to_host(logits[0, t, :self.head.valid])
         self.exec.feed(tokens, None)
         self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
-        self.tr.finish_sends()
+        self.transport.finish_sends()
         if self.mesh.tp == 1:
             tok = choose(row["logits"]) if self.head is not None else None
-            return self.tr.bcast(tok, root=self.plan.loss_rank)
+            return self.transport.bcast(tok, root=self.plan.loss_rank)
         # tensor parallel: each shard of the head holds its slice of the vocabulary, so
         # the whole row is put together on rank 0 (replicas send the same slices)
-        slices = self.tr.gather((self.head.v0, row["logits"]) if self.head else None)
+        slices = self.transport.gather((self.head.v0, row["logits"]) if self.head else None)
         tok = None
         if slices is not None:
             whole = dict(s for s in slices if s)
             tok = choose(np.concatenate([whole[v0] for v0 in sorted(whole)]))
-        return self.tr.bcast(tok, root=0)
+        return self.transport.bcast(tok, root=0)
 
     def _pass(self, actions, x, y, ps):
         self.exec.feed(x, y)
         self.exec.run(actions, ps)
-        self.tr.finish_sends()
+        self.transport.finish_sends()
         return self._mean_loss()
 
     def _mean_loss(self):
         """The replicas' loss sums added, on the head's ranks, as a mean on every rank."""
         total = 0.0
         if self.head is not None:
-            self.tr.all_reduce(self.exec.loss_acc, "dp")
+            self.transport.all_reduce(self.exec.loss_acc, "dp")
             total = float(self.be.to_host(self.exec.loss_acc)[0])
-        return self.tr.bcast(total / (self.plan.batch * self.plan.seq),
+        return self.transport.bcast(total / (self.plan.batch * self.plan.seq),
                              root=self.plan.loss_rank)
 
     # --- state -------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class Runner:
             per_stage = self.opt.stage_state()
             host += [[m for m, _ in per_stage], [v for _, v in per_stage]]
         whole = self._gather_whole(*host)
-        if self.tr.rank != 0:
+        if self.transport.rank != 0:
             return None
         out = dict(zip(("params", "m", "v"), whole))
         return {**out, "adam_t": self.opt.t} if optimizer else out
@@ -213,8 +213,8 @@ class Runner:
         so replica 0's are sent."""
         mine = [(st.part, [h[i] for h in host]) for i, st in enumerate(self.stages)] \
             if self.mesh.replica == 0 else []
-        parts = [p for ps in self.tr.gather(mine) or [] for p in ps]
-        if self.tr.rank != 0:
+        parts = [p for ps in self.transport.gather(mine) or [] for p in ps]
+        if self.transport.rank != 0:
             return [None] * len(host)
         return [assemble(self.shape, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
@@ -240,7 +240,7 @@ class Runner:
 
     def write_trace(self, path):
         """Collective: rank 0 writes every rank's recorded actions; recording stops."""
-        trace.write(path, self.exec.trace, self.be, self.tr, self.mesh,
+        trace.write(path, self.exec.trace, self.be, self.transport, self.mesh,
                     {"schedule": self.plan.schedule, "stages": self.mesh.pp,
                      "micro_batches": self.plan.micro_batches,
                      "virtual_stages": len(self.plan.chunks)})
