@@ -110,7 +110,7 @@ grid_options = options(
                  help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"),
     click.option("--overlap/--no-overlap", default=True, show_default=True,
                  help="sum the replicas' gradients layer by layer during the last backward "
-                      "(not with --zero 1)"))
+                      "(with --zero 1: as an all-reduce, each replica updating its slice)"))
 trace_option = click.option(
     "--trace", default=None, metavar="PATH",
     help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "

@@ -60,9 +60,14 @@ def read_trace(path):
     if not any(rows.values()):
         raise CupyGPTError(f"{path}: holds no forward or backward slices")
     pipe = data.get("pipeline") if isinstance(data, dict) else None
+    pipe = pipe if isinstance(pipe, dict) else {}
+    for k in ("stages", "micro_batches", "virtual_stages"):
+        if pipe.get(k) is not None and (not isinstance(pipe[k], int) or pipe[k] < 1):
+            raise CupyGPTError(f"{path}: its pipeline's {k} is {json.dumps(pipe[k])}, not a "
+                               f"positive integer; give the file that --trace wrote")
     transfers = {r: {k: [d for kind, _, d in c if kind == k] for k in ("send", "recv")}
                  for r, c in comm.items()}
-    return rows, transfers, pipe if isinstance(pipe, dict) else {}
+    return rows, transfers, pipe
 
 
 def bubble(rows):
@@ -140,7 +145,8 @@ def timeline(path, out, schedule=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CupyGPTError("timeline needs matplotlib: pip install -e '.[plot]'") from None
+        raise CupyGPTError("timeline needs matplotlib: pip install 'cupygpt[plot]' (in a "
+                           "clone: pip install -e '.[plot]')") from None
     rows, transfers, pipe = read_trace(path)
     measured = bubble(rows)
     name, p, m, v, times, sim = predict(rows, transfers, pipe, schedule)

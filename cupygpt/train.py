@@ -11,7 +11,7 @@ import numpy as np
 from . import CupyGPTError
 from . import checkpoint
 from .data import DataLoader
-from .files import write_model
+from .files import atomic_write, write_model
 from .optim import AdamWConfig, lr_at
 from .parallel.pipeline.plan import stage_shares
 from .sample import generate
@@ -22,7 +22,7 @@ from .parallel.pipeline import trace
 
 def open_tokenizer(path, cfg, log):
     """The tokenizer when it matches the model's vocab; else None (samples print as ids)."""
-    if not path or not os.path.exists(path):
+    if not path:
         return None
     tok = Tokenizer(path)
     if tok.vocab_size != cfg.V:
@@ -35,6 +35,28 @@ def injected_fault():
     """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK."""
     spec = os.environ.get("CUPYGPT_FAULT", "")
     return tuple(int(x) for x in spec.split(":")[1:]) if spec.startswith("raise:") else None
+
+
+def open_log(path, start):
+    """The log, open to append: a fresh run starts it; a resume keeps what came before its
+    first step (a run that went on past its checkpoint logged steps the resume repeats:
+    train records up to `start`, val records before it, since step `start` validates)."""
+    if not start:
+        return open(path, "w")
+    keep = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    step = rec["step"] + ("val_loss" in rec)
+                except (ValueError, TypeError, KeyError):
+                    continue  # (a line cut short by a kill)
+                if isinstance(step, int) and step <= start:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+    with atomic_write(path) as f:
+        f.write("".join(keep).encode())
+    return open(path, "a")
 
 
 class Interrupt:
@@ -71,9 +93,6 @@ def train(sess):
         start = meta["step"]
         train_data.set_state(meta["train_loader"])
         rng.bit_generator.state = meta["rng"]
-        if start > o.steps:
-            raise CupyGPTError(f"the checkpoint is already at step {start}; this is the total "
-                               f"step count", "steps", o.steps)
     sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
                              ("micro_batches", o.pipeline.micro_batches),
                              ("schedule", o.pipeline.schedule),
@@ -84,7 +103,11 @@ def train(sess):
                              ("start step", start)])
     if tr.rank == 0:
         checkpoint.clean_litter(o.out)
-    logf = open(o.log_file or os.path.join(o.out, "log.jsonl"), "a") if tr.rank == 0 else None
+    logf = open_log(o.log_file, start) if tr.rank == 0 else None
+    sampling = o.gen_tokens and o.sample_every
+    if sampling and o.seq < 2:
+        log(f"note: -t {o.seq} leaves no room after the start token: no samples")
+        sampling = False
     ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
 
     def save(step):
@@ -106,8 +129,7 @@ def train(sess):
                 log(f"val loss {vl:.6f}")
                 if logf:
                     logf.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
-            if o.gen_tokens and o.sample_every and ((step > 0 and step % o.sample_every == 0)
-                                                    or last):
+            if sampling and ((step > 0 and step % o.sample_every == 0) or last):
                 eot = tok.eot if tok else 0
                 ids = generate(run, [eot], o.gen_tokens, eot, rng)
                 text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
