@@ -1,0 +1,130 @@
+"""What a new user trips on (issue 21) beyond one-line refusals (test_bad_input.py): a full
+disk leaves nothing half-made, logs restart or continue, re-running a resume, defaults."""
+import errno
+import json
+import os
+import shutil
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import ROOT, cli, fixture
+from cupygpt.cli import cli as command
+from cupygpt.log import Log
+
+TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
+TRAIN = ["train", "--backend", "numpy", "-b", "1", "-t", "16", "-v", "0", "-g", "0"]
+
+
+def run(*args):
+    """The CLI in this process (a fault can be injected): (exit code, stderr lines)."""
+    res = CliRunner().invoke(command, [str(a) for a in args])
+    return res.exit_code, [ln for ln in res.stderr.splitlines() if ln.strip()]
+
+
+def disk_full_at(monkeypatch, name):
+    """Writing (at its fsync) any file whose name holds `name` fails as on a full disk."""
+    real = os.fsync
+
+    def fsync(fd):
+        if name in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("args,at,final", [
+    (["prepare", TEXT, "--name", "x"], "x_train.bin", []),           # val written, not kept
+    (TRAIN + ["-n", "1"], "model.bin", ["log.jsonl"]),  # the steps' log is whole
+    (TRAIN + ["-n", "2", "--checkpoint-every", "2"], "adamw.npz", ["log.jsonl"]),
+], ids=["prepare", "train model", "checkpoint"])
+def test_a_full_disk_is_named_and_leaves_nothing_half_made(tmp_path, monkeypatch, args, at,
+                                                           final):
+    disk_full_at(monkeypatch, at)
+    rc, lines = run(*args, "-o" if args[0] == "train" else "--out", tmp_path)
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and f"{at}: disk full" in lines[0], lines
+    assert "nothing was written there" in lines[0]
+    assert sorted(os.listdir(tmp_path)) == final  # no shard, model, .partial or .tmp
+
+
+def test_a_tiny_context_writes_its_model_and_says_why_no_sample(tmp_path):
+    res = cli("train", "--backend", "numpy", "-b", "1", "-t", "1", "-n", "2", "-o", tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "note: -t 1 leaves no room after the start token: no samples" in res.stdout
+    assert (tmp_path / "model.bin").exists()
+
+
+def steps_logged(out):
+    return [(r["step"], "val" if "val_loss" in r else "train")
+            for r in map(json.loads, open(out / "log.jsonl"))]
+
+
+def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
+    """Two fresh runs into one -o: one run's log. A resume from step 2 of a run that went on
+    to step 4, re-run with the same -e preset: steps 3 and 4 logged once each."""
+    for _ in range(2):
+        rc, lines = run(*TRAIN, "-n", "4", "-v", "2", "--checkpoint-every", "2", "--keep", "2",
+                        "-o", tmp_path)
+        assert rc == 0, lines
+    once = [(0, "val"), (1, "train"), (2, "train"), (2, "val"), (3, "train"), (4, "train"),
+            (4, "val")]
+    assert steps_logged(tmp_path) == once
+    rc, lines = run(*TRAIN, "-n", "4", "-v", "2", "-e", "tiny", "--resume",
+                    tmp_path / "ckpt_00000002", "-o", tmp_path)
+    assert rc == 0, lines
+    assert steps_logged(tmp_path) == once
+
+
+def test_verify_with_no_arguments_checks_the_shipped_losses():
+    res = cli("verify", "--backend", "numpy", "--steps", "3")
+    assert res.returncode == 0, res.stderr
+    assert "step 2: loss 5.66" in res.stdout and "expected 5.66" in res.stdout
+    other = cli("verify", "--backend", "numpy", "--steps", "2", "--lr", "1e-3")
+    assert "expected" not in other.stdout.split("step 0")[1]  # other steps: nothing to compare
+
+
+def test_a_tiny_temperature_samples_greedily():
+    res = cli("sample", "--backend", "numpy", "--model", fixture("gpt2v_model.bin"),
+              "--temperature", "1e-310", "--max-new-tokens", "4")
+    greedy = cli("sample", "--backend", "numpy", "--model", fixture("gpt2v_model.bin"),
+                 "--temperature", "0", "--max-new-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == greedy.stdout
+
+
+def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_path):
+    text = tmp_path / "other.txt"
+    shutil.copy(TEXT, text)
+    os.chdir(tmp_path)  # prepare's default --out is ./data (pytest restores the directory)
+    rc, lines = run("prepare", text)
+    assert rc == 0, lines
+    assert sorted(os.listdir(tmp_path / "data")) == ["other_train.bin", "other_val.bin"]
+    rc, lines = run("prepare", text)
+    assert rc == 1 and lines == [f"error: --out data: {os.path.join('data', 'other_val.bin')} "
+                                 f"exists; give --force to overwrite it, or another --out or "
+                                 f"--name"]
+    assert run("prepare", text, "--force")[0] == 0
+
+
+def test_each_message_is_one_write_so_ranks_do_not_interleave(monkeypatch):
+    r, w = os.pipe()
+
+    class Stdout:  # a stdout on the pipe
+        def fileno(self):
+            return w
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    writes, real = [], os.write
+    monkeypatch.setattr(os, "write", lambda fd, b: writes.append(b) or real(fd, b))
+    Log(1, 2)("a\nb", every_rank=True)
+    assert writes == [b"[pe1] a\n[pe1] b\n"]
+    os.close(w)
+    assert os.read(r, 100) == b"[pe1] a\n[pe1] b\n"
+    os.close(r)
