@@ -3,6 +3,7 @@ as boxes coloured by micro-batch), with the simulator's prediction for the same 
 from the measured mean op times, beneath it."""
 import json
 import os
+import textwrap
 
 from . import CupyGPTError
 from .files import atomic_write
@@ -134,7 +135,7 @@ def _draw(ax, rows, title, colours):
     ax.set_yticks(sorted(rows))
     ax.set_yticklabels([f"rank {r}" for r in sorted(rows)])
     ax.invert_yaxis()
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 140), fontsize=9)  # a line as wide as the figure
 
 
 def timeline(path, out, schedule=None):
@@ -161,8 +162,8 @@ def timeline(path, out, schedule=None):
     ms = ", ".join(f"{k[2:]} {min(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}-"
                    f"{max(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}"
                    for k, t in times.items() if t is not None)
-    _draw(bottom, predicted, f"simulated from each rank's op and transfer times (ms; ops per "
-                             f"chunk: {ms}): bubble {sim['bubble']:.1%}", colours)
+    _draw(bottom, predicted, f"simulated from each rank's op and transfer times: bubble "
+                             f"{sim['bubble']:.1%} (ms; ops per chunk: {ms})", colours)
     bottom.set_xlabel("ms")
     fig.tight_layout()
     with atomic_write(out) as f:
