@@ -53,7 +53,8 @@ def cli():
 @entry
 def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    sess = session(VerifyConfig, {**kw, "expected": kw["expected"] or shipped_expected(kw)},
+    sess = session(VerifyConfig, {**kw, "expected": shipped_expected(kw) if kw["expected"] is None
+                                          else kw["expected"]},
                    tf32_default=False)
     report = run_verify(sess)
     if sess.mesh.rank == 0:

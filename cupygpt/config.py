@@ -15,10 +15,10 @@ from typing import Optional
 
 from . import CupyGPTError
 from .checkpoint import check_resume, resolve as resolve_checkpoint
-from .files import model_shape, read_expected, read_state_header
+from .files import is_model_file, model_shape, read_expected, read_state_header
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
-from .shape import preset
+from .shape import PRESETS, preset
 
 
 # --- run configs -------------------------------------------------------------------------
@@ -166,6 +166,8 @@ def out_file(name, path):
     exists (made) and is writable, before the run starts."""
     if path is None:
         return
+    if not path:
+        raise CupyGPTError("is empty; give a file name", name, "''")
     if os.path.isdir(path):
         raise CupyGPTError("is a directory; give a file name", name, path)
     try:
@@ -274,8 +276,8 @@ class VerifyConfig:
     def validate(self, be, world):
         positive(self, "steps", "lr")
         positive(self, "weight_decay", zero_ok=True)
-        c = replace(self, expected_losses=read_expected(self.expected)) if self.expected \
-            else self
+        c = self if self.expected is None else \
+            replace(self, expected_losses=read_expected(self.expected))
         shape = model_shape(self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
@@ -330,6 +332,9 @@ class BenchConfig:
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq))
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", zero_ok=True)
+        if is_model_file(c.init):  # (its weights would not change the timing)
+            raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "
+                               f"model file's", "init", c.init)
         shape = preset(c.init)
         fits(c.seq, shape)
         c = replace(c, device=c.device.validate(be, world))

@@ -228,6 +228,11 @@ CASES += [
     ("plot a string", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": "1.5"}\n'),
                                  "--out", t / "never.png"],
      "line 2's train_loss is \"1.5\", not a number"),
+    ("log-file empty", lambda t: ["train", "--log-file", "", *NEVER, t / "never"],
+     "--log-file '': is empty; give a file name"),
+    ("expected empty", lambda t: ["verify", "--expected", ""], "--expected : cannot read it"),
+    ("bench a model file", lambda t: ["bench", "-e", MODEL, "--out", t / "never.json"],
+     "bench times a preset's shape (tiny, d12, d24, d36, d48), not a model file's"),
     ("plot a null", lambda t: ["plot", a_log(t, '{"step": 2, "val_loss": null}\n'),
                                "--out", t / "never.png"], "line 2's val_loss is null"),
 ]
