@@ -1,5 +1,6 @@
 """llm.c's training loop: val every -v steps, sample every -s, a step line per step; plus
 checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, Ctrl-C)."""
+import contextlib
 import json
 import math
 import os
@@ -110,6 +111,15 @@ def train(sess):
         sampling = False
     ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
 
+    def record(rec):  # a line of the log (rank 0's), on disk at once
+        if logf:
+            try:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+            except OSError as e:
+                raise CupyGPTError(f"{o.log_file}: cannot write the log ({e.strerror}); free "
+                                   f"some space, or give --log-file elsewhere") from None
+
     def save(step):
         nonlocal ckpt
         if tr.any(not all(sess.be.all_finite(st.params) for st in run.stages)):
@@ -127,8 +137,7 @@ def train(sess):
                 vl = float(np.mean([run.eval_loss(*val_data.next_batch())
                                     for _ in range(o.val_batches)]))
                 log(f"val loss {vl:.6f}")
-                if logf:
-                    logf.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
+                record({"step": step, "val_loss": vl})
             if sampling and ((step > 0 and step % o.sample_every == 0) or last):
                 eot = tok.eot if tok else 0
                 ids = generate(run, [eot], o.gen_tokens, eot, rng)
@@ -156,9 +165,7 @@ def train(sess):
                        tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
             log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} "
                 f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
-            if logf:
-                logf.write(json.dumps(rec) + "\n")
-                logf.flush()
+            record(rec)
             interrupted = tr.any(stop.hit)
             if o.checkpoint_every and ((step + 1) % o.checkpoint_every == 0 or interrupted):
                 save(step + 1)
@@ -169,7 +176,8 @@ def train(sess):
     finally:
         stop.restore()
         if logf:
-            logf.close()
+            with contextlib.suppress(OSError):  # (a failed write has said why)
+                logf.close()
     if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
         save(o.steps)
     if o.trace:
