@@ -101,7 +101,7 @@ def read_model_header(path):
 
 def is_model_file(spec):
     """-e names a file (rather than a preset) when it looks like a path."""
-    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
+    return os.path.isfile(spec) or os.sep in spec or spec.endswith(".bin")  # (a dir: no)
 
 
 def model_shape(spec):

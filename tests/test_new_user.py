@@ -94,10 +94,10 @@ def test_a_tiny_temperature_samples_greedily():
     assert res.stdout == greedy.stdout
 
 
-def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_path):
+def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_path, monkeypatch):
     text = tmp_path / "other.txt"
     shutil.copy(TEXT, text)
-    os.chdir(tmp_path)  # prepare's default --out is ./data (pytest restores the directory)
+    monkeypatch.chdir(tmp_path)  # prepare's default --out is ./data
     rc, lines = run("prepare", text)
     assert rc == 0, lines
     assert sorted(os.listdir(tmp_path / "data")) == ["other_train.bin", "other_val.bin"]
@@ -128,3 +128,11 @@ def test_each_message_is_one_write_so_ranks_do_not_interleave(monkeypatch):
     os.close(w)
     assert os.read(r, 100) == b"[pe1] a\n[pe1] b\n"
     os.close(r)
+
+
+def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """`train -e d12 -o d12` run twice: the second run's -e is still the preset."""
+    from cupygpt.files import is_model_file
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d12").mkdir()
+    assert not is_model_file("d12") and is_model_file("d12.bin")
