@@ -53,9 +53,9 @@ def cli():
 @entry
 def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    sess = session(VerifyConfig, {**kw, "expected": shipped_expected(kw) if kw["expected"] is None
-                                          else kw["expected"]},
-                   tf32_default=False)
+    if kw["expected"] is None:
+        kw["expected"] = shipped_expected(kw)
+    sess = session(VerifyConfig, kw, tf32_default=False)
     report = run_verify(sess)
     if sess.mesh.rank == 0:
         click.echo(json.dumps(report) if as_json else format_report(report))
@@ -91,7 +91,8 @@ def prepare(text, out, tokenizer, name, force):
                            "directory in --out", "name", repr(name))
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
     for path in paths.values():
-        if os.path.exists(path) and os.path.samefile(os.path.dirname(path), DATA):
+        if os.path.exists(path) and os.path.samefile(os.path.dirname(os.path.abspath(path)),
+                                                     DATA):
             raise CupyGPTError(f"{path} is a shipped file of the package; give --out or "
                                f"--name to write elsewhere", "out", out)
         if os.path.exists(path) and not force:
