@@ -1,37 +1,44 @@
 """What a new user trips on (issue 21) beyond one-line refusals (test_bad_input.py): a full
 disk leaves nothing half-made, logs restart or continue, re-running a resume, defaults."""
-import errno
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
 from conftest import ROOT, cli, fixture
-from cupygpt.cli import cli as command
 from cupygpt.log import Log
 
 TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
 TRAIN = ["train", "--backend", "numpy", "-b", "1", "-t", "16", "-v", "0", "-g", "0"]
 
 
-def run(*args):
-    """The CLI in this process (a fault can be injected): (exit code, stderr lines)."""
-    res = CliRunner().invoke(command, [str(a) for a in args])
-    return res.exit_code, [ln for ln in res.stderr.splitlines() if ln.strip()]
+# The CLI in a process of its own (in-process, tiktoken can break after NVRTC is loaded by
+# another test), with FULL_DISK_AT: writing (at its fsync) a file whose name holds it fails
+# as on a full disk.
+BOOT = """import errno, os
+at = os.environ.get("FULL_DISK_AT")
+real = os.fsync
+
+def fsync(fd):
+    if at and at in os.readlink(f"/proc/self/fd/{fd}"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(fd)
+os.fsync = fsync
+from cupygpt.cli import main
+main()
+"""
 
 
-def disk_full_at(monkeypatch, name):
-    """Writing (at its fsync) any file whose name holds `name` fails as on a full disk."""
-    real = os.fsync
-
-    def fsync(fd):
-        if name in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd)
-    monkeypatch.setattr(os, "fsync", fsync)
+def run(*args, full_disk_at="", cwd=ROOT):
+    """(exit code, stderr lines)"""
+    env = {**os.environ, "FULL_DISK_AT": full_disk_at,
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    res = subprocess.run([sys.executable, "-c", BOOT, *map(str, args)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    return res.returncode, [ln for ln in res.stderr.splitlines() if ln.strip()]
 
 
 @pytest.mark.parametrize("args,at,final", [
@@ -39,10 +46,8 @@ def disk_full_at(monkeypatch, name):
     (TRAIN + ["-n", "1"], "model.bin", ["log.jsonl"]),  # the steps' log is whole
     (TRAIN + ["-n", "2", "--checkpoint-every", "2"], "adamw.npz", ["log.jsonl"]),
 ], ids=["prepare", "train model", "checkpoint"])
-def test_a_full_disk_is_named_and_leaves_nothing_half_made(tmp_path, monkeypatch, args, at,
-                                                           final):
-    disk_full_at(monkeypatch, at)
-    rc, lines = run(*args, "-o" if args[0] == "train" else "--out", tmp_path)
+def test_a_full_disk_is_named_and_leaves_nothing_half_made(tmp_path, args, at, final):
+    rc, lines = run(*args, "-o" if args[0] == "train" else "--out", tmp_path, full_disk_at=at)
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and f"{at}: disk full" in lines[0], lines
     assert "nothing was written there" in lines[0]
@@ -94,18 +99,17 @@ def test_a_tiny_temperature_samples_greedily():
     assert res.stdout == greedy.stdout
 
 
-def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_path, monkeypatch):
+def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_path):
     text = tmp_path / "other.txt"
     shutil.copy(TEXT, text)
-    monkeypatch.chdir(tmp_path)  # prepare's default --out is ./data
-    rc, lines = run("prepare", text)
+    rc, lines = run("prepare", text, cwd=tmp_path)  # (the default --out is ./data)
     assert rc == 0, lines
     assert sorted(os.listdir(tmp_path / "data")) == ["other_train.bin", "other_val.bin"]
-    rc, lines = run("prepare", text)
+    rc, lines = run("prepare", text, cwd=tmp_path)
     assert rc == 1 and lines == [f"error: --out data: {os.path.join('data', 'other_val.bin')} "
                                  f"exists; give --force to overwrite it, or another --out or "
                                  f"--name"]
-    assert run("prepare", text, "--force")[0] == 0
+    assert run("prepare", text, "--force", cwd=tmp_path)[0] == 0
 
 
 def test_each_message_is_one_write_so_ranks_do_not_interleave(monkeypatch):
