@@ -66,14 +66,15 @@ def save(run, out, step, state, keep=2):
         os.replace(tmp, final)
         _fsync_dir(out)
         _point_latest(out, os.path.basename(final))
-        old = [d for d in _listed(out) if d != os.path.basename(final)]
+        old = [d for d in listed(out) if d != os.path.basename(final)]
         for d in old[:max(0, len(old) - (keep - 1))]:
             shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     tr.barrier()
     return final
 
 
-def _listed(out):
+def listed(out):
+    """The complete checkpoints in out, oldest first."""
     return sorted(d for d in os.listdir(out) if NAME.match(d))
 
 
@@ -88,7 +89,7 @@ def demote(tr, out, path):
     prev = None
     if tr.rank == 0:
         os.replace(path, path + ".nan")
-        rest = _listed(out)
+        rest = listed(out)
         prev = os.path.join(out, rest[-1]) if rest else None
         if prev:
             _point_latest(out, rest[-1])
@@ -102,7 +103,7 @@ def resolve(path):
     checkpoint (a run killed while writing `latest` may have left it one behind)."""
     if not os.path.isdir(path):
         raise CupyGPTError("no such checkpoint directory", "resume", path)
-    done = _listed(path)
+    done = listed(path)
     if done:
         return os.path.join(path, done[-1])
     if not os.path.isfile(os.path.join(path, "model.bin")):
@@ -124,7 +125,7 @@ def clean_litter(out):
 def damaged(f, path, why):
     """One line for a checkpoint file that cannot be read, naming the one before it."""
     out = os.path.dirname(os.path.abspath(path))
-    older = [d for d in _listed(out) if d < os.path.basename(path)]
+    older = [d for d in listed(out) if d < os.path.basename(path)]
     return CupyGPTError(f"{f}: damaged checkpoint file ({why}); " + (
         f"the previous checkpoint {os.path.join(out, older[-1])} can be resumed instead"
         if older else "no earlier checkpoint is left beside it"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import CupyGPTError
-from .checkpoint import check_resume, resolve as resolve_checkpoint
+from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
@@ -249,6 +249,11 @@ class TrainConfig:
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows(c.batch)))
+        if c.checkpoint_every and not c.resume and os.path.isdir(c.out) and listed(c.out):
+            raise CupyGPTError(f"holds an earlier run's checkpoints (the newest "
+                               f"{listed(c.out)[-1]}), which a resume from it would take for "
+                               f"this run's; add --resume {c.out} to continue that run, or give "
+                               f"another -o", "out", c.out)
         # last, as they make directories: nothing is left behind when a check above fails
         out_file("trace", c.trace)
         out_file("log_file", c.log_file)
