@@ -11,8 +11,8 @@ from . import CupyGPTError
 from .backends import gpu_available
 from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
-from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
-                      grid_options, pipeline_options, progress, session, trace_option)
+from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
+                      one_process, pipeline_options, progress, session, trace_option)
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir, out_file
 from .files import atomic_write, write_shard
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
@@ -85,6 +85,7 @@ def shipped_expected(kw):
 def prepare(text, out, tokenizer, name, force):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
+    one_process("prepare")
     name = os.path.splitext(os.path.basename(text))[0] if name is None else name
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
@@ -271,6 +272,7 @@ def sample(**kw):
 def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
     bubble and each rank's peak of live activations of a pipeline schedule."""
+    one_process("schedule")
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
     if not 0 < backward_cost < float("inf"):
@@ -302,6 +304,7 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
 def gpucheck(out, quick, parts, mps):
     """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
     run, in one report; exit 0 only when every part has run and passed."""
+    one_process("gpucheck")
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
@@ -316,6 +319,7 @@ def gpucheck(out, quick, parts, mps):
 @entry
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
+    one_process("plot")
     out_file("out", out)
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
@@ -330,6 +334,7 @@ def plot(log, out):
 def timeline(trace, out, schedule):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
+    one_process("timeline")
     out_file("out", out)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "

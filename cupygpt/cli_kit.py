@@ -44,6 +44,13 @@ def entry(fn):
     return wrapper
 
 
+def one_process(command):
+    """Commands with no ranks' work to share would run once per rank under mpiexec (each
+    writing the same files)."""
+    if launched_ranks() > 1:
+        raise CupyGPTError(f"{command} runs in one process: run it without mpiexec")
+
+
 def config(cls, kw):
     """cls (a config dataclass) from the flags: each field is the flag's parameter name;
     the device and pipeline parts are filled the same way."""

@@ -146,3 +146,25 @@ def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d12").mkdir()
     assert not is_model_file("d12") and is_model_file("d12.bin")
+
+
+def test_a_one_process_command_under_mpiexec_says_so(tmp_path):
+    res = cli("prepare", TEXT, "--out", tmp_path, ranks=2)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and lines == ["error: prepare runs in one process: run it "
+                                             "without mpiexec"], res.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_plot_without_matplotlib_names_the_package_to_install(tmp_path, monkeypatch):
+    from cupygpt import CupyGPTError
+    from cupygpt.plot import plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(CupyGPTError, match=r"pip install 'cupygpt\[plot\]'"):
+        plot(tmp_path / "log.jsonl", tmp_path / "loss.png")
+
+
+def test_overlap_help_says_it_works_with_zero_1():
+    res = cli("train", "--help")
+    assert "(with --zero 1: as an all-reduce, each replica updating its slice)" in \
+        " ".join(res.stdout.split())
