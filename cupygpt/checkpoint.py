@@ -15,7 +15,8 @@ import zipfile
 import numpy as np
 
 from . import CupyGPTError
-from .files import atomic_write, read_model, write_model
+from .files import atomic_write, read_model, read_shard, write_model
+from .layout import param_layout
 
 LATEST = "latest"
 NAME = re.compile(r"ckpt_\d{8}$")
@@ -52,24 +53,29 @@ def save(run, tr, out, step, state, keep=2):
         os.makedirs(tmp)
     whole = run.state_dict()
     if rank == 0:
-        write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"])
         meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
                 "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
-        with atomic_write(os.path.join(tmp, STATE)) as f:
-            np.savez(f, m=whole["m"], v=whole["v"], meta=np.array(json.dumps(meta)))
-        _fsync_dir(tmp)
+        try:
+            write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"])
+            with atomic_write(os.path.join(tmp, STATE)) as f:
+                np.savez(f, m=whole["m"], v=whole["v"], meta=np.array(json.dumps(meta)))
+            _fsync_dir(tmp)
+        except BaseException:  # (a full disk): no half-made checkpoint is left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _fsync_dir(out)
         _point_latest(out, os.path.basename(final))
-        old = [d for d in _listed(out) if d != os.path.basename(final)]
+        old = [d for d in listed(out) if d != os.path.basename(final)]
         for d in old[:max(0, len(old) - (keep - 1))]:
             shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     tr.barrier()
     return final
 
 
-def _listed(out):
+def listed(out):
+    """The complete checkpoints in out, oldest first."""
     return sorted(d for d in os.listdir(out) if NAME.match(d))
 
 
@@ -84,7 +90,7 @@ def demote(tr, out, path):
     prev = None
     if tr.rank == 0:
         os.replace(path, path + ".nan")
-        rest = _listed(out)
+        rest = listed(out)
         prev = os.path.join(out, rest[-1]) if rest else None
         if prev:
             _point_latest(out, rest[-1])
@@ -98,7 +104,7 @@ def resolve(path):
     checkpoint (a run killed while writing `latest` may have left it one behind)."""
     if not os.path.isdir(path):
         raise CupyGPTError("no such checkpoint directory", "resume", path)
-    done = _listed(path)
+    done = listed(path)
     if done:
         return os.path.join(path, done[-1])
     if not os.path.isfile(os.path.join(path, "model.bin")):
@@ -120,7 +126,7 @@ def clean_litter(out):
 def damaged(f, path, why):
     """One line for a checkpoint file that cannot be read, naming the one before it."""
     out = os.path.dirname(os.path.abspath(path))
-    older = [d for d in _listed(out) if d < os.path.basename(path)]
+    older = [d for d in listed(out) if d < os.path.basename(path)]
     return CupyGPTError(f"{f}: damaged checkpoint file ({why}); " + (
         f"the previous checkpoint {os.path.join(out, older[-1])} can be resumed instead"
         if older else "no earlier checkpoint is left beside it"))
@@ -135,13 +141,53 @@ def _state_file(path):
     return f
 
 
-def check_matches(path, meta, run):
-    want = identity(run)
+def check_matches(path, meta, want):
     diff = [f"{k}: checkpoint {meta.get(k)} vs now {v}" for k, v in want.items()
             if meta.get(k) != v]
     if diff:
         raise CupyGPTError(f"does not match this run ({'; '.join(diff)}); use the "
                            f"checkpoint's settings", "resume", path)
+
+
+def _length(z, name):
+    """An array's length in an open .npz, from its header alone."""
+    with z.zip.open(name + ".npy") as a:
+        version = np.lib.format.read_magic(a)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(a)
+    return shape[0] if len(shape) == 1 and dtype == np.float32 else None
+
+
+def check_resume(path, shape, B, T, train_files):
+    """Before anything is allocated: the checkpoint's state file is readable and fits this
+    run: its model shape and batch, m and v of the model's length, a usable RNG state, and
+    its data position inside this run's train shards. Returns its step."""
+    f = _state_file(path)
+    try:
+        with np.load(f) as z:
+            meta = json.loads(str(z["meta"]))
+            check_matches(path, meta, {"config": shape.__dict__, "B": B, "T": T})
+            lengths = {_length(z, name) for name in ("m", "v")}
+    except UNREADABLE as e:
+        raise damaged(f, path, type(e).__name__) from None
+    n = param_layout(shape).size
+    if lengths != {n}:
+        raise damaged(f, path, f"AdamW's m and v are not float32 arrays of the model's {n:,} "
+                               f"parameters")
+    try:
+        np.random.default_rng().bit_generator.state = meta["rng"]
+        step, t, (shard, pos) = meta["step"], meta["adam_t"], meta["train_loader"]
+    except (KeyError, TypeError, ValueError):
+        raise damaged(f, path, "its step, RNG or data position is missing or malformed") \
+            from None
+    if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos)):
+        raise damaged(f, path, "its step or data position is not a count")
+    if shard >= len(train_files) or pos + B * T + 1 > read_shard(train_files[shard]).size:
+        raise CupyGPTError(f"{f}: its data position (shard {shard}, token {pos:,}) lies "
+                           f"outside this run's train shards (-i); resume with the run's "
+                           f"own -i", "resume", path)
+    return step
 
 
 def restore(run, path):
@@ -151,7 +197,7 @@ def restore(run, path):
     try:
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            check_matches(path, meta, run)
+            check_matches(path, meta, identity(run))
             m, v = z["m"], z["v"]
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None

@@ -11,9 +11,9 @@ from . import CupyGPTError
 from .backends import gpu_available
 from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
-from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
-                      grid_options, pipeline_options, progress, session, trace_option)
-from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir
+from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
+                      one_process, pipeline_options, progress, session, trace_option)
+from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir, out_file
 from .files import atomic_write, write_shard
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
@@ -40,7 +40,9 @@ def cli():
 @click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
 @click.option("--lr", default=1e-4, show_default=True)
 @click.option("--weight-decay", default=0.01, show_default=True, help="AdamW weight decay")
-@click.option("--expected", default=None, help="JSON with a 'losses' list to check the steps")
+@click.option("--expected", default=None,
+              help="JSON with a 'losses' list to check the steps  [default: NAME_expected.json "
+                   "beside a NAME_model.bin, at the default --lr and --weight-decay]")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
@@ -51,6 +53,8 @@ def cli():
 @entry
 def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
+    if kw["expected"] is None:
+        kw["expected"] = shipped_expected(kw)
     sess = session(VerifyConfig, kw, tf32_default=False)
     report = run_verify(sess)
     if sess.mesh.rank == 0:
@@ -59,15 +63,42 @@ def verify(as_json, **kw):
     sys.exit(0 if ok else 1)
 
 
+def shipped_expected(kw):
+    """The losses file beside a NAME_model.bin (the shipped references have one), when the
+    steps are the ones it was made with (the default --lr and --weight-decay)."""
+    stem = kw["model"].removesuffix("_model.bin")
+    path = stem + "_expected.json"
+    if stem != kw["model"] and os.path.isfile(path) and (kw["lr"], kw["weight_decay"]) == (
+            VerifyConfig.lr, VerifyConfig.weight_decay):
+        return path
+    return None
+
+
 @cli.command()
 @click.argument("text", type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="data", show_default=True, help="output directory")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
-@click.option("--name", default="tiny_shakespeare", show_default=True, help="shard name prefix")
+@click.option("--name", default=None, help="shard name prefix  [default: the text's file name "
+                                           "without its extension]")
+@click.option("--force", is_flag=True, help="overwrite shards already there")
 @entry
-def prepare(text, out, tokenizer, name):
+def prepare(text, out, tokenizer, name, force):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
+    one_process("prepare")
+    name = os.path.splitext(os.path.basename(text))[0] if name is None else name
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
+                           "directory in --out", "name", repr(name))
+    paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
+    for path in paths.values():
+        if os.path.exists(path) and os.path.samefile(os.path.dirname(os.path.abspath(path)),
+                                                     DATA):
+            raise CupyGPTError(f"{path} is a shipped file of the package; give --out or "
+                               f"--name to write elsewhere", "out", out)
+        if os.path.exists(path) and not force:
+            raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another "
+                               f"--out or --name", "out", out)
     try:
         body = open(text, encoding="utf-8").read()
     except UnicodeDecodeError as e:
@@ -79,10 +110,12 @@ def prepare(text, out, tokenizer, name):
             train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
         except CupyGPTError as e:
             raise CupyGPTError(f"{text}: {e}") from None
+    # both written before either is renamed: a failure leaves neither
+    with atomic_write(paths["val"]) as fv, atomic_write(paths["train"]) as ft:
+        write_shard(paths["val"], val_tokens, fv)
+        write_shard(paths["train"], train_tokens, ft)
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
-        path = os.path.join(out, f"{name}_{split}.bin")
-        write_shard(path, toks)
-        click.echo(f"wrote {len(toks):,} tokens to {path}")
+        click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
 
 
 @cli.command()
@@ -151,6 +184,7 @@ def train(**kw):
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
+    out_file("out", out)
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
     if sess.config.comm:
@@ -238,8 +272,12 @@ def sample(**kw):
 def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
     bubble and each rank's peak of live activations of a pipeline schedule."""
+    one_process("schedule")
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
+    if not 0 < backward_cost < float("inf"):
+        raise CupyGPTError("must be a positive number (a backward's time in forwards)",
+                           "backward_cost", backward_cost)
     v = chunks_per_rank(schedule, virtual_stages)
     fn = SCHEDULES[schedule]
     for r in range(stages):
@@ -266,6 +304,7 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
 def gpucheck(out, quick, parts, mps):
     """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
     run, in one report; exit 0 only when every part has run and passed."""
+    one_process("gpucheck")
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
@@ -280,6 +319,8 @@ def gpucheck(out, quick, parts, mps):
 @entry
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
+    one_process("plot")
+    out_file("out", out)
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
 
@@ -293,6 +334,8 @@ def plot(log, out):
 def timeline(trace, out, schedule):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
+    one_process("timeline")
+    out_file("out", out)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")

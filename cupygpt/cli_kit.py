@@ -44,6 +44,13 @@ def entry(fn):
     return wrapper
 
 
+def one_process(command):
+    """Commands with no ranks' work to share would run once per rank under mpiexec (each
+    writing the same files)."""
+    if launched_ranks() > 1:
+        raise CupyGPTError(f"{command} runs in one process: run it without mpiexec")
+
+
 def config(cls, kw):
     """cls (a config dataclass) from the flags: each field is the flag's parameter name;
     the device and pipeline parts are filled the same way."""
@@ -110,7 +117,7 @@ grid_options = options(
                  help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"),
     click.option("--overlap/--no-overlap", default=True, show_default=True,
                  help="sum the replicas' gradients layer by layer during the last backward "
-                      "(not with --zero 1)"))
+                      "(with --zero 1: as an all-reduce, each replica updating its slice)"))
 trace_option = click.option(
     "--trace", default=None, metavar="PATH",
     help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "

@@ -9,15 +9,16 @@ checkpoint's identity) stay with the readers.
 import glob
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import CupyGPTError
-from .checkpoint import resolve as resolve_checkpoint
-from .files import model_shape, read_state_header
+from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
+from .files import is_model_file, model_shape, read_expected, read_state_header
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
-from .shape import preset
+from .shape import PRESETS, preset
 
 
 # --- run configs -------------------------------------------------------------------------
@@ -32,6 +33,10 @@ class Device:
 
     def validate(self, be, world):
         positive(self, "peer_timeout")
+        if world == 1 and self.transport != "auto":
+            raise CupyGPTError("carries arrays between ranks, and this is one process; run "
+                               "under mpiexec -n 2 or more, or leave it out", "transport",
+                               self.transport)
         if world > 1 and self.transport != "auto" and self.transport not in be.TRANSPORTS:
             raise CupyGPTError(f"the {be.name} backend's arrays travel by "
                                f"{', '.join(be.TRANSPORTS)} only", "transport", self.transport)
@@ -122,9 +127,17 @@ def default(value, fallback):
 def positive(cfg, *names, zero_ok=False):
     for name in names:
         v = getattr(cfg, name)
-        if not (v >= 0 if zero_ok else v > 0) or not math.isfinite(v):
+        if not math.isfinite(v):
+            raise CupyGPTError("must be a finite number", name, v)
+        if not (v >= 0 if zero_ok else v > 0):
             raise CupyGPTError("must not be negative" if zero_ok else "must be positive",
                                name, v)
+
+
+def between(cfg, name, lo, hi, what):
+    v = getattr(cfg, name)
+    if not lo <= v <= hi:  # (NaN fails too)
+        raise CupyGPTError(f"must be between {lo:g} and {hi:g} ({what})", name, v)
 
 
 def fits(seq, shape):
@@ -137,14 +150,28 @@ def make_dir(name, path):
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
-    if not os.access(path, os.W_OK):
-        raise CupyGPTError("this directory is not writable", name, path)
+    try:  # a file made and removed: access() says yes to root on /proc or /sys
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CupyGPTError(f"cannot write files in this directory ({e.strerror})", name,
+                           path) from None
 
 
-def trace_dir(cfg):
-    """--trace's directory exists (made) and is writable, before the run starts."""
-    if cfg.trace:
-        make_dir("trace", os.path.dirname(os.path.abspath(cfg.trace)))
+def out_file(name, path):
+    """A file the command writes (at its end, perhaps): not a directory, and its directory
+    exists (made) and is writable, before the run starts."""
+    if path is None:
+        return
+    if not path:
+        raise CupyGPTError("is empty; give a file name", name, "''")
+    if os.path.isdir(path):
+        raise CupyGPTError("is a directory; give a file name", name, path)
+    try:
+        make_dir(name, os.path.dirname(os.path.abspath(path)))
+    except CupyGPTError as e:  # the flag's own value in front, then its directory
+        raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
 
 
 def existing(name, path):
@@ -188,29 +215,49 @@ class TrainConfig:
                     sample_every=default(self.sample_every, self.steps))
         positive(c, "batch", "seq", "lr")
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "warmup", "checkpoint_every", "weight_decay", zero_ok=True)
+                 "warmup", "checkpoint_every", "weight_decay", "seed", zero_ok=True)
+        between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
-        if c.resume:
-            c = replace(c, resume=resolve_checkpoint(c.resume))
-            if self.init is not None:
-                raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
-                                   f"({os.path.join(c.resume, 'model.bin')}), not this one; "
-                                   f"leave it out to resume, or start afresh without resuming",
-                                   "init", self.init)
-            shape = model_shape(os.path.join(c.resume, "model.bin"))
-        else:
-            shape = model_shape(c.init)
-        fits(c.seq, shape)
+        if c.val_pattern and c.val_every and c.val_batches < 1:
+            raise CupyGPTError("validation needs at least one batch; give -v 0 to turn it "
+                               "off", "val_batches", c.val_batches)
+        if c.tokenizer:
+            existing("tokenizer", c.tokenizer)
         for name in ("train_pattern", "val_pattern"):
             if getattr(c, name) and not glob.glob(getattr(c, name)):
                 raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
                                    "fix the path", name, getattr(c, name))
+        if c.resume:
+            c = replace(c, resume=resolve_checkpoint(c.resume))
+            shape = model_shape(os.path.join(c.resume, "model.bin"))
+            if self.init is not None and model_shape(self.init) != shape:
+                raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
+                                   f"({os.path.join(c.resume, 'model.bin')}), of another "
+                                   f"shape; leave -e out to resume, or start afresh without "
+                                   f"--resume", "init", self.init)
+            at = check_resume(c.resume, shape, c.batch, c.seq,
+                              sorted(glob.glob(c.train_pattern)))
+            if at > c.steps:
+                raise CupyGPTError(f"the checkpoint is already at step {at}; this is the "
+                                   f"total step count", "steps", c.steps)
+        else:
+            shape = model_shape(c.init)
+        fits(c.seq, shape)
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows(c.batch)))
-        trace_dir(c)
-        make_dir("out", c.out)  # last: nothing is left behind when a check above fails
+        if c.checkpoint_every and not c.resume and os.path.isdir(c.out) and listed(c.out):
+            raise CupyGPTError(f"holds an earlier run's checkpoints (the newest "
+                               f"{listed(c.out)[-1]}), which a resume from it would take for "
+                               f"this run's; add --resume {c.out} to continue that run, or give "
+                               f"another -o", "out", c.out)
+        # last, as they make directories: nothing is left behind when a check above fails
+        out_file("trace", c.trace)
+        out_file("log_file", c.log_file)
+        make_dir("out", c.out)
+        c = replace(c, log_file=default(c.log_file, os.path.join(c.out, "log.jsonl")))
+        out_file("log_file", c.log_file)  # (the default: only not a directory)
         return c, shape
 
 
@@ -222,6 +269,7 @@ class VerifyConfig:
     lr: float = 1e-4
     weight_decay: float = 0.01
     expected: Optional[str] = None
+    expected_losses: tuple = ()     # validate reads them from `expected`
     dtype: str = "float32"
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
@@ -231,13 +279,13 @@ class VerifyConfig:
     def validate(self, be, world):
         positive(self, "steps", "lr")
         positive(self, "weight_decay", zero_ok=True)
-        if self.expected:
-            existing("expected", self.expected)
+        c = self if self.expected is None else \
+            replace(self, expected_losses=read_expected(self.expected))
         shape = model_shape(self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
-        trace_dir(self)
-        return replace(self, device=self.device.validate(be, world), grid=grid,
+        out_file("trace", self.trace)
+        return replace(c, device=self.device.validate(be, world), grid=grid,
                        pipeline=self.pipeline.validate(shape, T, grid.pp, grid.rows(B))), shape
 
 
@@ -256,7 +304,7 @@ class SampleConfig:
     grid: Grid = field(default_factory=Grid)              # a pipeline of every rank
 
     def validate(self, be, world):
-        positive(self, "max_new_tokens", "temperature", zero_ok=True)
+        positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
         shape = model_shape(self.model)
         if self.top_k is not None and not 0 < self.top_k <= shape.V:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
@@ -287,6 +335,9 @@ class BenchConfig:
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq))
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", zero_ok=True)
+        if is_model_file(c.init):  # (its weights would not change the timing)
+            raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "
+                               f"model file's", "init", c.init)
         shape = preset(c.init)
         fits(c.seq, shape)
         c = replace(c, device=c.device.validate(be, world))
@@ -296,6 +347,6 @@ class BenchConfig:
                                    "it under mpiexec -n 2 or more")
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
         c = replace(c, grid=c.grid.validate(shape, world))
-        trace_dir(c)
+        out_file("trace", c.trace)
         return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                        c.grid.rows(c.batch))), shape

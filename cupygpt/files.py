@@ -3,6 +3,9 @@
 Every reader checks magic, version and sizes and raises CupyGPTError naming the file.
 Every writer goes through atomic_write, so a crash never leaves a half-written file.
 """
+import errno
+import json
+import math
 import os
 import tempfile
 from contextlib import contextmanager
@@ -37,8 +40,11 @@ def atomic_write(path):
             os.fchmod(f.fileno(), 0o666 & ~UMASK)
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing "
+                               f"was written there: free some space and run again") from None
         raise
 
 
@@ -95,7 +101,7 @@ def read_model_header(path):
 
 def is_model_file(spec):
     """-e names a file (rather than a preset) when it looks like a path."""
-    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
+    return os.path.isfile(spec) or os.sep in spec or spec.endswith(".bin")  # (a dir: no)
 
 
 def model_shape(spec):
@@ -186,10 +192,34 @@ def read_shard(path):
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
 
 
-def write_shard(path, tokens):
+def write_shard(path, tokens, f=None):
+    """Into f when given (an open atomic_write of path), else a file of its own."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2 ** 16):
         raise CupyGPTError(f"{path}: tokens must fit in uint16")
-    with atomic_write(path) as f:
-        f.write(make_header(SHARD_MAGIC, 1, tokens.size).tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+    if f is None:
+        with atomic_write(path) as f:
+            return write_shard(path, tokens, f)
+    f.write(make_header(SHARD_MAGIC, 1, tokens.size).tobytes())
+    f.write(tokens.astype(np.uint16).tobytes())
+
+
+# --- verify's expected losses ------------------------------------------------------------
+
+def read_expected(path):
+    """The step losses of a JSON file {"losses": [numbers]} (verify --expected)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise CupyGPTError(f"cannot read it ({e.strerror})", "expected", path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CupyGPTError('not JSON; give a file like {"losses": [5.27, 5.21, ...]}',
+                           "expected", path) from None
+    losses = data.get("losses") if isinstance(data, dict) else None
+    if not isinstance(losses, list) or not losses or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            for x in losses):
+        raise CupyGPTError('needs a non-empty "losses" list of numbers, one per AdamW step',
+                           "expected", path)
+    return tuple(float(x) for x in losses)

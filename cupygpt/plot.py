@@ -5,6 +5,11 @@ from . import CupyGPTError
 from .files import atomic_write
 
 
+def number(x):
+    """A plottable value: int or float (a float's NaN or inf is what training logged)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def read_log(path):
     """The log's records; a line that is not a step record is named by its number."""
     try:
@@ -24,6 +29,11 @@ def read_log(path):
                                    f"train log (log.jsonl)?") from None
             if not isinstance(rec, dict) or "step" not in rec:
                 raise CupyGPTError(f"{path}: line {n} is not a step record") from None
+            bad = [k for k in ("step", "train_loss", "val_loss")
+                   if k in rec and not number(rec[k])]
+            if bad:
+                raise CupyGPTError(f"{path}: line {n}'s {bad[0]} is {json.dumps(rec[bad[0]])}, "
+                                   f"not a number; is this a train log (log.jsonl)?")
             recs.append(rec)
     return recs
 
@@ -34,7 +44,8 @@ def plot(log_path, out_path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CupyGPTError("plot needs matplotlib: pip install -e '.[plot]'") from None
+        raise CupyGPTError("plot needs matplotlib: pip install 'cupygpt[plot]' (in a clone: "
+                           "pip install -e '.[plot]')") from None
     recs = read_log(log_path)
     train = [(r["step"], r["train_loss"]) for r in recs if "train_loss" in r]
     val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]

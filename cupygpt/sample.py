@@ -8,13 +8,13 @@ from .tokenizer import Tokenizer
 
 def next_token(logits, rng, temperature=1.0, top_k=None):
     """Samples from logits (V,) on the host; temperature 0 is greedy."""
-    z = np.asarray(logits, dtype=np.float64)
+    z = np.array(logits, dtype=np.float64)  # a copy: top-k edits it
     if temperature == 0:
         return int(z.argmax())
-    z = z / temperature
     if top_k:
         z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-    p = np.exp(z - z.max())
+    # shifted first: a tiny temperature then scales to -inf (probability 0), never to inf
+    p = np.exp((z - z.max()) / temperature)
     return int(rng.choice(z.size, p=p / p.sum()))
 
 

@@ -3,6 +3,7 @@ as boxes coloured by micro-batch), with the simulator's prediction for the same 
 from the measured mean op times, beneath it."""
 import json
 import os
+import textwrap
 
 from . import CupyGPTError
 from .files import atomic_write
@@ -60,9 +61,14 @@ def read_trace(path):
     if not any(rows.values()):
         raise CupyGPTError(f"{path}: holds no forward or backward slices")
     pipe = data.get("pipeline") if isinstance(data, dict) else None
+    pipe = pipe if isinstance(pipe, dict) else {}
+    for k in ("stages", "micro_batches", "virtual_stages"):
+        if pipe.get(k) is not None and (not isinstance(pipe[k], int) or pipe[k] < 1):
+            raise CupyGPTError(f"{path}: its pipeline's {k} is {json.dumps(pipe[k])}, not a "
+                               f"positive integer; give the file that --trace wrote")
     transfers = {r: {k: [d for kind, _, d in c if kind == k] for k in ("send", "recv")}
                  for r, c in comm.items()}
-    return rows, transfers, pipe if isinstance(pipe, dict) else {}
+    return rows, transfers, pipe
 
 
 def bubble(rows):
@@ -129,7 +135,7 @@ def _draw(ax, rows, title, colours):
     ax.set_yticks(sorted(rows))
     ax.set_yticklabels([f"rank {r}" for r in sorted(rows)])
     ax.invert_yaxis()
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 140), fontsize=9)  # a line as wide as the figure
 
 
 def timeline(path, out, schedule=None):
@@ -140,7 +146,8 @@ def timeline(path, out, schedule=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CupyGPTError("timeline needs matplotlib: pip install -e '.[plot]'") from None
+        raise CupyGPTError("timeline needs matplotlib: pip install 'cupygpt[plot]' (in a "
+                           "clone: pip install -e '.[plot]')") from None
     rows, transfers, pipe = read_trace(path)
     measured = bubble(rows)
     name, p, m, v, times, sim = predict(rows, transfers, pipe, schedule)
@@ -155,8 +162,8 @@ def timeline(path, out, schedule=None):
     ms = ", ".join(f"{k[2:]} {min(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}-"
                    f"{max(t) * 1e3 / (1 if k in ('t_send', 't_recv') else v):.3g}"
                    for k, t in times.items() if t is not None)
-    _draw(bottom, predicted, f"simulated from each rank's op and transfer times (ms; ops per "
-                             f"chunk: {ms}): bubble {sim['bubble']:.1%}", colours)
+    _draw(bottom, predicted, f"simulated from each rank's op and transfer times: bubble "
+                             f"{sim['bubble']:.1%} (ms; ops per chunk: {ms})", colours)
     bottom.set_xlabel("ms")
     fig.tight_layout()
     with atomic_write(out) as f:

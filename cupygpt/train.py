@@ -1,5 +1,6 @@
 """llm.c's training loop: val every -v steps, sample every -s, a step line per step; plus
 checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, Ctrl-C)."""
+import contextlib
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import numpy as np
 from . import CupyGPTError
 from . import checkpoint
 from .data import DataLoader
-from .files import write_model
+from .files import atomic_write, write_model
 from .optim import AdamWConfig, lr_at
 from .parallel.pipeline.plan import stage_shares
 from .sample import generate
@@ -21,7 +22,7 @@ from .tokenizer import Tokenizer
 
 def open_tokenizer(path, cfg, log):
     """The tokenizer when it matches the model's vocab; else None (samples print as ids)."""
-    if not path or not os.path.exists(path):
+    if not path:
         return None
     tok = Tokenizer(path)
     if tok.vocab_size != cfg.V:
@@ -34,6 +35,28 @@ def injected_fault():
     """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK."""
     spec = os.environ.get("CUPYGPT_FAULT", "")
     return tuple(int(x) for x in spec.split(":")[1:]) if spec.startswith("raise:") else None
+
+
+def open_log(path, start):
+    """The log, open to append: a fresh run starts it; a resume keeps what came before its
+    first step (a run that went on past its checkpoint logged steps the resume repeats:
+    train records up to `start`, val records before it, since step `start` validates)."""
+    if not start:
+        return open(path, "w")
+    keep = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    step = rec["step"] + ("val_loss" in rec)
+                except (ValueError, TypeError, KeyError):
+                    continue  # (a line cut short by a kill)
+                if isinstance(step, int) and step <= start:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+    with atomic_write(path) as f:
+        f.write("".join(keep).encode())
+    return open(path, "a")
 
 
 class Interrupt:
@@ -70,9 +93,6 @@ def train(sess):
         start = meta["step"]
         train_data.set_state(meta["train_loader"])
         rng.bit_generator.state = meta["rng"]
-        if start > o.steps:
-            raise CupyGPTError(f"the checkpoint is already at step {start}; this is the total "
-                               f"step count", "steps", o.steps)
     sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
                              ("micro_batches", o.pipeline.micro_batches),
                              ("schedule", o.pipeline.schedule),
@@ -83,8 +103,21 @@ def train(sess):
                              ("start step", start)])
     if tr.rank == 0:
         checkpoint.clean_litter(o.out)
-    logf = open(o.log_file or os.path.join(o.out, "log.jsonl"), "a") if tr.rank == 0 else None
+    logf = open_log(o.log_file, start) if tr.rank == 0 else None
+    sampling = o.gen_tokens and o.sample_every
+    if sampling and o.seq < 2:
+        log(f"note: -t {o.seq} leaves no room after the start token: no samples")
+        sampling = False
     ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
+
+    def record(rec):  # a line of the log (rank 0's), on disk at once
+        if logf:
+            try:
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+            except OSError as e:
+                raise CupyGPTError(f"{o.log_file}: cannot write the log ({e.strerror}); free "
+                                   f"some space, or give --log-file elsewhere") from None
 
     def save(step):
         nonlocal ckpt
@@ -103,10 +136,8 @@ def train(sess):
                 vl = float(np.mean([run.eval_loss(*val_data.next_batch())
                                     for _ in range(o.val_batches)]))
                 log(f"val loss {vl:.6f}")
-                if logf:
-                    logf.write(json.dumps({"step": step, "val_loss": vl}) + "\n")
-            if o.gen_tokens and o.sample_every and ((step > 0 and step % o.sample_every == 0)
-                                                    or last):
+                record({"step": step, "val_loss": vl})
+            if sampling and ((step > 0 and step % o.sample_every == 0) or last):
                 eot = tok.eot if tok else 0
                 ids = generate(run, [eot], o.gen_tokens, eot, rng)
                 text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
@@ -133,9 +164,7 @@ def train(sess):
                        tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
             log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} "
                 f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
-            if logf:
-                logf.write(json.dumps(rec) + "\n")
-                logf.flush()
+            record(rec)
             interrupted = tr.any(stop.hit)
             if o.checkpoint_every and ((step + 1) % o.checkpoint_every == 0 or interrupted):
                 save(step + 1)
@@ -146,7 +175,8 @@ def train(sess):
     finally:
         stop.restore()
         if logf:
-            logf.close()
+            with contextlib.suppress(OSError):  # (a failed write has said why)
+                logf.close()
     if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
         save(o.steps)
     if o.trace:

@@ -1,5 +1,7 @@
 """Bad input: each case ends in ONE line naming the file or flag, exit 1, no traceback."""
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from conftest import ROOT, cli, fixture, gpu_available
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
 TRAIN = os.path.join(ROOT, "data", "tiny_shakespeare_train.bin")
 TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
+DATA = os.path.join(ROOT, "cupygpt", "data")
 
 
 def corrupt(tmp_path, src, name, edit):
@@ -132,17 +135,106 @@ CASES = [
     ("prepare out under a file", lambda t: ["prepare", TEXT, "--out", a_file(t)],
      "cannot create this directory (File exists)"),
     ("plot out under a file", lambda t: ["plot", a_log(t), "--out", a_file(t) + "/l.png"],
-     "l.png: cannot write here (File exists)"),
+     "cannot create this directory (File exists)"),
     ("plot binary", lambda t: ["plot", MODEL], "not a text file"),
     ("plot bad json line", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": 1.0}\n{oops')],
      "line 3 is not JSON"),
     ("negative lr", lambda t: ["train", "-l", "-0.1", "-n", "1"], "-l -0.1: must be positive"),
     ("nan lr", lambda t: ["train", "-l", "nan", "-n", "1", "-o", t / "never"],
-     "-l nan: must be positive"),
+     "-l nan: must be a finite number"),
     ("verify negative steps", lambda t: ["verify", "--steps", "-1"], "--steps -1: must be positive"),
     ("prepare short text", lambda t: ["prepare", a_file(t), "--out", t],
      "nothing is left to train on"),
     ("resume empty dir", lambda t: ["train", "--resume", t], "not a checkpoint (no model.bin)"),
+]
+
+# Issue 21: what a new user tried. Outputs point at t/never: nothing may appear there.
+NEVER = ["-n", "1", "-o"]
+CASES += [
+    ("seed negative", lambda t: ["train", "--seed", "-1", *NEVER, t / "never"],
+     "--seed -1: must not be negative"),
+    ("sample seed negative", lambda t: ["sample", "--model", fixture("gpt2v_model.bin"),
+                                        "--seed", "-1"], "--seed -1: must not be negative"),
+    ("expected not json", lambda t: ["verify", "--expected", a_file(t)],
+     "plain.txt: not JSON; give a file like"),
+    *[(f"expected {what}", lambda t, text=text: ["verify", "--expected", a_file(t, text)],
+       'needs a non-empty "losses" list of numbers')
+      for what, text in (("without losses", '{"loss": [1.0]}'), ("strings", '{"losses": ["a"]}'),
+                         ("a number", "3"), ("null", '{"losses": [1.0, null]}'))],
+    ("trace a directory", lambda t: ["train", "--trace", t, *NEVER, t / "never"],
+     "is a directory; give a file name"),
+    ("verify trace a directory", lambda t: ["verify", "--trace", t], "is a directory"),
+    ("bench trace a directory", lambda t: ["bench", "--trace", t, "--out", t / "never"],
+     "is a directory; give a file name"),
+    ("bench out a directory", lambda t: ["bench", "--out", t], "is a directory"),
+    ("plot out a directory", lambda t: ["plot", a_log(t), "--out", t], "is a directory"),
+    ("timeline out a directory", lambda t: ["timeline", "x.json", "--out", t], "is a directory"),
+    ("log-file a directory", lambda t: ["train", "--log-file", t, *NEVER, t / "never"],
+     "is a directory; give a file name"),
+    ("log-file under a file", lambda t: ["train", "--log-file", a_file(t) + "/log.jsonl",
+                                         *NEVER, t / "never"],
+     "plain.txt: cannot create this directory (File exists)"),
+    ("log-file read-only", lambda t: ["train", "--log-file", "/proc/log.jsonl",
+                                      *NEVER, t / "never"],
+     "--log-file /proc/log.jsonl: in /proc: cannot write files in this directory"),
+    ("trace pipeline stages", lambda t: ["timeline", a_trace(t, {"stages": "two"}),
+                                         "--out", t / "never.png"],
+     'pipeline\'s stages is "two", not a positive integer'),
+    ("trace pipeline zero", lambda t: ["timeline", a_trace(t, {"micro_batches": 0}),
+                                       "--out", t / "never.png"],
+     "micro_batches is 0, not a positive integer"),
+    ("adamw wrong length", lambda t: ["train", "--resume", a_ckpt(t, m_len=10), "-e", MODEL,
+                                      "-b", "4", "-t", "32", *NEVER, t / "never"],
+     "adamw.npz: damaged checkpoint file (AdamW's m and v are not float32 arrays of the "
+     "model's 128,768 parameters)"),
+    ("adamw loader out of range", lambda t: ["train", "--resume", a_ckpt(t, loader=[5, 0]),
+                                             "-b", "4", "-t", "32", *NEVER, t / "never"],
+     "adamw.npz: its data position (shard 5, token 0) lies outside this run's train shards"),
+    ("adamw loader past the end", lambda t: ["train", "--resume", a_ckpt(t, loader=[0, 10**9]),
+                                             "-b", "4", "-t", "32", *NEVER, t / "never"],
+     "(shard 0, token 1,000,000,000) lies outside"),
+    ("adamw rng", lambda t: ["train", "--resume", a_ckpt(t, rng=7), "-b", "4", "-t", "32",
+                             *NEVER, t / "never"], "its step, RNG or data position is missing"),
+    ("resume another shape", lambda t: ["train", "--resume", a_ckpt(t), "-e", "tiny", "-b", "4",
+                                        "-t", "32", *NEVER, t / "never"],
+     "-e tiny: a resumed run continues its checkpoint's own model"),
+    ("final lr negative", lambda t: ["train", "-q", "-3", *NEVER, t / "never"],
+     "-q -3.0: must be between 0 and 1"),
+    ("final lr nan", lambda t: ["train", "-q", "nan", *NEVER, t / "never"],
+     "-q nan: must be between 0 and 1"),
+    ("no val batches", lambda t: ["train", "-m", "0", *NEVER, t / "never"],
+     "-m 0: validation needs at least one batch; give -v 0"),
+    ("backward cost nan", lambda t: ["schedule", "--backward-cost", "nan"],
+     "--backward-cost nan: must be a positive number"),
+    ("backward cost negative", lambda t: ["schedule", "--backward-cost", "-1"],
+     "--backward-cost -1.0: must be a positive number"),
+    ("lr inf", lambda t: ["train", "-l", "inf", *NEVER, t / "never"],
+     "-l inf: must be a finite number"),
+    *[(f"temperature {v}", lambda t, v=v: ["sample", "--model", fixture("gpt2v_model.bin"),
+                                           "--temperature", v],
+       f"--temperature {v}: must be a finite number") for v in ("nan", "inf")],
+    ("transport on one rank", lambda t: ["train", "--transport", "nvshmem", *NEVER, t / "never"],
+     "--transport nvshmem: carries arrays between ranks, and this is one process"),
+    ("tokenizer missing", lambda t: ["train", "--tokenizer", "/nonexistent", *NEVER, t / "never"],
+     "--tokenizer /nonexistent: no such file"),
+    ("prepare empty name", lambda t: ["prepare", TEXT, "--name", "", "--out", t / "never"],
+     "--name '': must be a plain file-name prefix"),
+    ("prepare name with a directory", lambda t: ["prepare", TEXT, "--name", "../x",
+                                                 "--out", t / "never"],
+     "--name '../x': must be a plain file-name prefix"),
+    ("prepare over the shipped data", lambda t: ["prepare", TEXT, "--out", DATA, "--name",
+                                                 "tiny_shakespeare", "--force"],
+     "tiny_shakespeare_val.bin is a shipped file of the package"),
+    ("plot a string", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": "1.5"}\n'),
+                                 "--out", t / "never.png"],
+     "line 2's train_loss is \"1.5\", not a number"),
+    ("log-file empty", lambda t: ["train", "--log-file", "", *NEVER, t / "never"],
+     "--log-file '': is empty; give a file name"),
+    ("expected empty", lambda t: ["verify", "--expected", ""], "--expected : cannot read it"),
+    ("bench a model file", lambda t: ["bench", "-e", MODEL, "--out", t / "never.json"],
+     "bench times a preset's shape (tiny, d12, d24, d36, d48), not a model file's"),
+    ("plot a null", lambda t: ["plot", a_log(t, '{"step": 2, "val_loss": null}\n'),
+                               "--out", t / "never.png"], "line 2's val_loss is null"),
 ]
 
 
@@ -150,6 +242,31 @@ def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
     p.write_text(text)
     return str(p)
+
+
+def a_trace(tmp_path, pipeline):
+    """A --trace file with one forward slice and the given "pipeline" object."""
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps({"traceEvents": [
+        {"name": "F0", "cat": "fwd", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 5,
+         "args": {"micro_batch": 0, "chunk": 0}}], "pipeline": pipeline}))
+    return str(p)
+
+
+def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None):
+    """A checkpoint of the tiny reference model at B=4, T=32, step 1, made by hand."""
+    from cupygpt.files import read_model_header
+    shape = read_model_header(MODEL)[0]
+    d = tmp_path / "ckpt_00000001"
+    d.mkdir()
+    shutil.copy(MODEL, d / "model.bin")
+    n = m_len or shape.num_parameters()
+    meta = {"config": shape.__dict__, "B": 4, "T": 32, "step": 1, "adam_t": 1, "grid": [1, 1, 1],
+            "train_loader": list(loader),
+            "rng": rng or np.random.default_rng(0).bit_generator.state}
+    np.savez(d / "adamw.npz", m=np.zeros(n, np.float32), v=np.zeros(n, np.float32),
+             meta=np.array(json.dumps(meta)))
+    return str(d)
 
 
 def a_log(tmp_path, tail=""):
@@ -168,7 +285,7 @@ def test_bad_input_is_one_line(tmp_path, case):
     assert "Traceback" not in res.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert expect in lines[0], lines[0]
-    assert not (tmp_path / "never").exists()  # refused before anything was written
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("never")]  # nothing written
 
 
 def test_interleaved_micro_batches_refused_before_the_run():

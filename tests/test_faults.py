@@ -160,9 +160,9 @@ def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path
     assert "| start step              | 4 " in b.stdout
     assert not (run / "latest.abc123.tmp").exists()
     assert not (run / "ckpt_00000006.partial").exists()
-    other = cli(*TRAIN, "-n", "6", "--resume", run, "-e", "tiny", "-o", run)
-    assert other.returncode == 1 and "-e tiny: a resumed run continues its checkpoint's own" \
-        " model" in other.stderr, other.stderr
+    other = cli(*TRAIN, "-n", "6", "--resume", run, "-e", "d12", "-o", run)  # (tiny: its own)
+    assert other.returncode == 1 and "-e d12: a resumed run continues its checkpoint's own" \
+        " model" in other.stderr and "of another shape" in other.stderr, other.stderr
     newest = run / "ckpt_00000005" / "adamw.npz"
     good = newest.read_bytes()
     flipped = bytearray(good)

@@ -76,7 +76,8 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
 
 
 def test_shipped_data_is_what_prepare_makes(tmp_path):
-    res = cli("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", tmp_path)
+    res = cli("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", tmp_path,
+              "--name", "tiny_shakespeare")
     assert res.returncode == 0, res.stderr
     assert "32,768 tokens" in res.stdout and "305,260 tokens" in res.stdout
     for split in ("train", "val"):
