@@ -7,21 +7,15 @@ import time
 
 import click
 
-from . import CupyGPTError
-from .backends import gpu_available
 from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
-                      one_process, pipeline_options, progress, session, trace_option)
-from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir, out_file
-from .files import atomic_write, write_shard
-from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
-from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
-from .parallel.pipeline.simulate import simulate
-from .plot import plot as run_plot
+                      pipeline_options, progress, session, trace_option)
+from .cli_tools import TOOLS
+from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
+from .config_parts import out_file
+from .files import atomic_write
 from .sample import sample_text
-from .timeline import timeline as draw
-from .tokenizer import Tokenizer, tokenize_tinyshakespeare
 from .train import train as run_train
 from .verify import format_report, verify as run_verify
 
@@ -72,50 +66,6 @@ def shipped_expected(kw):
             VerifyConfig.lr, VerifyConfig.weight_decay):
         return path
     return None
-
-
-@cli.command()
-@click.argument("text", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", default="data", show_default=True, help="output directory")
-@click.option("--tokenizer", default=TOKENIZER, show_default=True)
-@click.option("--name", default=None, help="shard name prefix  [default: the text's file name "
-                                           "without its extension]")
-@click.option("--force", is_flag=True, help="overwrite shards already there")
-@entry
-def prepare(text, out, tokenizer, name, force):
-    """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
-    tinyshakespeare script does."""
-    one_process("prepare")
-    name = os.path.splitext(os.path.basename(text))[0] if name is None else name
-    if not name or name in (".", "..") or "/" in name or os.sep in name:
-        raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
-                           "directory in --out", "name", repr(name))
-    paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
-    for path in paths.values():
-        if os.path.exists(path) and os.path.samefile(os.path.dirname(os.path.abspath(path)),
-                                                     DATA):
-            raise CupyGPTError(f"{path} is a shipped file of the package; give --out or "
-                               f"--name to write elsewhere", "out", out)
-        if os.path.exists(path) and not force:
-            raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another "
-                               f"--out or --name", "out", out)
-    try:
-        body = open(text, encoding="utf-8").read()
-    except UnicodeDecodeError as e:
-        raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    tok = Tokenizer(tokenizer)
-    make_dir("out", out)
-    with progress(body.count("\n\n") + 1, "tokenizing") as bar:
-        try:
-            train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
-        except CupyGPTError as e:
-            raise CupyGPTError(f"{text}: {e}") from None
-    # both written before either is renamed: a failure leaves neither
-    with atomic_write(paths["val"]) as fv, atomic_write(paths["train"]) as ft:
-        write_shard(paths["val"], val_tokens, fv)
-        write_shard(paths["train"], train_tokens, ft)
-    for split, toks in (("val", val_tokens), ("train", train_tokens)):
-        click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
 
 
 @cli.command()
@@ -259,86 +209,8 @@ def sample(**kw):
                    f"{'KV cache' if sess.config.kv_cache else 'whole passes'})", err=True)
 
 
-@cli.command()
-@click.option("--stages", "-p", default=4, show_default=True)
-@click.option("--micro-batches", "-m", default=8, show_default=True)
-@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(list(SCHEDULES)))
-@click.option("--virtual-stages", "-v", type=int, default=None,
-              help="model chunks per rank (interleaved; zbv holds 2)  [default: 2 with "
-                   "interleaved, else 1]")
-@click.option("--backward-cost", default=2.0, show_default=True,
-              help="time of a backward relative to a forward (split: half B, half W)")
-@entry
-def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
-    """Print each rank's actions (F3.1: micro-batch 3 on the rank's chunk 1), the simulated
-    bubble and each rank's peak of live activations of a pipeline schedule."""
-    one_process("schedule")
-    if stages < 1 or micro_batches < 1:
-        raise CupyGPTError("--stages and --micro-batches must be positive")
-    if not 0 < backward_cost < float("inf"):
-        raise CupyGPTError("must be a positive number (a backward's time in forwards)",
-                           "backward_cost", backward_cost)
-    v = chunks_per_rank(schedule, virtual_stages)
-    fn = SCHEDULES[schedule]
-    for r in range(stages):
-        acts = fn(stages, micro_batches, r, v)
-        text = " ".join(map(short, acts))
-        click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
-    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
-    ideal = (stages - 1) / (micro_batches + stages - 1)
-    peak = " ".join(f"{x:g}" for x in sim["peak"])
-    click.echo(f"bubble {sim['bubble']:.4f} (1F1B's with equal stages: (p-1)/(m+p-1) = "
-               f"{ideal:.4f}); "
-               f"makespan {sim['makespan']:g} forward-times; peak live activations per rank "
-               f"(whole stages) {peak}; deadlock-free")
-
-
-@cli.command()
-@click.option("--out", default="gpu_report", show_default=True, help="report directory")
-@click.option("--quick", is_flag=True, help="benchmark the tiny preset at short T (minutes)")
-@click.option("--part", "parts", multiple=True, type=click.Choice(list(GPUCHECK_PARTS)),
-              help="run only these parts, merged into the report in --out (default: all)")
-@click.option("--mps", is_flag=True, help="also run the pipeline under a CUDA MPS server "
-              "that the check starts and stops (NVSHMEM's full multi-PE-per-GPU mode)")
-@entry
-def gpucheck(out, quick, parts, mps):
-    """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
-    run, in one report; exit 0 only when every part has run and passed."""
-    one_process("gpucheck")
-    if not gpu_available():
-        raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
-                           "GPU machine after pip install -e '.[cuda13,test]'")
-    report, md = run_check(out, "quick" if quick else "full", parts, mps)
-    click.echo(md)
-    sys.exit(1 if problems(report) else 0)
-
-
-@cli.command()
-@click.argument("log", type=click.Path())
-@click.option("--out", default="loss.png", show_default=True, help="PNG to write")
-@entry
-def plot(log, out):
-    """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
-    one_process("plot")
-    out_file("out", out)
-    n_train, n_val = run_plot(log, out)
-    click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
-
-
-@cli.command()
-@click.argument("trace", type=click.Path())
-@click.option("--out", default="timeline.png", show_default=True, help="PNG to write")
-@click.option("--schedule", default=None, type=click.Choice(list(SCHEDULES)),
-              help="the run's schedule, for the prediction  [default: the trace's]")
-@entry
-def timeline(trace, out, schedule):
-    """Draw a --trace file: every rank's forwards and backwards over time, the measured
-    bubble, and beneath it the simulator's prediction from the measured mean op times."""
-    one_process("timeline")
-    out_file("out", out)
-    measured, predicted, name = draw(trace, out, schedule)
-    click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
-               f"rank's op and transfer times {predicted:.4f}")
+for command in TOOLS:
+    cli.add_command(command)
 
 
 def main():

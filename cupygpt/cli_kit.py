@@ -10,7 +10,7 @@ import click
 
 from . import CupyGPTError
 from .comm.launch import fail, launched_ranks, start_mpi
-from .config import Device, Grid, Pipeline
+from .config_parts import Device, Grid, Pipeline
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
 

@@ -1,4 +1,5 @@
-"""What a run is: one frozen config per command, checked by its validate() before anything is allocated.
+"""What a run is: one frozen config per command, checked by its validate() before anything
+is allocated (the parts they share, and the field checks, are in config_parts.py).
 
 The CLI builds a config from its flags (each field is named as the flag's parameter) and
 calls validate(backend, world), which resolves what depends on the device (the default
@@ -7,176 +8,16 @@ its flag. Checks that need the files' contents beyond their headers (token range
 checkpoint's identity) stay with the readers.
 """
 import glob
-import math
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import CupyGPTError
 from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
-from .parallel.pipeline.plan import plan_split
-from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
+from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
+                           out_file, positive)
 from .shape import PRESETS, preset
-
-
-# --- run configs -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Device:
-    """Where a command computes and how its ranks talk."""
-    backend: str = "auto"
-    tf32: Optional[bool] = None     # None: the command's default (train on, verify off)
-    transport: str = "auto"
-    peer_timeout: float = 300.0
-
-    def validate(self, be, world):
-        positive(self, "peer_timeout")
-        if world == 1 and self.transport != "auto":
-            raise CupyGPTError("carries arrays between ranks, and this is one process; run "
-                               "under mpiexec -n 2 or more, or leave it out", "transport",
-                               self.transport)
-        if world > 1 and self.transport != "auto" and self.transport not in be.TRANSPORTS:
-            raise CupyGPTError(f"the {be.name} backend's arrays travel by "
-                               f"{', '.join(be.TRANSPORTS)} only", "transport", self.transport)
-        return self
-
-
-@dataclass(frozen=True)
-class Grid:
-    """How many ranks split the model each way: data-parallel replicas (dp), tensor-parallel
-    shards of each stage (tp), pipeline stages (pp); dp * tp * pp = the ranks. An omitted
-    degree is inferred: the pipeline takes what dp and tp leave, so a plain mpiexec -n 2 is
-    a 2-stage pipeline. zero=1 shards AdamW's state across the replicas (llm.c's -z 1)."""
-    dp: Optional[int] = None
-    tp: Optional[int] = None
-    pp: Optional[int] = None
-    zero: int = 0
-    overlap: bool = True            # the replicas' gradient sum during the last backward
-
-    def validate(self, shape, world):
-        for name in ("dp", "tp", "pp"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise CupyGPTError("must be at least 1", name, v)
-        dp, tp, pp = self.dp, self.tp, self.pp
-        if pp is None:
-            dp, tp = dp or 1, tp or 1
-            pp = world // (dp * tp)
-        elif dp is None:
-            tp = tp or 1
-            dp = world // (tp * pp)
-        elif tp is None:
-            tp = world // (dp * pp)
-        if dp * tp * pp != world or min(dp, tp, pp) < 1:
-            given = " x ".join(f"--{k} {getattr(self, k)}" for k in ("dp", "tp", "pp")
-                               if getattr(self, k) is not None)
-            raise CupyGPTError(f"{given} does not multiply out to the {world} rank(s) of this "
-                               f"launch; dp x tp x pp must equal the number of ranks")
-        if shape.NH % tp:
-            raise CupyGPTError(f"each tensor-parallel rank holds whole heads: {tp} must divide "
-                               f"the model's {shape.NH} heads", "tp", tp)
-        if self.zero not in (0, 1):
-            raise CupyGPTError("0 (off) or 1 (AdamW state sharded across --dp replicas)",
-                               "zero", self.zero)
-        if self.zero and dp == 1:
-            raise CupyGPTError("shards the optimizer state across data-parallel replicas, "
-                               "and there is one (--dp 1); add --dp 2 or more, or leave it "
-                               "out", "zero", self.zero)
-        return replace(self, dp=dp, tp=tp, pp=pp)
-
-    def rows(self, batch):
-        """Each replica computes batch / dp rows of the step's batch."""
-        if batch % self.dp:
-            raise CupyGPTError(f"must divide the batch size {batch}: each data-parallel "
-                               f"replica takes an equal part of it", "dp", self.dp)
-        return batch // self.dp
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """How one step is cut across the pipeline's stages and micro-batches."""
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: Optional[int] = None  # model chunks per rank; None: the schedule's
-    split: Optional[str] = None     # "6,6"; validate resolves it into counts
-    counts: tuple = ()              # layers per model chunk, in model order
-
-    def validate(self, shape, seq, stages, batch):
-        if self.micro_batches < 1 or batch % self.micro_batches:
-            raise CupyGPTError(f"must divide the batch size {batch} (per data-parallel "
-                               f"replica)", "micro_batches", self.micro_batches)
-        if self.schedule not in SCHEDULES:
-            raise CupyGPTError(f"unknown; use {' or '.join(SCHEDULES)}", "schedule",
-                               self.schedule)
-        v = chunks_per_rank(self.schedule, self.virtual_stages)
-        SCHEDULES[self.schedule](stages, self.micro_batches, 0, v)  # (refuses what it can't do)
-        if v > 1 and stages * v > shape.L:  # (one chunk a rank: plan_split says it)
-            raise CupyGPTError(f"{stages * v} model chunks ({stages} stage(s) x {v}) but the "
-                               f"model has {shape.L} layers; a chunk needs one", "virtual_stages",
-                               v)
-        return replace(self, virtual_stages=v,
-                       counts=tuple(plan_split(shape, seq, stages * v, self.split, stages)))
-
-
-def default(value, fallback):
-    return fallback if value is None else value
-
-
-def positive(cfg, *names, zero_ok=False):
-    for name in names:
-        v = getattr(cfg, name)
-        if not math.isfinite(v):
-            raise CupyGPTError("must be a finite number", name, v)
-        if not (v >= 0 if zero_ok else v > 0):
-            raise CupyGPTError("must not be negative" if zero_ok else "must be positive",
-                               name, v)
-
-
-def between(cfg, name, lo, hi, what):
-    v = getattr(cfg, name)
-    if not lo <= v <= hi:  # (NaN fails too)
-        raise CupyGPTError(f"must be between {lo:g} and {hi:g} ({what})", name, v)
-
-
-def fits(seq, shape):
-    if seq > shape.maxT:
-        raise CupyGPTError(f"longer than the model's maxT={shape.maxT}; lower it", "seq", seq)
-
-
-def make_dir(name, path):
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
-    try:  # a file made and removed: access() says yes to root on /proc or /sys
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CupyGPTError(f"cannot write files in this directory ({e.strerror})", name,
-                           path) from None
-
-
-def out_file(name, path):
-    """A file the command writes (at its end, perhaps): not a directory, and its directory
-    exists (made) and is writable, before the run starts."""
-    if path is None:
-        return
-    if not path:
-        raise CupyGPTError("is empty; give a file name", name, "''")
-    if os.path.isdir(path):
-        raise CupyGPTError("is a directory; give a file name", name, path)
-    try:
-        make_dir(name, os.path.dirname(os.path.abspath(path)))
-    except CupyGPTError as e:  # the flag's own value in front, then its directory
-        raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
-
-
-def existing(name, path):
-    if not os.path.isfile(path):
-        raise CupyGPTError("no such file", name, path)
 
 
 @dataclass(frozen=True)
@@ -246,7 +87,7 @@ class TrainConfig:
         fits(c.seq, shape)
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
-                                                    c.grid.rows(c.batch)))
+                                                    c.grid.rows_per_replica(c.batch)))
         if c.checkpoint_every and not c.resume and os.path.isdir(c.out) and listed(c.out):
             raise CupyGPTError(f"holds an earlier run's checkpoints (the newest "
                                f"{listed(c.out)[-1]}), which a resume from it would take for "
@@ -285,8 +126,9 @@ class VerifyConfig:
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
         out_file("trace", self.trace)
+        pipeline = self.pipeline.validate(shape, T, grid.pp, grid.rows_per_replica(B))
         return replace(c, device=self.device.validate(be, world), grid=grid,
-                       pipeline=self.pipeline.validate(shape, T, grid.pp, grid.rows(B))), shape
+                       pipeline=pipeline), shape
 
 
 @dataclass(frozen=True)
@@ -349,4 +191,4 @@ class BenchConfig:
         c = replace(c, grid=c.grid.validate(shape, world))
         out_file("trace", c.trace)
         return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
-                                                       c.grid.rows(c.batch))), shape
+                                                       c.grid.rows_per_replica(c.batch))), shape

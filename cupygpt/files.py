@@ -70,8 +70,9 @@ def read_header(path, magic, kind):
 def expect_size(path, kind, expected_bytes):
     actual = os.path.getsize(path)
     if actual != expected_bytes:
+        why = "truncated" if actual < expected_bytes else "trailing data"
         raise CupyGPTError(f"{path}: {kind} file is {actual} bytes but its header implies "
-                           f"{expected_bytes} ({'truncated' if actual < expected_bytes else 'trailing data'})")
+                           f"{expected_bytes} ({why})")
 
 
 def make_header(magic, version, *fields):

@@ -74,116 +74,157 @@ class Interrupt:
 
 
 def train(sess):
-    """The `train` command over a Session holding its validated TrainConfig."""
-    log, tr, o = sess.log, sess.tr, sess.config
-    cfg, params = (sess.shape, None) if o.resume else load_model(o.init, o.seed)
-    run = sess.runner(cfg, params, batch=o.batch, seq=o.seq,
-                      adamw=AdamWConfig(lr=o.lr, weight_decay=o.weight_decay),
-                      graphs=o.graphs and not o.trace)  # a trace marks each action: eager
-    if o.trace:
-        run.start_trace()
-    del params  # a model file is mapped: unmapped now, its pages leave the resident set
-    train_data = DataLoader(o.train_pattern, o.batch, o.seq, cfg.V, "train_pattern")
-    val_data = (DataLoader(o.val_pattern, o.batch, o.seq, cfg.V, "val_pattern")
-                if o.val_pattern else None)
-    tok = open_tokenizer(o.tokenizer, cfg, log)
-    rng, start = np.random.default_rng(o.seed), 0
-    if o.resume:  # the parameters and optimizer state from the rank files
-        meta = checkpoint.restore(run, o.resume)
-        start = meta["step"]
-        train_data.set_state(meta["train_loader"])
-        rng.bit_generator.state = meta["rng"]
-    sess.describe(cfg, run, [("init", o.resume or o.init), ("B, T", f"{o.batch}, {o.seq}"),
-                             ("micro_batches", o.pipeline.micro_batches),
-                             ("schedule", o.pipeline.schedule),
-                             ("stages (layers)", ",".join(map(str, run.plan.counts)) + " (cost " +
-                              ", ".join(f"{100 * x:.0f}%" for x in
-                                        stage_shares(cfg, o.seq, run.plan.counts)) + ")"),
-                             ("train shards", len(train_data.files)),
-                             ("start step", start)])
-    if tr.rank == 0:
-        checkpoint.clean_litter(o.out)
-    logf = open_log(o.log_file, start) if tr.rank == 0 else None
-    sampling = o.gen_tokens and o.sample_every
-    if sampling and o.seq < 2:
-        log(f"note: -t {o.seq} leaves no room after the start token: no samples")
-        sampling = False
-    ckpt, stop, fault = o.resume, Interrupt(), injected_fault()
-
-    def record(rec):  # a line of the log (rank 0's), on disk at once
-        if logf:
-            try:
-                logf.write(json.dumps(rec) + "\n")
-                logf.flush()
-            except OSError as e:
-                raise CupyGPTError(f"{o.log_file}: cannot write the log ({e.strerror}); free "
-                                   f"some space, or give --log-file elsewhere") from None
-
-    def save(step):
-        nonlocal ckpt
-        if tr.any(not run.params_finite()):
-            raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
-                               f"checkpoint. Last good checkpoint: {ckpt or 'none'}; lower the learning rate")
-        ckpt = checkpoint.save(run, tr, o.out, step, {"train_loader": train_data.state(),
-                                                  "rng": rng.bit_generator.state}, o.keep)
-        log(f"checkpoint {ckpt}")
-
+    """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
+    each step validated, sampled, trained, logged and checkpointed as the flags say."""
+    t = Trainer(sess)
     try:
-        for step in range(start, o.steps + 1):
-            last = step == o.steps
-            if val_data and o.val_every and (step % o.val_every == 0 or last):
-                val_data.reset()
-                vl = float(np.mean([run.eval_loss(*val_data.next_batch())
-                                    for _ in range(o.val_batches)]))
-                log(f"val loss {vl:.6f}")
-                record({"step": step, "val_loss": vl})
-            if sampling and ((step > 0 and step % o.sample_every == 0) or last):
-                eot = tok.eot if tok else 0
-                ids = generate(run, [eot], o.gen_tokens, eot, rng)
-                text = tok.decode(ids[1:]) if tok else " ".join(map(str, ids[1:]))
-                log(f"generating:\n---\n{text}\n---")
+        for step in range(t.start, t.opts.steps + 1):
+            last = step == t.opts.steps
+            t.evaluate(step, last)
+            t.sample(step, last)
             if last:
                 break
-            x, y = train_data.next_batch()
-            lr = lr_at(step, o.lr, o.warmup, o.steps, o.final_lr_frac)
-            t0 = time.perf_counter()
-            loss = run.step(x, y, lr)
-            sess.be.synchronize()
-            dt = time.perf_counter() - t0
-            if fault == (step + 1, tr.rank):
-                raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
-            if not math.isfinite(loss):
-                if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != o.resume:
-                    ckpt = checkpoint.demote(tr, o.out, ckpt)  # its parameters gave this loss
-                raise CupyGPTError(
-                    f"step {step + 1}: train loss is {loss} (computed on rank {run.plan.loss_rank}, "
-                    f"the last stage); stopping. " + (
-                        f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
-                        if ckpt else "No checkpoint yet; lower -l"))
-            rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
-                       tok_s=o.batch * o.seq / dt, mem_bytes=sess.be.memory_in_use())
-            log(f"step {step + 1:4d}/{o.steps}: train loss {loss:.6f} lr {lr:.2e} "
-                f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
-            record(rec)
-            interrupted = tr.any(stop.hit)
-            if o.checkpoint_every and ((step + 1) % o.checkpoint_every == 0 or interrupted):
-                save(step + 1)
-            if interrupted:
-                log(f"interrupted after step {step + 1}" +
-                    (f"; resume from {o.out}" if ckpt else ""))
-                raise SystemExit(130)
+            t.train_step(step)
     finally:
-        stop.restore()
-        if logf:
+        t.close()
+    t.finish()
+
+
+class Trainer:
+    """A training run's state: the runner, the data, the RNG, the log and the newest
+    checkpoint; each part of a step is a method."""
+
+    def __init__(self, sess):
+        self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
+        opts, shape = self.opts, sess.shape
+        self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
+                               adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay),
+                               graphs=opts.graphs and not opts.trace)  # a trace: eager
+        if opts.trace:
+            self.run.start_trace()
+        self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
+                                     "train_pattern")
+        self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
+                                    "val_pattern") if opts.val_pattern else None)
+        self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
+        self.rng, self.start = np.random.default_rng(opts.seed), 0
+        if opts.resume:  # the parameters and optimizer state from the checkpoint
+            meta = checkpoint.restore(self.run, opts.resume)
+            self.start = meta["step"]
+            self.train_data.set_state(meta["train_loader"])
+            self.rng.bit_generator.state = meta["rng"]
+        else:  # after the runner's memory check; a mapped file is unmapped once loaded
+            self.run.load_state_dict(load_model(opts.init, opts.seed)[1])
+        self.describe()
+        if self.tr.rank == 0:
+            checkpoint.clean_litter(opts.out)
+        self.logf = open_log(opts.log_file, self.start) if self.tr.rank == 0 else None
+        self.sampling = opts.gen_tokens and opts.sample_every
+        if self.sampling and opts.seq < 2:
+            self.log(f"note: -t {opts.seq} leaves no room after the start token: no samples")
+            self.sampling = False
+        self.ckpt, self.stop, self.fault = opts.resume, Interrupt(), injected_fault()
+
+    def describe(self):
+        opts, counts = self.opts, self.run.plan.counts
+        shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, opts.seq,
+                                                                  counts))
+        self.sess.describe(self.sess.shape, self.run, [
+            ("init", opts.resume or opts.init), ("B, T", f"{opts.batch}, {opts.seq}"),
+            ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
+            ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
+            ("train shards", len(self.train_data.files)), ("start step", self.start)])
+
+    def record(self, rec):
+        """A line of the log (rank 0's), on disk at once."""
+        if self.logf:
+            try:
+                self.logf.write(json.dumps(rec) + "\n")
+                self.logf.flush()
+            except OSError as e:
+                raise CupyGPTError(f"{self.opts.log_file}: cannot write the log "
+                                   f"({e.strerror}); free some space, or give --log-file "
+                                   f"elsewhere") from None
+
+    def evaluate(self, step, last):
+        opts = self.opts
+        if self.val_data and opts.val_every and (step % opts.val_every == 0 or last):
+            self.val_data.reset()
+            vl = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
+                                for _ in range(opts.val_batches)]))
+            self.log(f"val loss {vl:.6f}")
+            self.record({"step": step, "val_loss": vl})
+
+    def sample(self, step, last):
+        if self.sampling and ((step > 0 and step % self.opts.sample_every == 0) or last):
+            eot = self.tok.eot if self.tok else 0
+            ids = generate(self.run, [eot], self.opts.gen_tokens, eot, self.rng)
+            text = self.tok.decode(ids[1:]) if self.tok else " ".join(map(str, ids[1:]))
+            self.log(f"generating:\n---\n{text}\n---")
+
+    def train_step(self, step):
+        opts, tr = self.opts, self.tr
+        x, y = self.train_data.next_batch()
+        lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac)
+        t0 = time.perf_counter()
+        loss = self.run.step(x, y, lr)
+        self.sess.be.synchronize()
+        dt = time.perf_counter() - t0
+        if self.fault == (step + 1, tr.rank):
+            raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
+        if not math.isfinite(loss):
+            self.stop_on_nan(step, loss)
+        rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
+                   tok_s=opts.batch * opts.seq / dt, mem_bytes=self.sess.be.memory_in_use())
+        self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} lr {lr:.2e} "
+                 f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
+        self.record(rec)
+        interrupted = tr.any(self.stop.hit)
+        if opts.checkpoint_every and ((step + 1) % opts.checkpoint_every == 0 or interrupted):
+            self.save(step + 1)
+        if interrupted:
+            self.log(f"interrupted after step {step + 1}" +
+                     (f"; resume from {opts.out}" if self.ckpt else ""))
+            raise SystemExit(130)
+
+    def stop_on_nan(self, step, loss):
+        ckpt = self.ckpt
+        if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != self.opts.resume:
+            # its parameters gave this loss
+            ckpt = self.ckpt = checkpoint.demote(self.tr, self.opts.out, ckpt)
+        raise CupyGPTError(
+            f"step {step + 1}: train loss is {loss} (computed on rank "
+            f"{self.run.plan.loss_rank}, the last stage); stopping. " + (
+                f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
+                if ckpt else "No checkpoint yet; lower -l"))
+
+    def save(self, step):
+        if self.tr.any(not self.run.params_finite()):
+            raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
+                               f"checkpoint. Last good checkpoint: {self.ckpt or 'none'}; "
+                               f"lower the learning rate")
+        self.ckpt = checkpoint.save(self.run, self.tr, self.opts.out, step,
+                                    {"train_loader": self.train_data.state(),
+                                     "rng": self.rng.bit_generator.state}, self.opts.keep)
+        self.log(f"checkpoint {self.ckpt}")
+
+    def close(self):
+        self.stop.restore()
+        if self.logf:
             with contextlib.suppress(OSError):  # (a failed write has said why)
-                logf.close()
-    if o.checkpoint_every and (ckpt is None or not ckpt.endswith(f"{o.steps:08d}")):
-        save(o.steps)
-    if o.trace:
-        run.write_trace(o.trace)
-        log(f"wrote trace {o.trace}")
-    full = run.state_dict(optimizer=False)
-    if tr.rank == 0:
-        path = os.path.join(o.out, "model.bin")
-        write_model(path, cfg, full["params"])
-        log(f"wrote {path}")
+                self.logf.close()
+
+    def finish(self):
+        """The last checkpoint (unless the loop wrote it), the trace, the model."""
+        opts = self.opts
+        if opts.checkpoint_every and (self.ckpt is None
+                                      or not self.ckpt.endswith(f"{opts.steps:08d}")):
+            self.save(opts.steps)
+        if opts.trace:
+            self.run.write_trace(opts.trace)
+            self.log(f"wrote trace {opts.trace}")
+        full = self.run.state_dict(optimizer=False)
+        if self.tr.rank == 0:
+            path = os.path.join(opts.out, "model.bin")
+            write_model(path, self.sess.shape, full["params"])
+            self.log(f"wrote {path}")

@@ -291,7 +291,7 @@ def test_bad_input_is_one_line(tmp_path, case):
 def test_interleaved_micro_batches_refused_before_the_run():
     """Under mpiexec: the config refuses them before any peer is touched."""
     from cupygpt import CupyGPTError
-    from cupygpt.config import Pipeline
+    from cupygpt.config_parts import Pipeline
     from cupygpt.files import model_shape
     with pytest.raises(CupyGPTError, match="multiple of the 2 pipeline stages") as e:
         Pipeline(3, "interleaved").validate(model_shape(fixture("odd_model.bin")), 8, 2, 3)

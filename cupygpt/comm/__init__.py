@@ -11,7 +11,7 @@ KINDS = {"mpi": ("mpi", "Mpi"), "nccl": ("nccl", "Nccl"), "nvshmem": ("nvshmem",
 
 
 def make_transport(name, be, mesh, timeout):
-    """name: auto or one of the backend's TRANSPORTS (config.Device.validate checked it)."""
+    """name: auto or one of the backend's TRANSPORTS (config_parts.Device.validate checked it)."""
     if mesh.size == 1:
         return Local()
     name = be.TRANSPORTS[0] if name == "auto" else name
