@@ -15,6 +15,7 @@ from .cli_tools import TOOLS
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .config_parts import out_file
 from .files import atomic_write
+from .optim import LR_SCHEDULES
 from .sample import sample_text
 from .train import train as run_train
 from .verify import format_report, verify as run_verify
@@ -83,7 +84,12 @@ def shipped_expected(kw):
 @click.option("-l", "lr", default=1e-3, show_default=True, help="learning rate")
 @click.option("-u", "warmup", default=10, show_default=True, help="lr warm-up steps")
 @click.option("-q", "final_lr_frac", default=0.1, show_default=True,
-              help="final lr as a fraction of -l (cosine decay)")
+              help="final lr as a fraction of -l (where the schedule decays)")
+@click.option("-k", "lr_schedule", default="cosine", show_default=True,
+              type=click.Choice(LR_SCHEDULES), help="lr schedule after the warm-up (llm.c's)")
+@click.option("-d", "total_batch", default=None, type=int,
+              help="tokens per step: a multiple of B x T, the batches of a step adding into "
+                   "its gradient (gradient accumulation)  [default: B x T]")
 @click.option("-n", "steps", default=60, show_default=True, help="training steps")
 @click.option("-v", "val_every", default=20, show_default=True, help="val loss every N steps")
 @click.option("-m", "val_batches", default=4, show_default=True, help="val batches")

@@ -17,6 +17,7 @@ from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
                            out_file, positive)
+from .optim import LR_SCHEDULES
 from .shape import PRESETS, preset
 
 
@@ -32,6 +33,8 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 10
     final_lr_frac: float = 0.1
+    lr_schedule: str = "cosine"
+    total_batch: Optional[int] = None  # tokens per step (gradient accumulation); None: B x T
     steps: int = 60
     val_every: int = 20
     val_batches: int = 4
@@ -49,12 +52,25 @@ class TrainConfig:
     pipeline: Pipeline = field(default_factory=Pipeline)
     grid: Grid = field(default_factory=Grid)
 
+    @property
+    def micro_steps(self):
+        """Batches per step: gradient accumulation's (-d / (B x T)), once validated."""
+        return self.total_batch // (self.batch * self.seq)
+
     def validate(self, be, world):
         """Returns the config with every default resolved and the model's shape (`shape`)."""
         init, seq = be.DEFAULT_RUN
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq),
                     sample_every=default(self.sample_every, self.steps))
         positive(c, "batch", "seq", "lr")
+        c = replace(c, total_batch=default(c.total_batch, c.batch * c.seq))
+        if c.total_batch < 1 or c.total_batch % (c.batch * c.seq):
+            raise CupyGPTError(f"tokens per step must be a multiple of B x T = "
+                               f"{c.batch * c.seq} (each micro-step a batch)", "total_batch",
+                               c.total_batch)
+        if c.lr_schedule not in LR_SCHEDULES:
+            raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
+                               c.lr_schedule)
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
                  "warmup", "checkpoint_every", "weight_decay", "seed", zero_ok=True)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")

@@ -97,11 +97,27 @@ class AdamW:
         return sum(x.nbytes for state in self.state for x in state)
 
 
-def lr_at(step, lr, warmup, steps, final_frac):
-    """llm.c: linear warm-up over `warmup` steps, then cosine decay to lr * final_frac."""
+def lr_at(step, lr, warmup, steps, final_frac, schedule="cosine"):
+    """llm.c's schedules at `step` of `steps`: cosine, linear (warm up linearly over `warmup`
+    steps, then decay to lr * final_frac along a half cosine or a line), wsd (warm up, hold,
+    then over the last 20% of the steps decay as 1 - sqrt of the way to lr * final_frac)
+    and constant (lr throughout, as llm.c's: no warm-up)."""
+    if schedule == "constant":
+        return lr
     if step < warmup:
         return lr * (step + 1) / warmup
+    low = lr * final_frac
+    if schedule == "wsd":
+        start = int(0.8 * steps)
+        if step < start:
+            return lr
+        return low + (1.0 - math.sqrt((step - start) / (steps - start))) * (lr - low)
     if steps <= warmup:
         return lr
     ratio = (step - warmup) / (steps - warmup)
+    if schedule == "linear":
+        return lr - ratio * (lr - low)
     return lr * (final_frac + (1.0 - final_frac) * 0.5 * (1.0 + math.cos(math.pi * ratio)))
+
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")

@@ -99,7 +99,9 @@ class Trainer:
         opts, shape = self.opts, sess.shape
         self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
                                adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay),
-                               graphs=opts.graphs and not opts.trace)  # a trace: eager
+                               # a trace marks each action, accumulation feeds each batch:
+                               # eager steps
+                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1)
         if opts.trace:
             self.run.start_trace()
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
@@ -131,6 +133,8 @@ class Trainer:
                                                                   counts))
         self.sess.describe(self.sess.shape, self.run, [
             ("init", opts.resume or opts.init), ("B, T", f"{opts.batch}, {opts.seq}"),
+            ("tokens per step", f"{opts.total_batch} ({opts.micro_steps} micro-step(s))"),
+            ("lr schedule", f"{opts.lr_schedule}, warm-up {opts.warmup}"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
             ("train shards", len(self.train_data.files)), ("start step", self.start)])
@@ -164,8 +168,10 @@ class Trainer:
 
     def train_step(self, step):
         opts, tr = self.opts, self.tr
-        x, y = self.train_data.next_batch()
-        lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac)
+        x, y = (np.concatenate(a) for a in zip(*(self.train_data.next_batch()
+                                                 for _ in range(opts.micro_steps))))
+        lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
+                   opts.lr_schedule)
         t0 = time.perf_counter()
         loss = self.run.step(x, y, lr)
         self.sess.be.synchronize()
@@ -175,7 +181,7 @@ class Trainer:
         if not math.isfinite(loss):
             self.stop_on_nan(step, loss)
         rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
-                   tok_s=opts.batch * opts.seq / dt, mem_bytes=self.sess.be.memory_in_use())
+                   tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use())
         self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} lr {lr:.2e} "
                  f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
         self.record(rec)

@@ -13,8 +13,10 @@ TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 # One pass's arguments. dloss: the loss gradient's scale (training; None: forward only);
 # targets: whether the head computes the loss; on_logits(mb, logits): called with the
 # head's logits of each micro-batch; decode: a position (generation's one-position
-# forwards, Stage.decode), or None for whole passes.
-Pass = namedtuple("Pass", "dloss targets on_logits decode", defaults=(None, False, None, None))
+# forwards, Stage.decode), or None for whole passes; sync: whether the step action sums
+# the gradients (not in a gradient accumulation's passes before the last).
+Pass = namedtuple("Pass", "dloss targets on_logits decode sync",
+                  defaults=(None, False, None, None, True))
 
 
 class Executor:
@@ -48,7 +50,7 @@ class Executor:
                                                          plan.prev[a.chunk], a.mb),
             Op.RECV_GRAD: lambda a, slot, ps: self._recv("grad", sts[a.chunk].grad_io(),
                                                          plan.next[a.chunk], a),
-            Op.STEP: lambda a, slot, ps: sync.finish()}
+            Op.STEP: lambda a, slot, ps: sync.finish() if ps.sync else None}
 
     def feed(self, x, y):
         """This replica's rows of the host batch x, y (B, T) to the device (y: None when no
@@ -121,14 +123,14 @@ class Executor:
         if st.head and ps.on_logits is not None:
             ps.on_logits(mb, st.acts[slot]["logits"])
 
-    def _hook(self, a):
+    def _hook(self, a, ps):
         return self.sync.layer_hook(self.stages[a.chunk],
-                                    a.mb == self.plan.last_backward[a.chunk])
+                                    ps.sync and a.mb == self.plan.last_backward[a.chunk])
 
     def _backward(self, a, slot, ps):
         st = self.stages[a.chunk]
-        st.backward(slot, self._tokens(st, a.mb), self._hook(a))
+        st.backward(slot, self._tokens(st, a.mb), self._hook(a, ps))
 
     def _backward_weight(self, a, slot, ps):
         st = self.stages[a.chunk]
-        st.backward_weight(slot, self._tokens(st, a.mb), self._hook(a))
+        st.backward_weight(slot, self._tokens(st, a.mb), self._hook(a, ps))

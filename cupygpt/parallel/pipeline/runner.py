@@ -82,9 +82,10 @@ class Runner:
     def launch(self, x, y, lr=None):
         """One training step, returning once launched: an eager step's mean loss, or None
         for a replayed CUDA graph (captured on the second step: the first allocates the
-        workspaces), which does not wait for the device."""
+        workspaces), which does not wait for the device. x, y may hold several batches
+        (gradient accumulation: see gradients); such a step is eager."""
         self.steps_done += 1
-        if not self.graphs or self.steps_done == 1:
+        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch:
             loss = self.gradients(x, y)
             self.optimizer_step(lr)
             return loss
@@ -101,14 +102,21 @@ class Runner:
         self.exec.run(self.plan.train, self._train_pass())
         self.opt.apply(sched, self.sync.summed)
 
-    def _train_pass(self):
-        return Pass(dloss=1.0 / (self.plan.batch * self.plan.seq), targets=True)
+    def _train_pass(self, micro_steps=1, last=True):
+        """A training pass of one of micro_steps batches; only the last sums the gradients."""
+        return Pass(dloss=1.0 / (micro_steps * self.plan.batch * self.plan.seq), targets=True,
+                    sync=last)
 
     def gradients(self, x, y):
         """Forward and backward over the batch (gradients summed, the tied wte synced);
-        returns the mean loss on every rank."""
+        returns the mean loss on every rank. x, y (n B, T): n batches of the plan's B rows,
+        each a pass adding into the gradients (llm.c's gradient accumulation), the
+        replicas' sum and the tied sum after the last."""
+        n, rows = len(x) // self.plan.batch, self.plan.batch
         self.zero_grad()
-        return self._pass(self.plan.train, x, y, self._train_pass())
+        return sum(self._pass(self.plan.train, x[i * rows:(i + 1) * rows],
+                              y[i * rows:(i + 1) * rows], self._train_pass(n, i == n - 1))
+                   for i in range(n)) / n
 
     def optimizer_step(self, lr=None):
         """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
