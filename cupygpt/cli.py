@@ -87,6 +87,9 @@ def shipped_expected(kw):
               help="final lr as a fraction of -l (where the schedule decays)")
 @click.option("-k", "lr_schedule", default="cosine", show_default=True,
               type=click.Choice(LR_SCHEDULES), help="lr schedule after the warm-up (llm.c's)")
+@click.option("-r", "recompute", default=0, show_default=True,
+              help="activation recomputation: 1 GELU's output, 2 also the layernorms' "
+                   "(backward makes them again; the same bits, less memory)")
 @click.option("-d", "total_batch", default=None, type=int,
               help="tokens per step: a multiple of B x T, the batches of a step adding into "
                    "its gradient (gradient accumulation)  [default: B x T]")
@@ -126,6 +129,8 @@ def train(**kw):
 @click.option("--steps", default=20, show_default=True, help="timed steps (median reported)")
 @click.option("--warmup", default=3, show_default=True, help="untimed steps first")
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
+@click.option("-r", "recompute", default=0, show_default=True,
+              help="activation recomputation, as train's -r")
 @click.option("--profile", is_flag=True,
               help="add a time-per-op table (GPU: CUDA events, also per kernel, eager "
                    "steps; CPU: wall time per op)")

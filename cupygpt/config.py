@@ -16,7 +16,7 @@ from . import CupyGPTError
 from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
-                           out_file, positive)
+                           out_file, positive, recompute_level)
 from .optim import LR_SCHEDULES
 from .shape import PRESETS, preset
 
@@ -34,6 +34,7 @@ class TrainConfig:
     warmup: int = 10
     final_lr_frac: float = 0.1
     lr_schedule: str = "cosine"
+    recompute: int = 0              # llm.c's -r: 1 GELU's output, 2 also the layernorms'
     total_batch: Optional[int] = None  # tokens per step (gradient accumulation); None: B x T
     steps: int = 60
     val_every: int = 20
@@ -68,6 +69,7 @@ class TrainConfig:
             raise CupyGPTError(f"tokens per step must be a multiple of B x T = "
                                f"{c.batch * c.seq} (each micro-step a batch)", "total_batch",
                                c.total_batch)
+        recompute_level(c)
         if c.lr_schedule not in LR_SCHEDULES:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
@@ -183,6 +185,7 @@ class BenchConfig:
     graphs: bool = True
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
+    recompute: int = 0
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
@@ -193,6 +196,7 @@ class BenchConfig:
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq))
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", zero_ok=True)
+        recompute_level(c)
         if is_model_file(c.init):  # (its weights would not change the timing)
             raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "
                                f"model file's", "init", c.init)

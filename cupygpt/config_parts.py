@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from . import CupyGPTError
+from .layout import RECOMPUTED
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
 
@@ -166,3 +167,10 @@ def out_file(name, path):
 def existing(name, path):
     if not os.path.isfile(path):
         raise CupyGPTError("no such file", name, path)
+
+
+def recompute_level(cfg):
+    if cfg.recompute not in RECOMPUTED:
+        raise CupyGPTError(f"one of {', '.join(map(str, RECOMPUTED))} (0: keep every "
+                           f"activation, 1: recompute GELU's output, 2: also the layernorms')",
+                           "recompute", cfg.recompute)

@@ -90,7 +90,13 @@ def param_layout(cfg, part=None):
     return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
 
 
-def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, embed=False):
+# What recomputation (llm.c's -r) does not keep per layer, by level: 1 GELU's output, 2 also
+# the layernorms' outputs; backward makes each again, when it needs it, in scratch.
+RECOMPUTED = {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}
+
+
+def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, embed=False,
+                      recompute=0):
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
     columns, its vocab rows); per-layer tensors are what backward reads.
 
@@ -98,6 +104,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
     activation elsewhere. The head's logits are overwritten in place by dlogits.
     split (a schedule that splits backward): the output gradients of the four matmuls
     per layer (and the embedding's, with embed), kept from bwd_input to bwd_weight.
+    recompute: RECOMPUTED[recompute] are left out (scratch_layout holds one layer's).
     """
     C, NH = cfg.C, cfg.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
@@ -114,21 +121,25 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
         e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
               ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
         e += [("dencoded", (B, T, C))] if embed else []
-    return Layout.of(e)
+    return Layout.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
 
 
-def scratch_layout(cfg, B, T, tp=1):
+def scratch_layout(cfg, B, T, tp=1, recompute=0):
     """Backward temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
     for the previous one. lstats holds each shard's softmax statistics per position (max,
     sum of exponentials, target logit), gathered from the tensor-parallel group.
+    With recompute, one layer's GELU output (gelu_re) and, at 2, one layernorm output
+    (ln_re: ln1's and ln2's in turn).
     """
     C, NH = cfg.C, cfg.NH // tp
-    return Layout.of([("dresidual", (B, T, C)), ("dbt_c", (B, T, C)),
-                      ("dbt_3c", (B, T, 3 * C // tp)), ("dbt_4c", (B, T, 4 * C // tp)),
-                      ("dbt_4c2", (B, T, 4 * C // tp)), ("datt", (B, NH, T, T)),
-                      ("dpreatt", (B, NH, T, T)), ("lstats", (tp, B, T, 3))])
+    e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
+         ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
+         ("datt", (B, NH, T, T)), ("dpreatt", (B, NH, T, T)), ("lstats", (tp, B, T, 3))]
+    e += [("gelu_re", (B, T, 4 * C // tp))] if recompute >= 1 else []
+    e += [("ln_re", (B, T, C))] if recompute >= 2 else []
+    return Layout.of(e)
 
 
 def held(cfg, name, whole, part):

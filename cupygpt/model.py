@@ -13,16 +13,18 @@ import numpy as np
 
 from . import CupyGPTError
 from .comm.local import Local
-from .layout import Part, activation_layout, copy_part, param_layout, scratch_layout
+from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
+                     scratch_layout)
 
 
 class Stage:
     def __init__(self, cfg, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
-                 comm=None, split=False):
+                 comm=None, split=False, recompute=0):
         """cfg: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
         activations it keeps at once; comm: the transport of its tensor-parallel sums (None:
-        one shard); split: it keeps what a split backward's weight pass reads."""
+        one shard); split: it keeps what a split backward's weight pass reads; recompute:
+        llm.c's -r (layout.RECOMPUTED: what backward makes again instead of keeping)."""
         B, T = batch, seq
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
@@ -34,8 +36,10 @@ class Stage:
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
         self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
         self.v0, _, self.valid = part.vocab(cfg)
-        self.layout, alay, slay = self.layouts(cfg, B, T, part, split)
-        n = self.sizes(cfg, batch=B, seq=T, part=part, slots=slots, split=split)
+        self.recomputed = RECOMPUTED[recompute]
+        self.layout, alay, slay = self.layouts(cfg, B, T, part, split, recompute)
+        n = self.sizes(cfg, batch=B, seq=T, part=part, slots=slots, split=split,
+                       recompute=recompute)
         self.params = be.zeros(n["params"], dtype)
         self.grads = be.zeros(n["grads"], dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
@@ -51,18 +55,18 @@ class Stage:
         self.bias_here = part.shard == 0
 
     @staticmethod
-    def layouts(cfg, B, T, part, split):
+    def layouts(cfg, B, T, part, split, recompute=0):
         """(parameters, one slot's activations, scratch) of a stage holding part."""
         return (param_layout(cfg, part),
                 activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp,
-                                  part.vocab(cfg)[1], split, part.embed),
-                scratch_layout(cfg, B, T, part.tp))
+                                  part.vocab(cfg)[1], split, part.embed, recompute),
+                scratch_layout(cfg, B, T, part.tp, recompute))
 
     @classmethod
-    def sizes(cls, cfg, *, batch, seq, part, slots, split):
+    def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0):
         """Elements of each buffer a stage allocates (the constructor allocates these; the
         memory estimate reads them before anything is allocated)."""
-        params, acts, scratch = cls.layouts(cfg, batch, seq, part, split)
+        params, acts, scratch = cls.layouts(cfg, batch, seq, part, split, recompute)
         return {"params": params.size, "grads": params.size, "activations": acts.size * slots,
                 "scratch": scratch.size}
 
@@ -112,7 +116,7 @@ class Stage:
             self._embed(a["encoded"], tokens, self.p["wpe"])
 
         def whole(name, l=None):
-            return a[name] if l is None else a[name][l]
+            return self._act(a, name, l)
 
         def attend(out, l):
             be.attention_forward(out, a["preatt"][l], a["att"][l], a["qkv"][l], NH)
@@ -147,7 +151,7 @@ class Stage:
         be, a, NH = self.be, self.acts[slot], self.NH
 
         def row(name, l=None):  # the (1, 1, ...) view of row 0, position t
-            return (a[name] if l is None else a[name][l])[0:1, t:t + 1]
+            return self._act(a, name, l)[0:1, t:t + 1]
 
         def attend(out, l):
             be.attention_decode(out, a["qkv"][l][0:1, :t + 1], NH)
@@ -156,6 +160,31 @@ class Stage:
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
             self._head(row, x)
+
+    RECOMPUTE_INTO = {"fch_gelu": "gelu_re", "ln1": "ln_re", "ln2": "ln_re"}
+
+    def _act(self, a, name, l=None):
+        """Activation `name` (of layer l) of a slot's views a: its own, or for a recomputed
+        one the scratch buffer forward passes it through."""
+        if name in self.recomputed:
+            return self.s[self.RECOMPUTE_INTO[name]]
+        return a[name] if l is None else a[name][l]
+
+    def _input(self, a, name, l):
+        """A matmul's input activation of layer l for its weight gradient: kept, or made
+        again now (recompute) from what forward kept, the same ops on the same inputs, so
+        the same bits."""
+        if name not in self.recomputed:
+            return a[name][l]
+        out, p = self._act(a, name), self.p
+        if name == "fch_gelu":
+            self.be.gelu_forward(out, a["fch"][l])
+        else:
+            x = a["residual2"][l] if name == "ln2" else \
+                a["encoded"] if l == 0 else a["residual3"][l - 1]
+            self.be.layernorm_forward(out, a[name + "_mean"][l], a[name + "_rstd"][l], x,
+                                      p[name + "w"][l], p[name + "b"][l])
+        return out
 
     def _blocks(self, act, attend, x):
         """The transformer blocks on x, writing activations act(name, layer) (whole tensors
@@ -215,7 +244,7 @@ class Stage:
         for l in reversed(range(self.nl)):
             for name, dout, inp in self.MATMULS:
                 be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], a[dout][l],
-                                          a[inp][l])
+                                          self._input(a, inp, l))
             if layer_done:
                 layer_done(l)
         if self.embed:
@@ -236,7 +265,8 @@ class Stage:
         def matmul(dinp, name, l, dout, inp):
             be.matmul_backward_input(dinp, dout, p[name + "w"][l])
             if weights:
-                be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], dout, a[inp][l])
+                be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], dout,
+                                          self._input(a, inp, l))
 
         def out(keep, l, scratch):  # where backward writes an output gradient it keeps
             return s[scratch] if weights else a[keep][l]

@@ -42,14 +42,14 @@ class Session:
         self.log = Log(self.mesh.rank, self.mesh.size)
 
     def runner(self, shape, params, *, batch, seq, dtype=np.float32, adamw=None,
-               graphs=False):
+               graphs=False, recompute=0):
         """This rank's Runner over the command's pipeline and grid; params: the whole
         model's host parameters (None: a resume fills the stages)."""
         p, g = self.config.pipeline, self.config.grid
         run = Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
                      batch=batch, seq=seq, micro_batches=p.micro_batches, schedule=p.schedule,
                      virtual=p.virtual_stages, counts=p.counts, dtype=dtype, adamw=adamw,
-                     graphs=graphs, zero=bool(g.zero), overlap=g.overlap)
+                     graphs=graphs, zero=bool(g.zero), overlap=g.overlap, recompute=recompute)
         if params is not None:
             run.load_state_dict(params)
         return run

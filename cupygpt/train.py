@@ -101,7 +101,8 @@ class Trainer:
                                adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay),
                                # a trace marks each action, accumulation feeds each batch:
                                # eager steps
-                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1)
+                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1,
+                               recompute=opts.recompute)
         if opts.trace:
             self.run.start_trace()
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
@@ -135,6 +136,7 @@ class Trainer:
             ("init", opts.resume or opts.init), ("B, T", f"{opts.batch}, {opts.seq}"),
             ("tokens per step", f"{opts.total_batch} ({opts.micro_steps} micro-step(s))"),
             ("lr schedule", f"{opts.lr_schedule}, warm-up {opts.warmup}"),
+            ("recompute", opts.recompute),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
             ("train shards", len(self.train_data.files)), ("start step", self.start)])

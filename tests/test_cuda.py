@@ -217,6 +217,19 @@ def test_graph_replay_equals_eager(device, tmp_path):
     same_losses(device, losses(graph.stdout), losses(eager.stdout))
 
 
+def test_recompute_keeps_the_bits(device, tmp_path):
+    """-r 2 (GELU and layernorm outputs made again in backward) trains to -r 0's bits on
+    the CUDA backend, graph-replayed steps included."""
+    args = ["train", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "16", "-n", "3",
+            "-v", "0", "-g", "0", "--no-tf32"]
+    res = {r: run(device, *args, "-r", r, "-o", tmp_path / r) for r in ("0", "2")}
+    assert all(x.returncode == 0 for x in res.values()), res["2"].stderr
+    same_losses(device, losses(res["2"].stdout), losses(res["0"].stdout))
+    if device == "sim":
+        assert (tmp_path / "0" / "model.bin").read_bytes() == \
+            (tmp_path / "2" / "model.bin").read_bytes()
+
+
 def test_train_picks_the_gpu_and_lowers_the_loss(device, tmp_path):
     # a GPU trains the default (d12, T=1024); cudasim runs the same code on the tiny preset
     # (there in 8 steps: a higher learning rate, a short warm-up, one val batch)

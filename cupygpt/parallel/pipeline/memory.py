@@ -10,7 +10,7 @@ from ...optim import AdamW
 GiB = 2 ** 30
 
 
-def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None):
+def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=0):
     """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
     params, grads, activations (every slot), scratch, optimizer; and workspace, the
     backend's kept temporaries (shared by the stages: the largest one's)."""
@@ -20,7 +20,7 @@ def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None):
                            for part in plan.parts)
     for i, (part, slots) in enumerate(zip(plan.parts, plan.slots)):
         sizes = Stage.sizes(shape, batch=plan.mb_rows, seq=plan.seq, part=part, slots=slots,
-                            split=plan.split_backward)
+                            split=plan.split_backward, recompute=recompute)
         for k, n in sizes.items():
             out[k] += n * item
         if with_adamw:

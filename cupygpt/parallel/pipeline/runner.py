@@ -33,23 +33,26 @@ class Runner:
                  schedule: str = "1f1b", virtual: Optional[int] = None,
                  counts: Optional[Sequence[int]] = None, dtype=np.float32,
                  adamw: Optional[AdamWConfig] = None, graphs: bool = False,
-                 zero: bool = False, overlap: bool = True):
+                 zero: bool = False, overlap: bool = True, recompute: int = 0):
         """batch: the step's rows over every replica (each computes batch / dp of them, in
         micro_batches); counts: layers per model chunk (plan_split's, already checked; None:
         balanced); virtual: model chunks per rank (None: the schedule's); adamw: an
         AdamWConfig (None: no optimizer); zero: AdamW's state sharded across the replicas
         (ZeRO-1); overlap: the replicas' gradient sum during the last backward; graphs: a
-        step as a CUDA graph where the backend and transport allow it."""
+        step as a CUDA graph where the backend and transport allow it; recompute: llm.c's
+        -r (what backward makes again instead of keeping: layout.RECOMPUTED)."""
         self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
         self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
                                      micro_batches=micro_batches, schedule=schedule,
                                      virtual=virtual, counts=counts)
         zero_slices = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
                       for pt in plan.parts] if zero else None
-        self.memory = memory_plan(shape, plan, backend, dtype, adamw is not None, zero_slices)
+        self.memory = memory_plan(shape, plan, backend, dtype, adamw is not None, zero_slices,
+                                  recompute)
         check_memory(self.memory, backend, transport, mesh)
         self.stages = [Stage(shape, backend, batch=plan.mb_rows, seq=seq, part=pt, slots=n,
-                             dtype=dtype, comm=transport, split=plan.split_backward)
+                             dtype=dtype, comm=transport, split=plan.split_backward,
+                             recompute=recompute)
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
