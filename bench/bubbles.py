@@ -30,7 +30,7 @@ def main():
     sys.path.insert(0, ROOT)
     from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.model import init_params
+    from cupygpt.initialize import init_params
     os.makedirs(a.out, exist_ok=True)
     tmp = tempfile.mkdtemp()
     cfg = GPT2Config(maxT=64, V=512, Vp=512, L=8, NH=8, C=256)

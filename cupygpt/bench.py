@@ -3,7 +3,7 @@ import statistics
 import time
 
 from .data import DataLoader
-from .model import init_params
+from .initialize import init_params
 from .optim import AdamWConfig
 
 

@@ -10,7 +10,7 @@ from .comm import make_transport
 from .comm.launch import launched_ranks, world_rank
 from .files import is_model_file, read_model
 from .log import Log
-from .model import init_params
+from .initialize import init_params
 from .parallel.mesh import Mesh
 from .parallel.pipeline.runner import Runner
 from .shape import preset

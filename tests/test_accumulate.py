@@ -7,7 +7,7 @@ import pytest
 from conftest import cli, losses
 from cupygpt.backends import numpy_backend
 from cupygpt.comm.local import Local
-from cupygpt.model import init_params
+from cupygpt.initialize import init_params
 from cupygpt.optim import LR_SCHEDULES, lr_at
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.runner import Runner

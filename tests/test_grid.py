@@ -22,7 +22,7 @@ def made(tmp_path_factory):
     320, divisible by neither) and shards of the shipped text's tokens folded into it."""
     from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.model import init_params
+    from cupygpt.initialize import init_params
     d = tmp_path_factory.mktemp("grid")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))

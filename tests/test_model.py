@@ -5,7 +5,8 @@ import numpy as np
 from cupygpt.backends import numpy_backend as be
 from cupygpt.shape import GPT2Config
 from cupygpt.layout import Part, assemble, param_layout
-from cupygpt.model import Stage, init_params
+from cupygpt.initialize import init_params
+from cupygpt.model import Stage
 
 CFG = GPT2Config(maxT=8, V=11, Vp=16, L=2, NH=2, C=8)
 B, T = 2, 5

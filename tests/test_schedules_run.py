@@ -69,7 +69,7 @@ def deep(tmp_path_factory):
     single process's float64 state."""
     from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.model import init_params
+    from cupygpt.initialize import init_params
     from statefile import make_state64
     d = tmp_path_factory.mktemp("deep")
     cfg = GPT2Config(maxT=16, V=301, Vp=320, L=8, NH=4, C=32)
