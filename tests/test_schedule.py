@@ -3,7 +3,7 @@ import pytest
 
 from cupygpt import CupyGPTError
 from cupygpt.parallel.pipeline.schedule import (SCHEDULES, Action, Op, chunks_per_rank,
-                                                forward_only, holder, placement, slot_plan)
+                                                forward_only, holders, placement, slot_plan)
 from cupygpt.parallel.pipeline.simulate import simulate
 
 
@@ -77,6 +77,7 @@ def test_every_chunk_goes_forward_then_back_once(name):
     the rank holding the next (or previous) model chunk, in the same order."""
     for p, m, v in cases(name, 5, 8):
         lists = [SCHEDULES[name](p, m, r, v) for r in range(p)]
+        holder = holders(name, p, v)
         msgs = {}
         for r, acts in enumerate(lists):
             assert acts[-1] == Action(Op.STEP, None) and Op.STEP not in [a.op for a in acts[:-1]]
@@ -101,26 +102,25 @@ def test_every_chunk_goes_forward_then_back_once(name):
                         assert ((op, i) in at) == edge, (p, m, v, r, c, op, i)
                         if edge and before:
                             assert at[(before, i)] < at[(op, i)]
-                        if edge and after and holder(name, p, v, k + (
-                                -1 if op == Op.RECV_ACT else 1))[0] != r:
+                        if edge and after and holder[k + (
+                                -1 if op == Op.RECV_ACT else 1)][0] != r:
                             assert at[(op, i)] < at[(after, i)]
             for a in acts:
                 if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                     kind, step = ("act", 1) if a.op == Op.SEND_ACT else ("grad", -1)
-                    dst, c2 = holder(name, p, v, place[a.chunk] + step)
+                    dst, c2 = holder[place[a.chunk] + step]
                     msgs.setdefault((kind, r, dst), []).append((a.mb, c2))
         for (kind, src, dst), sent in msgs.items():
             recv = Op.RECV_ACT if kind == "act" else Op.RECV_GRAD
-            got = [(a.mb, a.chunk) for a in lists[dst] if a.op == recv and holder(
-                name, p, v, placement(name, p, v, dst)[a.chunk] +
-                (-1 if kind == "act" else 1))[0] == src]
+            got = [(a.mb, a.chunk) for a in lists[dst] if a.op == recv and holder[
+                placement(name, p, v, dst)[a.chunk] + (-1 if kind == "act" else 1)][0] == src]
             assert got == sent, (p, m, v, kind, src, dst)
 
 
 def test_placement():
     assert placement("interleaved", 4, 3, 1) == [1, 5, 9]
-    assert placement("zbv", 4, 2, 1) == [1, 6] and holder("zbv", 4, 2, 6) == (1, 1)
-    assert placement("1f1b", 4, 1, 2) == [2] and holder("1f1b", 4, 1, 2) == (2, 0)
+    assert placement("zbv", 4, 2, 1) == [1, 6] and holders("zbv", 4, 2)[6] == (1, 1)
+    assert placement("1f1b", 4, 1, 2) == [2] and holders("1f1b", 4, 1)[2] == (2, 0)
 
 
 def test_interleaved_of_one_chunk_is_1f1b():

@@ -59,11 +59,6 @@ def holders(name, p, v):
     return {k: (r, c) for r in range(p) for c, k in enumerate(placement(name, p, v, r))}
 
 
-def holder(name, p, v, k):
-    """(rank, its chunk index) holding model chunk k."""
-    return holders(name, p, v)[k]
-
-
 def _emit(name, p, v, r, compute):
     """Rank r's list from its compute order [(op, mb, chunk)]: a receive just before the op
     that needs it, a send just after the op that made it. A hand-off to a chunk on this
