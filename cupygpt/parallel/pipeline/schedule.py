@@ -59,11 +59,6 @@ def holders(name, p, v):
     return {k: (r, c) for r in range(p) for c, k in enumerate(placement(name, p, v, r))}
 
 
-def holder(name, p, v, k):
-    """(rank, its chunk index) holding model chunk k."""
-    return holders(name, p, v)[k]
-
-
 def _emit(name, p, v, r, compute):
     """Rank r's list from its compute order [(op, mb, chunk)]: a receive just before the op
     that needs it, a send just after the op that made it. A hand-off to a chunk on this
@@ -172,44 +167,81 @@ def zb1p(p, m, r, v=1):
     return _emit("zb1p", p, 1, r, order) + [Action(Op.STEP, None)]
 
 
+def _zbv_preference(p, m, r):
+    """Rank r's forwards and input-gradient Bs, [(op, mb, chunk)] in the order it prefers
+    them: ZB-V's shape, each phase sized so the next one's inputs arrive as it ends. Its
+    first chunk's forwards run ahead down the V: 2(p-r)-1 fill the steps until its second
+    chunk's first input comes back up; then r more alternate with the second chunk's (rank
+    r+1 hands one every other step); then the second chunk's Bs come back from the
+    loss, p-r of them each after a forward of that chunk, covering the wait for the first
+    chunk's first B; from there on one F and one B of each chunk in turn."""
+    warm = ([(Op.FWD, 0)] * (2 * (p - r) - 1) + [(Op.FWD, 1), (Op.FWD, 0)] * r
+            + [(Op.FWD, 1), (Op.BWD_INPUT, 1)] * (p - r))
+    rounds = [(Op.FWD, 0), (Op.BWD_INPUT, 0), (Op.FWD, 1), (Op.BWD_INPUT, 1)] * m
+    left = dict.fromkeys(rounds, m)
+    order = []
+    for op, c in warm + rounds:  # each (op, chunk) takes its micro-batches in turn
+        if left[(op, c)]:
+            order.append((op, m - left[(op, c)], c))
+            left[(op, c)] -= 1
+    return order
+
+
 @lru_cache(maxsize=16)
 def _zbv_order(p, m):
-    """Every rank's compute order for zbv, by simulating them all at once in unit steps
-    (t_F = t_B = t_W, the paper's case): a free rank takes an input-gradient B (the
-    critical path; earliest micro-batch, then the deeper chunk), else a forward while it
-    holds under 2p chunk activations (deepest chunk first, nearest the loss), else its
-    oldest pending W (filling what would be idle). A chunk's micro-batches keep their
-    order, so each channel's messages arrive in the order they are taken."""
+    """Every rank's compute order for zbv, by running them all at once in unit steps
+    (t_F = t_B = t_W, the paper's case). A free rank holding 2p chunk activations (1F1B's
+    peak, p whole stages) frees one with its oldest pending W; else it takes the ready F or
+    B it prefers most (_zbv_preference); else its oldest W, filling what would be idle.
+    Preferences only rank the ready ops, so with few micro-batches no rank waits for one.
+
+    Each rank does 6m ops, and rank p-1's first input passes p-1 chunks before it, so no
+    order takes under 6m + p - 1 steps. This one takes that from m = p on: the warm-up
+    fills the V so that rank p-1 has work from its first step; each round of six steps
+    (an F and a B of each chunk, and the two Ws the cap then calls for) takes what the
+    neighbours' rounds hand over; in the cool-down the left-over Ws fill the steps between
+    the last Bs. So rank p-1 never waits once started (not proven: tests/test_schedule.py
+    checks it for p <= 8, m <= 32, over channels of one message and of two). A chunk's
+    micro-batches keep their order, so each channel's messages arrive in the order they
+    are taken."""
     last = 2 * p - 1
     place = [placement("zbv", p, 2, r) for r in range(p)]
-    fdone, bdone = {}, {}               # (mb, model chunk) -> step it finished
+    prefer = {(op, i, place[r][c]): n for r in range(p)
+              for n, (op, i, c) in enumerate(_zbv_preference(p, m, r))}
+    done = {}                           # (op, mb, model chunk) -> step it finished
     nf, nb = [0] * (last + 1), [0] * (last + 1)
     held = [0] * p                      # chunk activations from forward to W
     pending = [[] for _ in range(p)]
     order = [[] for _ in range(p)]
     t, left = 0, 3 * m * (last + 1)
+
+    def ready(op, i, k):
+        return done.get((op, i, k), t + 1) <= t
     while left:
         taken = []
         for r in range(p):
-            bs = [k for k in place[r] if nb[k] < m and fdone.get((nb[k], k), t + 1) <= t
-                  and (k == last or bdone.get((nb[k], k + 1), t + 1) <= t)]
-            fs = [k for k in place[r] if nf[k] < m and held[r] < 2 * p
-                  and (k == 0 or fdone.get((nf[k], k - 1), t + 1) <= t)]
-            if bs:
-                k = max(bs, key=lambda k: (-nb[k], k))
-                taken.append((r, Op.BWD_INPUT, nb[k], k))
-            elif fs:
-                taken.append((r, Op.FWD, nf[max(fs)], max(fs)))
-            elif pending[r]:
+            # A B whose gradient climbs to rank r+1 (chunks past p) waits until that rank
+            # took the previous one: in the cool-down r can run them faster than r+1 takes
+            # them, and over a one-message channel (nvshmem's) the send would stall r.
+            ops = [(Op.BWD_INPUT, nb[k], k) for k in place[r] if nb[k] < m
+                   and ready(Op.FWD, nb[k], k)
+                   and (k == last or ready(Op.BWD_INPUT, nb[k], k + 1))
+                   and (k <= p or nb[k] == 0 or ready(Op.BWD_INPUT, nb[k] - 1, k - 1))]
+            ops += [(Op.FWD, nf[k], k) for k in place[r] if nf[k] < m and held[r] < 2 * p
+                    and (k == 0 or ready(Op.FWD, nf[k], k - 1))]
+            if pending[r] and (held[r] == 2 * p or not ops):
                 taken.append((r, Op.BWD_WEIGHT) + pending[r].pop(0))
+            elif ops:
+                taken.append((r,) + min(ops, key=prefer.get))
         if not taken:  # ops take one step: nothing is under way, so nothing will be
             raise RuntimeError(f"zbv: no schedule for p={p} m={m}")
         for r, op, i, k in taken:
             order[r].append((op, i, place[r].index(k)))
+            done[(op, i, k)] = t + 1
             if op == Op.FWD:
-                fdone[(i, k)], nf[k], held[r] = t + 1, nf[k] + 1, held[r] + 1
+                nf[k], held[r] = nf[k] + 1, held[r] + 1
             elif op == Op.BWD_INPUT:
-                bdone[(i, k)], nb[k] = t + 1, nb[k] + 1
+                nb[k] += 1
                 pending[r].append((i, k))
             else:
                 held[r] -= 1
@@ -221,8 +253,10 @@ def _zbv_order(p, m):
 def zbv(p, m, r, v=2):
     """ZB-V: two chunks per rank folded into a V (rank r holds chunks r and 2p-1-r), so the
     loss and the first backward are on rank 0. A rank holds at most 2p chunk activations,
-    1F1B's peak of p whole-stage micro-batches; with equal times and m >= 2p the bubble is
-    little more than the warm-up's."""
+    1F1B's peak of p whole-stage micro-batches. With equal times and m >= p it takes
+    6m + p - 1 chunk steps, the least any order can: the only bubble is the warm-up's p-1
+    steps, (p-1)/(6m+p-1). With fewer micro-batches, max(4m + 3p - 1, 2m + 4p - 1) steps
+    (one micro-batch: its 4p+1 ops in a row)."""
     chunks_per_rank("zbv", v)
     return _emit("zbv", p, 2, r, _zbv_order(p, m)[r]) + [Action(Op.STEP, None)]
 
