@@ -159,15 +159,18 @@ def _length(z, name):
     return shape[0] if len(shape) == 1 and dtype == np.float32 else None
 
 
-def check_resume(path, shape, B, T, train_files):
+def check_resume(path, shape, B, T, total_batch, train_files):
     """Before anything is allocated: the checkpoint's state file is readable and fits this
-    run: its model shape and batch, m and v of the model's length, a usable RNG state, and
-    its data position inside this run's train shards. Returns its step."""
+    run: its model shape, batch and tokens per step (-d; B x T where a checkpoint has
+    none), m and v of the model's length, a usable RNG state, and its data position inside
+    this run's train shards. Returns its step."""
     f = _state_file(path)
     try:
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            check_matches(path, meta, {"config": shape.__dict__, "B": B, "T": T})
+            check_matches(path, {"total_batch": B * T, **meta},
+                          {"config": shape.__dict__, "B": B, "T": T,
+                           "total_batch": total_batch})
             lengths = {_length(z, name) for name in ("m", "v")}
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None

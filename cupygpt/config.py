@@ -95,7 +95,7 @@ class TrainConfig:
                                    f"({os.path.join(c.resume, 'model.bin')}), of another "
                                    f"shape; leave -e out to resume, or start afresh without "
                                    f"--resume", "init", self.init)
-            at = check_resume(c.resume, shape, c.batch, c.seq,
+            at = check_resume(c.resume, shape, c.batch, c.seq, c.total_batch,
                               sorted(glob.glob(c.train_pattern)))
             if at > c.steps:
                 raise CupyGPTError(f"the checkpoint is already at step {at}; this is the "

@@ -74,11 +74,6 @@ class Stage:
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
         self.comm.all_reduce(arr, "tp")
 
-    def memory_bytes(self):
-        """Bytes of parameters, gradients and activations (+ scratch) this stage allocated."""
-        return {"params": self.params.nbytes, "grads": self.grads.nbytes,
-                "activations": self.acts_buf.nbytes + self.scratch_buf.nbytes}
-
     def load(self, full_params):
         """This stage's part of a whole model's host parameters (array or memmap), in one
         upload; the whole model goes straight from the file into the flat buffer."""

@@ -135,7 +135,8 @@ class Trainer:
         self.sess.describe(self.sess.shape, self.run, [
             ("init", opts.resume or opts.init), ("B, T", f"{opts.batch}, {opts.seq}"),
             ("tokens per step", f"{opts.total_batch} ({opts.micro_steps} micro-step(s))"),
-            ("lr schedule", f"{opts.lr_schedule}, warm-up {opts.warmup}"),
+            ("lr schedule", opts.lr_schedule + ("" if opts.lr_schedule == "constant" else
+                                                f", warm-up {opts.warmup}")),
             ("recompute", opts.recompute),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
@@ -213,7 +214,8 @@ class Trainer:
                                f"lower the learning rate")
         self.ckpt = checkpoint.save(self.run, self.tr, self.opts.out, step,
                                     {"train_loader": self.train_data.state(),
-                                     "rng": self.rng.bit_generator.state}, self.opts.keep)
+                                     "rng": self.rng.bit_generator.state,
+                                     "total_batch": self.opts.total_batch}, self.opts.keep)
         self.log(f"checkpoint {self.ckpt}")
 
     def close(self):

@@ -1,6 +1,7 @@
 """Faults: NaN, a rank raising, a rank killed, a hung peer, Ctrl-C; resume exactness."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,22 +21,31 @@ def log_losses(path):
 @pytest.mark.parametrize("ranks", [None, 2])
 def test_resume_is_bit_identical(tmp_path, ranks):
     full, part = tmp_path / "full", tmp_path / "part"
-    a = cli(*TRAIN, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full, ranks=ranks)
+    samples = ["-s", "2", "-g", "6"]  # before the checkpoint too: the RNG moves
+    a = cli(*TRAIN, *samples, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full,
+            ranks=ranks)
     assert a.returncode == 0, a.stderr
     assert sorted(os.listdir(full / "ckpt_00000004")) == ["adamw.npz", "model.bin"]
-    b = cli(*TRAIN, "-n", "8", "--resume", full / "ckpt_00000004", "-o", part, ranks=ranks)
+    b = cli(*TRAIN, *samples, "-n", "8", "--resume", full / "ckpt_00000004", "-o", part,
+            ranks=ranks)
     assert b.returncode == 0, b.stderr
     la, lb = log_losses(full / "log.jsonl"), log_losses(part / "log.jsonl")
     assert sorted(lb) == [5, 6, 7, 8]
     assert all(la[s] == lb[s] for s in lb), (la, lb)  # bit-identical, not approx
     assert (full / "model.bin").read_bytes() == (part / "model.bin").read_bytes()
+    # the samples too: drawn on rank 0, whose RNG the checkpoint keeps
+    def last_sample(out):  # (under mpiexec each line is tagged with its rank)
+        return re.findall(r"generating:\n(?:\[pe0\] )?---\n(.*?)\n(?:\[pe0\] )?---", out,
+                          re.S)[-1]
+    assert last_sample(a.stdout) == last_sample(b.stdout)
 
 
 def test_resume_mismatch_is_refused(tmp_path):
     a = cli(*TRAIN, "-n", "2", "--checkpoint-every", "2", "-o", tmp_path)
     assert a.returncode == 0, a.stderr
     for extra, what in ((["-t", "16"], "T: checkpoint 32 vs now 16"),
-                        (["-b", "2"], "B: checkpoint 4 vs now 2")):
+                        (["-b", "2"], "B: checkpoint 4 vs now 2"),
+                        (["-d", "256"], "total_batch: checkpoint 128 vs now 256")):
         res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, *extra, "-o", tmp_path / "x")
         assert res.returncode == 1 and what in res.stderr and len(res.stderr.splitlines()) == 1
     (tmp_path / "ckpt_00000002" / "adamw.npz").unlink()

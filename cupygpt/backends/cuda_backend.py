@@ -261,8 +261,9 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
 
 
 def memory_domain():
-    """What ranks with the same answer allocate from: this host's GPU of this rank."""
-    return socket.gethostname(), cp.cuda.Device().id
+    """What ranks with the same answer allocate from: this rank's GPU, by its PCI bus id
+    (a device index counts only the GPUs this process is shown)."""
+    return socket.gethostname(), cp.cuda.Device().pci_bus_id
 
 
 def numerics():

@@ -497,6 +497,10 @@ class Device:
     def use(self):
         _state["device"] = self.id
 
+    @property
+    def pci_bus_id(self):
+        return f"0000:{self.id + 1:02x}:00.0"
+
 
 class _OutOfMemoryError(MemoryError):
     def __init__(self, size, total, limit=0):  # CuPy's: total is what is allocated so far

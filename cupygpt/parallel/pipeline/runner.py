@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ... import CupyGPTError
 from ...comm.base import Transport, chunks
 from ...layout import assemble, copy_part, param_layout
 from ...model import Stage
@@ -116,6 +117,8 @@ class Runner:
         each a pass adding into the gradients (llm.c's gradient accumulation), the
         replicas' sum and the tied sum after the last."""
         n, rows = len(x) // self.plan.batch, self.plan.batch
+        if n < 1 or len(x) % rows:
+            raise CupyGPTError(f"a step takes whole batches of {rows} rows, not {len(x)}")
         self.zero_grad()
         return sum(self._pass(self.plan.train, x[i * rows:(i + 1) * rows],
                               y[i * rows:(i + 1) * rows], self._train_pass(n, i == n - 1))
@@ -164,11 +167,8 @@ class Runner:
         self.exec.feed(tokens, None)
         self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
         self.transport.finish_sends()
-        if self.mesh.tp == 1:
-            tok = choose(row["logits"]) if self.head is not None else None
-            return self.transport.bcast(tok, root=self.plan.loss_rank)
-        # tensor parallel: each shard of the head holds its slice of the vocabulary, so
-        # the whole row is put together on rank 0 (replicas send the same slices)
+        # chosen on rank 0, whose RNG a checkpoint keeps: the head's row (each
+        # tensor-parallel shard's slice of the vocabulary; replicas send the same) goes there
         slices = self.transport.gather((self.head.v0, row["logits"]) if self.head else None)
         tok = None
         if slices is not None:
