@@ -13,6 +13,7 @@ from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry,
                       grid_options, pipeline_options, progress, session, trace_option)
+from .convert import convert as run_convert
 from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig, make_dir
 from .files import atomic_write, write_shard
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
@@ -272,6 +273,24 @@ def gpucheck(out, quick, parts, mps):
     report, md = run_check(out, "quick" if quick else "full", parts, mps)
     click.echo(md)
     sys.exit(1 if problems(report) else 0)
+
+
+@cli.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "bfloat16"]),
+              help="the llm.c file's, written from a transformers directory")
+@click.option("--tokenizer", default=TOKENIZER, show_default=True,
+              help="llm.c tokenizer whose vocab.json and merges.txt go beside a model with "
+                   "its vocab")
+@entry
+def convert(src, dst, dtype, tokenizer):
+    """Convert between an llm.c model file and a transformers GPT-2 directory (config.json,
+    model.safetensors or pytorch_model.bin): SRC a directory gives DST an llm.c file, SRC a
+    file gives DST a new directory that GPT2LMHeadModel.from_pretrained loads."""
+    for line in run_convert(src, dst, dtype == "bfloat16", tokenizer):
+        click.echo(line)
 
 
 @cli.command()
