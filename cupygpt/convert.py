@@ -49,6 +49,8 @@ def free_directory(dst):
         raise CupyGPTError(f"{dst}: already exists; convert writes a new directory: remove "
                            f"it or name another")
     parent = os.path.dirname(os.path.abspath(dst))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise CupyGPTError(f"{dst}: its parent {parent} is a file, not a directory")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:

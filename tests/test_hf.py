@@ -168,3 +168,69 @@ def test_bf16_rounds_as_torch_casts():
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(to_bf16(x), want)
     assert np.isnan((to_bf16(np.float32([np.nan])).astype(np.uint32) << 16).view(np.float32))
+
+
+def broken(tmp_path, hf_dir, config=None, drop=(), reshape=(), extra=None):
+    """A copy of the directory with config.json's fields replaced (None: removed), tensors
+    dropped, reshaped, or added."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    c = json.loads((hf_dir / hf.CONFIG).read_text())
+    c.update(config or {})
+    (d / hf.CONFIG).write_text(json.dumps({k: v for k, v in c.items() if v is not None}))
+    t = load_file(hf_dir / hf.WEIGHTS)
+    t = {k: v[:-1] if k in reshape else v for k, v in t.items() if k not in drop}
+    save_file({**t, **(extra(t) if extra else {})}, d / hf.WEIGHTS)
+    return d
+
+
+H0 = "transformer.h.0."
+BAD = [  # (id, directory changes, what the one line says)
+    ("model_type", dict(config={"model_type": "llama"}), "model_type 'llama' is not GPT-2's"),
+    ("architecture", dict(config={"architectures": ["GPT2ForSequenceClassification"]}),
+     "architectures GPT2ForSequenceClassification"),
+    ("activation", dict(config={"activation_function": "relu"}), "activation_function 'relu'"),
+    ("untied config", dict(config={"tie_word_embeddings": False}), "tie_word_embeddings False"),
+    ("scale by layer", dict(config={"scale_attn_by_inverse_layer_idx": True}),
+     "scale_attn_by_inverse_layer_idx True"),
+    ("no scale", dict(config={"scale_attn_weights": False}), "scale_attn_weights False"),
+    ("epsilon", dict(config={"layer_norm_epsilon": 1e-6}), "layer_norm_epsilon 1e-06"),
+    ("n_inner", dict(config={"n_inner": 128}), "n_inner 128 differs"),
+    ("n_ctx", dict(config={"n_ctx": 1024}), "n_ctx 1024 differs"),
+    ("no n_head", dict(config={"n_head": None}), "not a valid GPT-2 shape"),
+    ("bias absent", dict(drop=[H0 + "attn.c_attn.bias"]), "tensor h.0.attn.c_attn.bias is missing"),
+    ("misshapen", dict(reshape=[H0 + "mlp.c_fc.weight"]),
+     f"tensor {H0}mlp.c_fc.weight has shape (95, 384)"),
+    ("other part", dict(extra=lambda t: {"score.weight": t["transformer.ln_f.bias"]}),
+     "tensor score.weight is not GPT-2's"),
+    ("untied head", dict(extra=lambda t: {"lm_head.weight": t["transformer.wte.weight"] + 1}),
+     "lm_head.weight differs from wte.weight"),
+]
+
+
+@needs_hf
+@pytest.mark.parametrize("changes,says", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_a_model_that_is_not_gpt2_is_refused(hf_dir, tmp_path, changes, says):
+    d = broken(tmp_path, hf_dir[0], **changes)
+    res = cli("convert", d, tmp_path / "out.bin")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert says in res.stderr and str(d) in res.stderr
+    assert os.listdir(tmp_path) == ["bad"]  # nothing written
+
+
+@needs_hf
+def test_bad_paths_are_refused_before_anything_is_written(hf_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("")
+    cases = [(["convert", tmp_path / "empty", tmp_path / "o.bin"], "no config.json in it"),
+             (["convert", fixture("tiny_model.bin"), tmp_path / "empty"], "already exists"),
+             (["convert", fixture("tiny_model.bin"), tmp_path / "a_file" / "x"],
+              "a_file is a file, not a directory"),
+             (["convert", hf_dir[0], tmp_path / "a_file" / "x.bin"], "cannot write here"),
+             (["convert", hf_dir[0], tmp_path / "empty"], "a directory; from a transformers"),
+             (["train", "-e", tmp_path / "empty", "-o", tmp_path / "run"], "no config.json")]
+    for args, says in cases:
+        res = cli(*args)
+        assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+        assert says in res.stderr, res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "empty"] and not os.listdir(tmp_path / "empty")
