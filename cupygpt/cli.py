@@ -278,17 +278,14 @@ def gpucheck(out, quick, parts, mps):
 @cli.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--dtype", default="float32", show_default=True,
-              type=click.Choice(["float32", "bfloat16"]),
-              help="the llm.c file's, written from a transformers directory")
+@click.option("--dtype", default="float32", show_default=True, help="the llm.c file's",
+              type=click.Choice(["float32", "bfloat16"]))
 @click.option("--tokenizer", default=TOKENIZER, show_default=True,
-              help="llm.c tokenizer whose vocab.json and merges.txt go beside a model with "
-                   "its vocab")
+              help="its vocab.json, merges.txt go beside a model with its vocab")
 @entry
 def convert(src, dst, dtype, tokenizer):
-    """Convert between an llm.c model file and a transformers GPT-2 directory (config.json,
-    model.safetensors or pytorch_model.bin): SRC a directory gives DST an llm.c file, SRC a
-    file gives DST a new directory that GPT2LMHeadModel.from_pretrained loads."""
+    """A transformers GPT-2 directory SRC to an llm.c model file DST, or an llm.c file SRC
+    to a new directory DST that GPT2LMHeadModel.from_pretrained loads."""
     for line in run_convert(src, dst, dtype == "bfloat16", tokenizer):
         click.echo(line)
 
