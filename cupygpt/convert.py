@@ -29,6 +29,7 @@ def convert(src, dst, bf16=False, tokenizer=None):
         if os.path.isdir(dst):
             raise CupyGPTError(f"{dst}: a directory; from a transformers directory convert "
                                f"writes an llm.c model file: name the file")
+        writable_parent(dst)
         write_model(dst, cfg, read_model(src)[1], bf16)
         return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {shape(cfg)}"]
     if bf16:
@@ -48,6 +49,11 @@ def free_directory(dst):
     if os.path.lexists(dst):
         raise CupyGPTError(f"{dst}: already exists; convert writes a new directory: remove "
                            f"it or name another")
+    writable_parent(dst)
+
+
+def writable_parent(dst):
+    """dst's parent directory exists (made) and is writable."""
     parent = os.path.dirname(os.path.abspath(dst))
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise CupyGPTError(f"{dst}: its parent {parent} is a file, not a directory")

@@ -94,8 +94,11 @@ def weights_file(path):
     for name in (WEIGHTS, TORCH_WEIGHTS):
         if os.path.isfile(os.path.join(path, name)):
             return os.path.join(path, name)
+    sharded = os.path.isfile(os.path.join(path, WEIGHTS + ".index.json"))
     raise CupyGPTError(f"{path}: no {WEIGHTS} (nor a legacy {TORCH_WEIGHTS}) beside its "
-                       f"{CONFIG}; save the model with transformers' save_pretrained")
+                       f"{CONFIG}; " + ("a sharded checkpoint is not read: save it with "
+                                        "save_pretrained(DIR, max_shard_size='10GB')" if sharded
+                                        else "save the model with save_pretrained"))
 
 
 def open_weights(file):
@@ -157,10 +160,9 @@ def read_model(path, out=None):
     params[...] = 0
     views = param_layout(cfg).views(params)
     for key, name in names.items():
-        a = read(key)
         if name == "lm_head.weight":
             continue
-        ours, layer, t, _ = where[name]
+        a, (ours, layer, t, _) = read(key), where[name]
         dst = views[ours] if layer is None else views[ours][layer]
         a = a.T if t else a
         dst[:a.shape[0]] = a  # wte: its V rows of Vp

@@ -226,7 +226,7 @@ def test_bad_paths_are_refused_before_anything_is_written(hf_dir, tmp_path):
              (["convert", fixture("tiny_model.bin"), tmp_path / "empty"], "already exists"),
              (["convert", fixture("tiny_model.bin"), tmp_path / "a_file" / "x"],
               "a_file is a file, not a directory"),
-             (["convert", hf_dir[0], tmp_path / "a_file" / "x.bin"], "cannot write here"),
+             (["convert", hf_dir[0], tmp_path / "a_file" / "x.bin"], "is a file, not a"),
              (["convert", hf_dir[0], tmp_path / "empty"], "a directory; from a transformers"),
              (["train", "-e", tmp_path / "empty", "-o", tmp_path / "run"], "no config.json")]
     for args, says in cases:
@@ -234,3 +234,15 @@ def test_bad_paths_are_refused_before_anything_is_written(hf_dir, tmp_path):
         assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
         assert says in res.stderr, res.stderr
     assert sorted(os.listdir(tmp_path)) == ["a_file", "empty"] and not os.listdir(tmp_path / "empty")
+
+
+def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    """A disk that fills while the directory is written: one error, no DST, no DST.partial."""
+    from cupygpt import CupyGPTError, convert
+
+    def full(*args, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(convert, "save_file", full)
+    with pytest.raises(CupyGPTError, match=r"failed \(No space left on device\); nothing was"):
+        convert.convert(fixture("tiny_model.bin"), str(tmp_path / "hf"))
+    assert os.listdir(tmp_path) == []
