@@ -233,7 +233,8 @@ def test_bad_paths_are_refused_before_anything_is_written(hf_dir, tmp_path):
         res = cli(*args)
         assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
         assert says in res.stderr, res.stderr
-    assert sorted(os.listdir(tmp_path)) == ["a_file", "empty"] and not os.listdir(tmp_path / "empty")
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "empty"]
+    assert not os.listdir(tmp_path / "empty")
 
 
 def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
