@@ -1,6 +1,6 @@
-"""The commands that run in one process beside training: prepare (text to shards), schedule
-(a schedule's lists and simulation), gpucheck, plot and timeline (pictures). cli.py adds
-them to the command group."""
+"""The commands that run in one process beside training: prepare (text to shards), convert
+(to and from transformers' GPT-2 directories), schedule (a schedule's lists and
+simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
 import os
 import sys
 
@@ -10,6 +10,7 @@ from . import CupyGPTError
 from .backends import gpu_available
 from .cli_kit import DATA, TOKENIZER, entry, one_process, progress
 from .config_parts import make_dir, out_file
+from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
@@ -61,6 +62,22 @@ def prepare(text, out, tokenizer, name, force):
         write_shard(paths["train"], train_tokens, ft)
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
         click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--dtype", default="float32", show_default=True, help="the llm.c file's",
+              type=click.Choice(["float32", "bfloat16"]))
+@click.option("--tokenizer", default=TOKENIZER, show_default=True,
+              help="its vocab.json, merges.txt go beside a model with its vocab")
+@entry
+def convert(src, dst, dtype, tokenizer):
+    """A transformers GPT-2 directory SRC to an llm.c model file DST, or an llm.c file SRC
+    to a new directory DST that GPT2LMHeadModel.from_pretrained loads."""
+    one_process("convert")
+    for line in run_convert(src, dst, dtype == "bfloat16", tokenizer):
+        click.echo(line)
 
 
 @click.command()
@@ -145,4 +162,4 @@ def timeline(trace, out, schedule):
                f"rank's op and transfer times {predicted:.4f}")
 
 
-TOOLS = (prepare, schedule, gpucheck, plot, timeline)
+TOOLS = (prepare, convert, schedule, gpucheck, plot, timeline)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import CupyGPTError
+from . import CupyGPTError, hf
 from .layout import param_layout
 from .shape import GPT2Config, preset
 
@@ -106,13 +106,19 @@ def is_model_file(spec):
 
 
 def model_shape(spec):
-    """The shape an -e names: a model file's header, or a preset."""
+    """The shape an -e names: a model file's header, a transformers directory's
+    config.json, or a preset."""
+    if os.path.isdir(spec):
+        return hf.model_shape(spec)
     return read_model_header(spec)[0] if is_model_file(spec) else preset(spec)
 
 
 def read_model(path, out=None, mmap=False):
     """(config, fp32 parameters of the whole model); one read into out when it is given.
-    With mmap an fp32 file is mapped, not read: a pipeline stage touches only its slice."""
+    With mmap an fp32 file is mapped, not read: a pipeline stage touches only its slice.
+    A directory is a transformers GPT-2 model, converted as it is read."""
+    if os.path.isdir(path):
+        return hf.read_model(path, out)
     cfg, version = read_model_header(path)
     n = param_layout(cfg).size
     if mmap and version == 3 and out is None:
@@ -131,12 +137,26 @@ def read_model(path, out=None, mmap=False):
     return cfg, params
 
 
-def write_model(path, cfg, params):
+def write_model(path, cfg, params, bf16=False):
+    """llm.c's model file: version 3 (fp32) or, with bf16, version 5."""
     with atomic_write(path) as f:
-        f.write(make_header(MODEL_MAGIC, 3, cfg.maxT, cfg.V, cfg.L, cfg.NH, cfg.C,
-                            cfg.Vp).tobytes())
+        f.write(make_header(MODEL_MAGIC, 5 if bf16 else 3, cfg.maxT, cfg.V, cfg.L, cfg.NH,
+                            cfg.C, cfg.Vp).tobytes())
+        if bf16:  # in chunks: the rounding's temporaries stay small
+            for i in range(0, len(params), 1 << 22):
+                f.write(to_bf16(params[i:i + (1 << 22)]).tobytes())
+            return
         # the array's own bytes, not a copy of them (half a GiB for a d12)
         f.write(memoryview(np.ascontiguousarray(params, dtype=np.float32)).cast("B"))
+
+
+def to_bf16(x):
+    """fp32 -> bf16 bits, rounded to the nearest, ties to even (as torch casts); NaN stays
+    NaN (its top half with the quiet bit, which rounding could carry into infinity)."""
+    x = np.ascontiguousarray(x, np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), (u >> 16).astype(np.uint16) | 0x40, r)
 
 
 # --- debug state -------------------------------------------------------------------------
