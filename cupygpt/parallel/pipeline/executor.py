@@ -26,12 +26,12 @@ class Executor:
     def __init__(self, plan, stages, be, transport, sync):
         self.plan, self.stages, self.be, self.sync = plan, stages, be, sync
         self.transport = transport
-        embed = next((st for st in stages if st.embed), None)
-        head = next((st for st in stages if st.head), None)
         rows, T = plan.rows, plan.seq
-        self.x_dev = be.zeros(rows * T, np.int32).reshape(rows, T) if embed else None
-        self.y_dev = be.zeros(rows * T, np.int32).reshape(rows, T) if head else None
-        self.holds_head = head is not None
+        # tokens where the embedding is, targets where the head is (the plan's parts say)
+        self.x_dev = (be.zeros(rows * T, np.int32).reshape(rows, T)
+                      if any(pt.embed for pt in plan.parts) else None)
+        self.y_dev = (be.zeros(rows * T, np.int32).reshape(rows, T)
+                      if any(pt.head for pt in plan.parts) else None)
         self.loss_acc = be.zeros(1, np.float64)
         self.local = {}   # (kind, receiving chunk) -> copies handed over on this rank, in order
         self.spare = []
