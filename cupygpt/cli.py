@@ -100,6 +100,8 @@ def shipped_expected(kw):
               help="sample every N steps and at the end; 0: never  [default: at the end]")
 @click.option("-g", "gen_tokens", default=48, show_default=True, help="tokens to generate")
 @click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay")
+@click.option("--grad-clip", default=1.0, show_default=True,
+              help="clip the gradient at this global norm (0: off)")
 @click.option("--seed", default=1337, show_default=True, help="initialisation and sampling seed")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--checkpoint-every", default=0, show_default=True,
@@ -131,6 +133,8 @@ def train(**kw):
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("-r", "recompute", default=0, show_default=True,
               help="activation recomputation, as train's -r")
+@click.option("--grad-clip", default=1.0, show_default=True,
+              help="the timed step clips at this global norm, as train's (0: off)")
 @click.option("--profile", is_flag=True,
               help="add a time-per-op table (GPU: CUDA events, also per kernel, eager "
                    "steps; CPU: wall time per op)")

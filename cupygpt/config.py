@@ -42,6 +42,7 @@ class TrainConfig:
     sample_every: Optional[int] = None  # None: at the end only; 0: never
     gen_tokens: int = 48
     weight_decay: float = 0.0
+    grad_clip: float = 1.0          # llm.c's: the gradient clipped at this global norm; 0 off
     seed: int = 1337
     checkpoint_every: int = 0
     keep: int = 2
@@ -74,7 +75,8 @@ class TrainConfig:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "warmup", "checkpoint_every", "weight_decay", "seed", zero_ok=True)
+                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed",
+                 zero_ok=True)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
@@ -186,6 +188,7 @@ class BenchConfig:
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
     recompute: int = 0
+    grad_clip: float = 1.0          # train's default: the step it times clips as train's
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
@@ -195,7 +198,7 @@ class BenchConfig:
         init, seq = be.DEFAULT_RUN
         c = replace(self, init=default(self.init, init), seq=default(self.seq, seq))
         positive(c, "batch", "seq", "steps")
-        positive(c, "warmup", zero_ok=True)
+        positive(c, "warmup", "grad_clip", zero_ok=True)
         recompute_level(c)
         if is_model_file(c.init):  # (its weights would not change the timing)
             raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "

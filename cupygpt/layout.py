@@ -84,6 +84,11 @@ def param_shapes(cfg, part):
             "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
+# Tensors every tensor-parallel shard holds whole (param_shapes does not divide them): their
+# gradients are the same on every shard, so the global norm counts shard 0's alone.
+TP_REPLICATED = ("wpe", "ln1w", "ln1b", "attprojb", "ln2w", "ln2b", "fcprojb", "lnfw", "lnfb")
+
+
 def param_layout(cfg, part=None):
     part = part or Part.whole(cfg)
     shapes = param_shapes(cfg, part)

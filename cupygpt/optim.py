@@ -1,9 +1,11 @@
-"""AdamW state over a stage's flat parameter buffer (m, v in the same layout), and
-llm.c's learning-rate schedule."""
+"""AdamW state over a stage's flat parameter buffer (m, v in the same layout), the
+gradient's global norm and clipping, and llm.c's learning-rate schedule."""
 import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from .layout import TP_REPLICATED
 
 
 @dataclass
@@ -13,6 +15,7 @@ class AdamWConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    grad_clip: float = 0.0  # the gradient is scaled to this global norm when above it; 0: off
 
 
 class AdamW:
@@ -25,7 +28,13 @@ class AdamW:
     reduce-scattered into it first (unless the runner's overlapped all-reduce has summed
     them already: the same member-order sums) and the updated slices all-gathered after,
     through the transport's "dp" group. The update is elementwise, so the parameters are
-    bit-identical to the unsharded step's."""
+    bit-identical to the unsharded step's.
+
+    Every step measures the gradient's global norm (llm.c's, printed in the step line)
+    over the whole grid, on the device, so a captured step keeps it: each rank adds the
+    squares it counts (norm_ranges), then the sums go over the tensor, pipeline and (with
+    ZeRO-1) data groups. With hp.grad_clip the update reads the gradient scaled by
+    grad_clip / norm when the norm is above grad_clip."""
 
     def __init__(self, stages, hp, transport=None, slices=None):
         self.hp, self.t, self.tr = hp, 0, transport
@@ -33,6 +42,8 @@ class AdamW:
         # per stage (m, v, the summed gradient slice with ZeRO-1)
         self.state = [[st.be.zeros(n, st.dtype) for n in self.sizes(st.params.size, piece)]
                       for st, piece in zip(stages, self.slices)]
+        self.counted = [norm_ranges(st, piece) for st, piece in zip(stages, self.slices)]
+        self.norm_sq = stages[0].be.zeros(1, stages[0].dtype)  # the global sum of squares
 
     @staticmethod
     def sizes(n_params, piece=None):
@@ -55,18 +66,41 @@ class AdamW:
         from the device instead, where the runner uploads each step's before replay).
         summed: the gradients are the replicas' sums already."""
         hp = self.hp
-        for st, piece, (m, v, *summed_slice) in zip(self.stages, self.slices, self.state):
-            params, grads = st.params, st.grads
-            if piece is not None:
-                a, b = piece
-                if not summed:
-                    self.tr.reduce_scatter(st.grads, summed_slice[0], "dp")
-                params, grads = st.params[a:b], st.grads[a:b] if summed else summed_slice[0]
+        grads = [self._summed(st, piece, state, summed)
+                 for st, piece, state in zip(self.stages, self.slices, self.state)]
+        self._global_norm(grads)
+        for st, piece, (m, v, *_), g in zip(self.stages, self.slices, self.state, grads):
+            params = st.params if piece is None else st.params[piece[0]:piece[1]]
             if params.size:
-                st.be.adamw(params, grads, m, v, sched, hp.beta1, hp.beta2, hp.eps,
-                            hp.weight_decay)
+                st.be.adamw(params, g, m, v, sched, hp.beta1, hp.beta2, hp.eps,
+                            hp.weight_decay, self.norm_sq, hp.grad_clip)
             if piece is not None:
                 self.tr.all_gather(params, st.params, "dp")
+
+    def _summed(self, st, piece, state, summed):
+        """The replicas' summed gradient the update reads: the stage's whole buffer, or with
+        ZeRO-1 this replica's slice of it (reduce-scattered here unless summed)."""
+        if piece is None:
+            return st.grads
+        if summed:
+            return st.grads[piece[0]:piece[1]]
+        self.tr.reduce_scatter(st.grads, state[2], "dp")
+        return state[2]
+
+    def _global_norm(self, grads):
+        """norm_sq = the sum of squares of the whole model's gradient, on every rank."""
+        acc = self.norm_sq
+        acc.fill(0)
+        for st, piece, g, ranges in zip(self.stages, self.slices, grads, self.counted):
+            a0 = piece[0] if piece else 0
+            for a, b in ranges:
+                st.be.sum_squares(acc, g[a - a0:b - a0])
+        for axis in ("tp", "pp") + (("dp",) if self.slices[0] is not None else ()):
+            self.tr.all_reduce(acc, axis)
+
+    def grad_norm(self):
+        """The last step's global gradient norm (before clipping), on the host."""
+        return math.sqrt(float(self.stages[0].be.to_host(self.norm_sq)[0]))
 
     def stage_state(self):
         """Per stage, (m, v) over its whole flat buffer, on the host (ZeRO-1: the
@@ -95,6 +129,27 @@ class AdamW:
         """Bytes of the state on this rank (m and v, with ZeRO-1 1/dp of them and the summed
         gradient slice)."""
         return sum(x.nbytes for state in self.state for x in state)
+
+
+def norm_ranges(st, piece=None):
+    """[a, b) ranges of stage st's flat gradient buffer whose squares this rank adds to the
+    global norm, so that over the grid each parameter counts once: the tied wte on the
+    embedding's stage only (the head's copy holds the same sum), the tensors every
+    tensor-parallel shard holds whole on shard 0 only, with ZeRO-1 this replica's slice
+    piece only (without it each replica counts its whole, equal, gradient alone)."""
+    lo, hi = piece or (0, st.layout.size)
+    out = []
+    for name, shape, off in zip(st.layout.names, st.layout.shapes, st.layout.offsets):
+        if (name == "wte" and not st.embed) or (st.part.shard and name in TP_REPLICATED):
+            continue
+        a, b = max(lo, off), min(hi, off + math.prod(shape))
+        if a >= b:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def lr_at(step, lr, warmup, steps, final_frac, schedule="cosine"):

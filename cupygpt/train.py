@@ -98,7 +98,8 @@ class Trainer:
         self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
         opts, shape = self.opts, sess.shape
         self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
-                               adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay),
+                               adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay,
+                                                 grad_clip=opts.grad_clip),
                                # a trace marks each action, accumulation feeds each batch:
                                # eager steps
                                graphs=opts.graphs and not opts.trace and opts.micro_steps == 1,
@@ -138,6 +139,7 @@ class Trainer:
             ("lr schedule", opts.lr_schedule + ("" if opts.lr_schedule == "constant" else
                                                 f", warm-up {opts.warmup}")),
             ("recompute", opts.recompute),
+            ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
             ("train shards", len(self.train_data.files)), ("start step", self.start)])
@@ -183,10 +185,11 @@ class Trainer:
             raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
         if not math.isfinite(loss):
             self.stop_on_nan(step, loss)
-        rec = dict(step=step + 1, train_loss=loss, lr=lr, ms=dt * 1e3,
+        norm = self.run.grad_norm()
+        rec = dict(step=step + 1, train_loss=loss, norm=norm, lr=lr, ms=dt * 1e3,
                    tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use())
-        self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} lr {lr:.2e} "
-                 f"({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
+        self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} norm {norm:.4f} "
+                 f"lr {lr:.2e} ({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
         self.record(rec)
         interrupted = tr.any(self.stop.hit)
         if opts.checkpoint_every and ((step + 1) % opts.checkpoint_every == 0 or interrupted):

@@ -255,9 +255,11 @@ memory_name = "the GPU"
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
     batch x seq: attention's q, k, v, y and their gradients (B, T, C/tp each), layernorm
-    backward's (B, T, C) and the column sums' partials (up to 128 rows of 4C/tp)."""
+    backward's (B, T, C), the column sums' partials (up to 128 rows of 4C/tp) and the
+    norm's."""
     n = batch * seq * cfg.C
-    return (8 * n // part.tp + n + 128 * 4 * cfg.C // part.tp) * np.dtype(dtype).itemsize
+    return (8 * n // part.tp + n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS) * \
+        np.dtype(dtype).itemsize
 
 
 def memory_domain():
@@ -456,9 +458,24 @@ def adamw_schedule(sched):
     upload(_ws("sched", 3), np.array(sched, np.float32))
 
 
+NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is too
+
+
 @_op
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
+def sum_squares(acc, x):
+    """acc (1,) += the sum of x's squares, in two deterministic stages (a step's norm, and
+    so its clipping, repeats exactly)."""
+    threads = GEOMETRY["EW_THREADS"]
+    R = max(1, min(NORM_BLOCKS, (x.size + threads - 1) // threads))
+    partial = _ws("norm_partial", R)
+    _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size))
+    _launch("sum_squares_finish", (1,), (1,), acc, partial, _i(R))
+
+
+@_op
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip):
     if not cp.cuda.get_current_stream().is_capturing():
         adamw_schedule(sched)
     _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),
-        np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay))
+        np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay),
+        norm_sq, np.float32(clip))

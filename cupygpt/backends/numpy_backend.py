@@ -67,10 +67,10 @@ memory_name = "this host's memory"
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept scratch arrays (_ws) reach for a stage holding part, micro-batches
     of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (its vocab
-    rows' logits) and AdamW's two chunks."""
+    rows' logits) and AdamW's three chunks (two, and the clipped gradient's)."""
     n = 2 * batch * seq * 4 * cfg.C // part.tp if part.l1 > part.l0 else 0
     n += batch * seq * part.vocab(cfg)[1] if part.head else 0
-    return (n + 2 * ADAM_CHUNK) * np.dtype(dtype).itemsize
+    return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 
 
 def memory_domain():
@@ -386,20 +386,41 @@ def gelu_backward(dinp, inp, dout):
 # --- optimizer ---------------------------------------------------------------------------
 
 @_op
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
+def sum_squares(acc, x):
+    """acc (1,) += the sum of x's squares (the global gradient norm's share of x), summed
+    in float64: BLAS's float32 dot drifts by 1e-6 over a million terms."""
+    for a in range(0, x.size, ADAM_CHUNK):
+        c = x[a:a + ADAM_CHUNK].astype(np.float64)
+        acc += np.dot(c, c)
+
+
+def _grad_scale(norm_sq, clip):
+    """The gradient's factor: clip / norm when the global norm is above clip (> 0), in
+    norm_sq's precision as the CUDA kernel computes it; None for 1."""
+    norm = np.sqrt(norm_sq[0])
+    return norm.dtype.type(clip) / norm if clip and norm > clip else None
+
+
+@_op
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip):
     """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
-    sched = (lr, 1 - beta1^t, 1 - beta2^t)."""
+    sched = (lr, 1 - beta1^t, 1 - beta2^t); the gradient clipped at global norm clip
+    (norm_sq (1,): the norm squared; clip 0: never)."""
+    scale = _grad_scale(norm_sq, clip)
     for a in range(0, params.size, ADAM_CHUNK):  # elementwise: chunks change no bit
         b = a + ADAM_CHUNK
-        _adamw(params[a:b], grads[a:b], m[a:b], v[a:b], sched, beta1, beta2, eps, weight_decay)
+        _adamw(params[a:b], grads[a:b], m[a:b], v[a:b], sched, beta1, beta2, eps, weight_decay,
+               scale)
 
 
 ADAM_CHUNK = 1 << 20  # 4 MiB of fp32: two scratches this size instead of the model's size
 
 
-def _adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay):
+def _adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, scale):
     lr, bc1, bc2 = sched
     t, u = _ws("adam_t", params.shape, params.dtype), _ws("adam_u", params.shape, params.dtype)
+    if scale is not None:
+        grads = np.multiply(grads, scale, out=_ws("adam_g", params.shape, params.dtype))
     m *= beta1
     np.multiply(grads, 1.0 - beta1, out=t)
     m += t

@@ -13,6 +13,9 @@ import time
 from .. import CupyGPTError
 
 
+AXES = ("dp", "tp", "pp")  # the groups every transport makes communicators for
+
+
 def poll(done, timeout, rank, what):
     """Waits until done() is true, or raises after timeout seconds naming `what`."""
     deadline, nap = time.monotonic() + timeout, 1e-5
@@ -60,7 +63,8 @@ class Transport:
         """arr becomes (first stage's + last stage's), bit-identical on both ranks."""
         raise NotImplementedError
 
-    # Collectives over the mesh's groups, axis "dp" or "tp". Sums are taken in the group's
+    # Collectives over the mesh's groups, axis "dp", "tp" or "pp" (AXES; the pipeline's
+    # carries only the gradient norm's one number). Sums are taken in the group's
     # order (member 0 + member 1 + ...), whatever the timing, so every member gets the same
     # bits and a run repeats exactly (nccl: the same, but in NCCL's own order, so its bits
     # are not mpi's). With one member they are copies (the base class).

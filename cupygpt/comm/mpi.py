@@ -2,7 +2,7 @@
 GPU transports (nccl, nvshmem) also carry their control values over it."""
 import numpy as np
 
-from .base import Transport, chunks, poll
+from .base import AXES, Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 
@@ -17,7 +17,7 @@ class Mpi(Transport):
         self.pending = []
         # one communicator per group; Split is collective, every rank calls it per axis
         self.groups = {}
-        for axis in ("dp", "tp"):
+        for axis in AXES:
             mine = [i for i, g in enumerate(mesh.groups(axis)) if self.rank in g][0]
             self.groups[axis] = self.comm.Split(mine, self.rank)
         # overlapped all-reduces start their all-gathers when their all-to-all has landed,

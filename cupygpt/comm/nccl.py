@@ -19,7 +19,7 @@ through a staging buffer of g * ceil(n / g) elements.
 import numpy as np
 
 from .. import CupyGPTError
-from .base import chunks, poll
+from .base import AXES, chunks, poll
 from .gpu import start_on_side
 from .mpi import Mpi
 
@@ -46,7 +46,7 @@ class Nccl(Mpi):
             if r in (a, b):
                 self.comms[(a, b, kind)] = nccl.NcclCommunicator(2, uid, 0 if r == a else 1)
         self.coll = {}  # (axis, on the side stream): (communicator, group size, my place)
-        for axis in ("dp", "tp"):
+        for axis in AXES:
             for on_side in (False, True):
                 for g in mesh.groups(axis):
                     if len(g) > 1:

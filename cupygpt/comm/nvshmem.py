@@ -27,7 +27,7 @@ and why).
 import atexit
 
 from .. import CupyGPTError
-from .base import chunks, poll
+from .base import AXES, chunks, poll
 from .gpu import start_on_side
 from .mpi import Mpi
 from .symmetric import Ledger, Window
@@ -59,11 +59,11 @@ class Nvshmem(Mpi):
         self.chan, self.sent, self.got = {}, {}, {}
         self.side = cp.cuda.Stream(non_blocking=True)
         self.windows = {}
-        for axis in ("dp", "tp"):
+        for axis in AXES:
             members = next(g for g in mesh.groups(axis) if self.rank in g)
             if len(members) > 1:  # groups along an axis are equally large: same on every PE
                 for on_side in (False, True):
-                    self.windows[(axis, on_side)] = Window(self, members)
+                    self.windows[(axis, on_side)] = Window(self, members, axis)
         cp.cuda.get_current_stream().synchronize()
         self.barrier()  # every PE's signal words are zero before anyone signals
         atexit.register(self.close)  # before MPI's own exit handler (atexit runs LIFO)

@@ -25,7 +25,9 @@ import numpy as np
 
 from .base import chunks
 
-WINDOW = 16 << 20  # bytes of each collective inbox and gather area (per axis and stream)
+# bytes of each collective inbox and gather area, per axis and stream: the pipeline's group
+# sums one number (the gradient norm)
+WINDOW = {"dp": 16 << 20, "tp": 16 << 20, "pp": 1 << 12}
 RED, RED_ACK, GAT, GAT_ACK = range(4)  # a window's signal words, g of each
 
 
@@ -58,14 +60,15 @@ class Ledger:
 
 class Window:
     """One group's collective channel on this PE, used from one stream: an inbox and a
-    gather area of WINDOW bytes (g slots each, slot q for member q) and 4 * g signal words,
+    gather area of WINDOW[axis] bytes (g slots each, slot q for member q) and 4 * g signal words,
     counted by a ledger of its own and settled at the end of each collective (so a captured
     step holds whole collectives)."""
 
-    def __init__(self, tr, members):
+    def __init__(self, tr, members, axis):
         self.tr, self.members, self.me = tr, members, members.index(tr.rank)
+        self.size = WINDOW[axis]
         # read only where a peer or this member wrote in the same phase: no zeroing
-        self.inbox, self.gather = (tr.nv.array((WINDOW,), dtype="uint8") for _ in range(2))
+        self.inbox, self.gather = (tr.nv.array((self.size,), dtype="uint8") for _ in range(2))
         self.sig = tr.nv.buffer(8 * 4 * len(members))
         tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
         self.ledger = Ledger(tr)
@@ -79,7 +82,7 @@ class Window:
         chunk (the reduced one is written there, or, without src, read from there); out (n,):
         every member's chunk gathered. Each round takes a slice of every member's chunk."""
         g, item = len(self.members), np.dtype(dtype).itemsize
-        parts, w = chunks(n, g), WINDOW // (g * item)
+        parts, w = chunks(n, g), self.size // (g * item)
         size = parts[0][1] - parts[0][0]  # the largest chunk
         base = parts[self.me][0]
         for lo in range(0, size, w):

@@ -1,5 +1,6 @@
-// Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC).
-// Two deterministic stages instead of atomics, so a step's gradients are reproducible.
+// Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC);
+// and the gradient norm's sum of squares. Two deterministic stages each instead of atomics,
+// so a step's gradients (and its clipping) are reproducible.
 #include "common.cuh"
 
 // Stage 1. Launch: grid (ceil(OC/COL_TILE), R), block (COL_TILE, ROW_LANES): a lane per
@@ -29,4 +30,29 @@ extern "C" __global__ void column_sum_finish(float* out, const float* partial, i
     float s = 0.f;
     for (int r = 0; r < R; r++) s += partial[(long long)r * OC + c];
     out[c] += s;
+}
+
+// The sum of squares: acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block
+// b sums its grid-strided share into partial[b].
+extern "C" __global__ void sum_squares_partial(float* partial, const float* x, long long n) {
+    __shared__ float part[EW_THREADS / WARP];
+    float s = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        s += x[i] * x[i];
+    s = warp_sum(s);
+    if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.f;
+        for (int k = 0; k < EW_THREADS / WARP; k++) t += part[k];
+        partial[blockIdx.x] = t;
+    }
+}
+
+// Stage 2. Launch: one thread; adds the R partials in order.
+extern "C" __global__ void sum_squares_finish(float* acc, const float* partial, int R) {
+    float t = 0.f;
+    for (int r = 0; r < R; r++) t += partial[r];
+    acc[0] += t;
 }

@@ -129,6 +129,10 @@ class Runner:
         unless the overlapped sum did."""
         self.opt.step(lr, self.sync.summed)
 
+    def grad_norm(self):
+        """The last step's global gradient norm, before clipping (the same on every rank)."""
+        return self.opt.grad_norm()
+
     def zero_grad(self):
         for st in self.stages:
             st.zero_grad()
