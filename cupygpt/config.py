@@ -75,8 +75,7 @@ class TrainConfig:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed",
-                 zero_ok=True)
+                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", zero_ok=True)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
