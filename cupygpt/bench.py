@@ -5,6 +5,7 @@ import time
 from .data import DataLoader
 from .initialize import init_params
 from .optim import AdamWConfig
+from .precision import DTYPES
 
 
 def flops_per_token(cfg, T):
@@ -17,7 +18,7 @@ def bench(sess, on_step=None):
     each step, warm-up included."""
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
-    run = sess.runner(cfg, None, batch=B, seq=T,
+    run = sess.runner(cfg, None, batch=B, seq=T, dtype=DTYPES[c.dtype],
                       adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
                       graphs=c.graphs and not c.trace, recompute=c.recompute)
     run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
@@ -44,7 +45,8 @@ def bench(sess, on_step=None):
            "tf32_peak_tflops": peak / 1e12 if peak else None,
            "mfu": achieved / peak if peak else None,
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
-           "recompute": c.recompute, "grad_clip": c.grad_clip, "planned_memory_bytes": run.memory,
+           "recompute": c.recompute, "dtype": c.dtype, "grad_clip": c.grad_clip,
+           "planned_memory_bytes": run.memory,
            "grid": {"dp": sess.mesh.dp, "tp": sess.mesh.tp, "pp": sess.mesh.pp,
                     "micro_batches": c.pipeline.micro_batches, "zero": c.grid.zero,
                     "overlap": run.overlap},

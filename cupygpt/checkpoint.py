@@ -17,6 +17,7 @@ import numpy as np
 from . import CupyGPTError
 from .files import atomic_write, read_model, read_shard, write_model
 from .layout import param_layout
+from .precision import dtype_name, is_narrow
 
 LATEST = "latest"
 NAME = re.compile(r"ckpt_\d{8}$")
@@ -36,9 +37,10 @@ STATE = "adamw.npz"
 
 
 def identity(run):
-    """What a resume must match: the model's shape and the step's batch (the grid, split and
-    micro-batches may differ: the checkpoint holds whole tensors)."""
-    return {"config": run.shape.__dict__, "B": run.plan.batch, "T": run.plan.seq}
+    """What a resume must match: the model's shape, the step's batch and the dtype (the grid,
+    split and micro-batches may differ: the checkpoint holds whole tensors)."""
+    return {"config": run.shape.__dict__, "B": run.plan.batch, "T": run.plan.seq,
+            "dtype": dtype_name(run.dtype)}
 
 
 def save(run, tr, out, step, state, keep=2):
@@ -56,9 +58,12 @@ def save(run, tr, out, step, state, keep=2):
         meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
                 "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
         try:
-            write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"])
+            # a bf16 run's weights as they are (version 5), its fp32 master weights beside m, v
+            write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"],
+                        bf16=is_narrow(run.dtype))
             with atomic_write(os.path.join(tmp, STATE)) as f:
-                np.savez(f, m=whole["m"], v=whole["v"], meta=np.array(json.dumps(meta)))
+                np.savez(f, **{k: whole[k] for k in ("m", "v", "master") if k in whole},
+                         meta=np.array(json.dumps(meta)))
             _fsync_dir(tmp)
         except BaseException:  # (a full disk): no half-made checkpoint is left
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,7 +164,7 @@ def _length(z, name):
     return shape[0] if len(shape) == 1 and dtype == np.float32 else None
 
 
-def check_resume(path, shape, B, T, total_batch, train_files):
+def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     """Before anything is allocated: the checkpoint's state file is readable and fits this
     run: its model shape, batch and tokens per step (-d; B x T where a checkpoint has
     none), m and v of the model's length, a usable RNG state, and its data position inside
@@ -168,9 +173,9 @@ def check_resume(path, shape, B, T, total_batch, train_files):
     try:
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            check_matches(path, {"total_batch": B * T, **meta},
+            check_matches(path, {"total_batch": B * T, "dtype": "fp32", **meta},
                           {"config": shape.__dict__, "B": B, "T": T,
-                           "total_batch": total_batch})
+                           "total_batch": total_batch, "dtype": dtype})
             lengths = {_length(z, name) for name in ("m", "v")}
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
@@ -200,10 +205,11 @@ def restore(run, path):
     try:
         with np.load(f) as z:
             meta = json.loads(str(z["meta"]))
-            check_matches(path, meta, identity(run))
+            check_matches(path, {"dtype": "fp32", **meta}, identity(run))
             m, v = z["m"], z["v"]
+            master = z["master"] if "master" in z.files else None
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
     run.load_state_dict(read_model(os.path.join(path, "model.bin"), mmap=True)[1], m, v,
-                        meta["adam_t"])
+                        meta["adam_t"], master)
     return meta

@@ -9,6 +9,7 @@ import click
 
 from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
+from .config_parts import RUN_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
@@ -90,6 +91,9 @@ def shipped_expected(kw):
 @click.option("-r", "recompute", default=0, show_default=True,
               help="activation recomputation: 1 GELU's output, 2 also the layernorms' "
                    "(backward makes them again; the same bits, less memory)")
+@click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES),
+              help="bf16: llm.c's mixed precision (fp32 master weights)  [default: the "
+                   "backend's: fp32 on the CPU]")
 @click.option("-d", "total_batch", default=None, type=int,
               help="tokens per step: a multiple of B x T, the batches of a step adding into "
                    "its gradient (gradient accumulation)  [default: B x T]")
@@ -133,6 +137,9 @@ def train(**kw):
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("-r", "recompute", default=0, show_default=True,
               help="activation recomputation, as train's -r")
+@click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES),
+              help="bf16: llm.c's mixed precision (fp32 master weights)  [default: the "
+                   "backend's: fp32 on the CPU]")
 @click.option("--grad-clip", default=1.0, show_default=True,
               help="the timed step clips at this global norm, as train's (0: off)")
 @click.option("--profile", is_flag=True,
@@ -188,6 +195,9 @@ def bench(out, **kw):
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--top-k", default=None, type=int)
+@click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES),
+              help="bf16: llm.c's mixed precision (fp32 master weights)  [default: the "
+                   "backend's: fp32 on the CPU]")
 @click.option("--seed", default=1337, show_default=True, help="sampling seed")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--kv-cache/--no-kv-cache", default=True, show_default=True,

@@ -16,7 +16,7 @@ from . import CupyGPTError
 from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
-                           out_file, positive, recompute_level)
+                           out_file, positive, recompute_level, run_dtype)
 from .optim import LR_SCHEDULES
 from .shape import PRESETS, preset
 
@@ -35,6 +35,7 @@ class TrainConfig:
     final_lr_frac: float = 0.1
     lr_schedule: str = "cosine"
     recompute: int = 0              # llm.c's -r: 1 GELU's output, 2 also the layernorms'
+    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
     total_batch: Optional[int] = None  # tokens per step (gradient accumulation); None: B x T
     steps: int = 60
     val_every: int = 20
@@ -59,6 +60,22 @@ class TrainConfig:
         """Batches per step: gradient accumulation's (-d / (B x T)), once validated."""
         return self.total_batch // (self.batch * self.seq)
 
+    def _resumed(self, c):
+        """(c, the model's shape) of a resume: its checkpoint found and checked to fit."""
+        c = replace(c, resume=resolve_checkpoint(c.resume))
+        shape = model_shape(os.path.join(c.resume, "model.bin"))
+        if self.init is not None and model_shape(self.init) != shape:
+            raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
+                               f"({os.path.join(c.resume, 'model.bin')}), of another "
+                               f"shape; leave -e out to resume, or start afresh without "
+                               f"--resume", "init", self.init)
+        at = check_resume(c.resume, shape, c.batch, c.seq, c.total_batch, c.dtype,
+                          sorted(glob.glob(c.train_pattern)))
+        if at > c.steps:
+            raise CupyGPTError(f"the checkpoint is already at step {at}; this is the "
+                               f"total step count", "steps", c.steps)
+        return c, shape
+
     def validate(self, be, world):
         """Returns the config with every default resolved and the model's shape (`shape`)."""
         init, seq = be.DEFAULT_RUN
@@ -71,6 +88,7 @@ class TrainConfig:
                                f"{c.batch * c.seq} (each micro-step a batch)", "total_batch",
                                c.total_batch)
         recompute_level(c)
+        c = run_dtype(c, be)
         if c.lr_schedule not in LR_SCHEDULES:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
@@ -88,21 +106,7 @@ class TrainConfig:
             if getattr(c, name) and not glob.glob(getattr(c, name)):
                 raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
                                    "fix the path", name, getattr(c, name))
-        if c.resume:
-            c = replace(c, resume=resolve_checkpoint(c.resume))
-            shape = model_shape(os.path.join(c.resume, "model.bin"))
-            if self.init is not None and model_shape(self.init) != shape:
-                raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
-                                   f"({os.path.join(c.resume, 'model.bin')}), of another "
-                                   f"shape; leave -e out to resume, or start afresh without "
-                                   f"--resume", "init", self.init)
-            at = check_resume(c.resume, shape, c.batch, c.seq, c.total_batch,
-                              sorted(glob.glob(c.train_pattern)))
-            if at > c.steps:
-                raise CupyGPTError(f"the checkpoint is already at step {at}; this is the "
-                                   f"total step count", "steps", c.steps)
-        else:
-            shape = model_shape(c.init)
+        c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
@@ -160,12 +164,14 @@ class SampleConfig:
     top_k: Optional[int] = None
     seed: int = 1337
     kv_cache: bool = True
+    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # even split; one row, one pass
     grid: Grid = field(default_factory=Grid)              # a pipeline of every rank
 
     def validate(self, be, world):
         positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
+        self = run_dtype(self, be)
         shape = model_shape(self.model)
         if self.top_k is not None and not 0 < self.top_k <= shape.V:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
@@ -187,6 +193,7 @@ class BenchConfig:
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
     recompute: int = 0
+    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
     grad_clip: float = 1.0          # train's default: the step it times clips as train's
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
@@ -199,6 +206,7 @@ class BenchConfig:
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", "grad_clip", zero_ok=True)
         recompute_level(c)
+        c = run_dtype(c, be)
         if is_model_file(c.init):  # (its weights would not change the timing)
             raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "
                                f"model file's", "init", c.init)

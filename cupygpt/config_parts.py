@@ -9,6 +9,7 @@ from typing import Optional
 
 from . import CupyGPTError
 from .layout import RECOMPUTED
+from .precision import dtype_name
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
 
@@ -174,3 +175,16 @@ def recompute_level(cfg):
         raise CupyGPTError(f"one of {', '.join(map(str, RECOMPUTED))} (0: keep every "
                            f"activation, 1: recompute GELU's output, 2: also the layernorms')",
                            "recompute", cfg.recompute)
+
+
+RUN_DTYPES = ("fp32", "bf16")  # what train, bench and sample run in (verify adds fp64)
+
+
+def run_dtype(cfg, be):
+    """cfg with its --dtype resolved: the backend's default when not given (bf16 where it
+    has bf16 kernels, as llm.c on a GPU), else one the backend computes in."""
+    name = default(cfg.dtype, be.DEFAULT_DTYPE)
+    here = [n for n in RUN_DTYPES if n in {dtype_name(d) for d in be.DTYPES}]
+    if name not in here:
+        raise CupyGPTError(f"the {be.name} backend runs in {', '.join(here)}", "dtype", name)
+    return replace(cfg, dtype=name)

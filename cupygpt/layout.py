@@ -32,6 +32,30 @@ class Layout:
                 for n, s, o in zip(self.names, self.shapes, self.offsets)}
 
 
+# Kept in fp32 (the run's wide type) whatever the run's dtype, as llm.c's bf16 trainer
+# keeps them: the layernorms' statistics, the losses and the softmax statistics.
+WIDE = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd", "losses",
+        "lstats")
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """A layout over two flat buffers: `narrow` in the run's dtype, `wide` (the WIDE
+    tensors) in its wide type; slot i of a buffer holding several starts at i * size."""
+    narrow: Layout
+    wide: Layout
+
+    @staticmethod
+    def of(entries):
+        entries = list(entries)
+        return Mixed(Layout.of(e for e in entries if e[0] not in WIDE),
+                     Layout.of(e for e in entries if e[0] in WIDE))
+
+    def views(self, narrow_buf, wide_buf, slot=0):
+        return {**self.narrow.views(narrow_buf, slot * self.narrow.size),
+                **self.wide.views(wide_buf, slot * self.wide.size)}
+
+
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
                "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
 WHOLE = ("wte", "wpe", "lnfw", "lnfb")  # not per layer
@@ -126,7 +150,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
         e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
               ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
         e += [("dencoded", (B, T, C))] if embed else []
-    return Layout.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
+    return Mixed.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
 
 
 def scratch_layout(cfg, B, T, tp=1, recompute=0):
@@ -144,7 +168,7 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0):
          ("datt", (B, NH, T, T)), ("dpreatt", (B, NH, T, T)), ("lstats", (tp, B, T, 3))]
     e += [("gelu_re", (B, T, 4 * C // tp))] if recompute >= 1 else []
     e += [("ln_re", (B, T, C))] if recompute >= 2 else []
-    return Layout.of(e)
+    return Mixed.of(e)
 
 
 def held(cfg, name, whole, part):

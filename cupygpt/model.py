@@ -13,6 +13,7 @@ import numpy as np
 
 from . import CupyGPTError
 from .comm.local import Local
+from .precision import dtype_name, wide
 from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
 
@@ -28,25 +29,26 @@ class Stage:
         B, T = batch, seq
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
-                               f"{', '.join(np.dtype(d).name for d in be.DTYPES)}", "dtype",
-                               np.dtype(dtype).name)
+                               f"{', '.join(dtype_name(d) for d in be.DTYPES)}", "dtype",
+                               dtype_name(dtype))
         part = part or Part.whole(cfg)
-        self.cfg, self.be, self.B, self.T, self.dtype = cfg, be, B, T, dtype
+        self.cfg, self.be, self.B, self.T = cfg, be, B, T
+        self.dtype, self.wide = np.dtype(dtype), wide(dtype)
         self.part, self.comm = part, comm or Local()
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
         self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
         self.v0, _, self.valid = part.vocab(cfg)
         self.recomputed = RECOMPUTED[recompute]
         self.layout, alay, slay = self.layouts(cfg, B, T, part, split, recompute)
-        n = self.sizes(cfg, batch=B, seq=T, part=part, slots=slots, split=split,
-                       recompute=recompute)
-        self.params = be.zeros(n["params"], dtype)
-        self.grads = be.zeros(n["grads"], dtype)
+        self.params = be.zeros(self.layout.size, dtype)
+        self.grads = be.zeros(self.layout.size, dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
-        self.acts_buf = be.zeros(n["activations"], dtype)
-        self.acts = [alay.views(self.acts_buf, i * alay.size) for i in range(slots)]
-        self.scratch_buf = be.zeros(n["scratch"], dtype)
-        self.s = slay.views(self.scratch_buf)
+        # (narrow, wide) buffers of every slot's activations, and of the scratch
+        self.acts_bufs = (be.zeros(alay.narrow.size * slots, dtype),
+                          be.zeros(alay.wide.size * slots, self.wide))
+        self.acts = [alay.views(*self.acts_bufs, i) for i in range(slots)]
+        self.scratch_bufs = be.zeros(slay.narrow.size, dtype), be.zeros(slay.wide.size, self.wide)
+        self.s = slay.views(*self.scratch_bufs)
         # attention output's gradient (C/tp wide) lives in dbt_c's memory: it is read once,
         # by attention_backward, before dbt_c is written
         self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
@@ -63,12 +65,14 @@ class Stage:
                 scratch_layout(cfg, B, T, part.tp, recompute))
 
     @classmethod
-    def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0):
-        """Elements of each buffer a stage allocates (the constructor allocates these; the
-        memory estimate reads them before anything is allocated)."""
+    def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
+        """Bytes of each kind of buffer a stage allocates (the constructor allocates these;
+        the memory estimate reads them before anything is allocated)."""
         params, acts, scratch = cls.layouts(cfg, batch, seq, part, split, recompute)
-        return {"params": params.size, "grads": params.size, "activations": acts.size * slots,
-                "scratch": scratch.size}
+        n, w = np.dtype(dtype).itemsize, wide(dtype).itemsize
+        return {"params": params.size * n, "grads": params.size * n,
+                "activations": (acts.narrow.size * n + acts.wide.size * w) * slots,
+                "scratch": scratch.narrow.size * n + scratch.wide.size * w}
 
     def tp_sum(self, arr):
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layout import TP_REPLICATED
+from .precision import is_narrow, wide
 
 
 @dataclass
@@ -39,24 +40,33 @@ class AdamW:
     def __init__(self, stages, hp, transport=None, slices=None):
         self.hp, self.t, self.tr = hp, 0, transport
         self.stages, self.slices = stages, slices or [None] * len(stages)
-        # per stage (m, v, the summed gradient slice with ZeRO-1)
-        self.state = [[st.be.zeros(n, st.dtype) for n in self.sizes(st.params.size, piece)]
+        # per stage {"m", "v"[, "summed": ZeRO-1's gradient slice][, "master": bf16's]}
+        self.state = [{k: st.be.zeros(n, dt) for k, (n, dt) in
+                       self.sizes(st.params.size, piece, st.dtype).items()}
                       for st, piece in zip(stages, self.slices)]
         self.counted = [norm_ranges(st, piece) for st, piece in zip(stages, self.slices)]
-        self.norm_sq = stages[0].be.zeros(1, stages[0].dtype)  # the global sum of squares
+        self.norm_sq = stages[0].be.zeros(1, stages[0].wide)  # the global sum of squares
 
     @staticmethod
-    def sizes(n_params, piece=None):
-        """Elements of each state buffer kept for a stage of n_params parameters: m and v,
-        and with ZeRO-1 (piece: this replica's (a, b)) their slice and the summed gradient
-        slice the reduce-scatter fills."""
-        return [n_params] * 2 if piece is None else [piece[1] - piece[0]] * 3
+    def sizes(n_params, piece=None, dtype=np.float32):
+        """{name: (elements, dtype)} of the state kept for a stage of n_params parameters of
+        dtype: m and v in its wide type, with ZeRO-1 (piece: this replica's (a, b)) over
+        that slice only, with the summed gradient slice the reduce-scatter fills; for a
+        bf16 run also the fp32 master weights (llm.c's -w 1) of the same span."""
+        n, w = n_params if piece is None else piece[1] - piece[0], wide(dtype)
+        out = {"m": (n, w), "v": (n, w)}
+        if piece is not None:
+            out["summed"] = (n, np.dtype(dtype))
+        if is_narrow(dtype):
+            out["master"] = (n, w)
+        return out
 
     def advance(self, lr=None):
-        """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t)."""
+        """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t, t)."""
         self.t += 1
         hp = self.hp
-        return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t)
+        return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t,
+                self.t)
 
     def step(self, lr=None, summed=True):
         self.apply(self.advance(lr), summed)
@@ -69,11 +79,13 @@ class AdamW:
         grads = [self._summed(st, piece, state, summed)
                  for st, piece, state in zip(self.stages, self.slices, self.state)]
         self._global_norm(grads)
-        for st, piece, (m, v, *_), g in zip(self.stages, self.slices, self.state, grads):
-            params = st.params if piece is None else st.params[piece[0]:piece[1]]
+        for st, piece, state, g in zip(self.stages, self.slices, self.state, grads):
+            a, b = piece or (0, st.params.size)
+            params = st.params[a:b]
             if params.size:
-                st.be.adamw(params, g, m, v, sched, hp.beta1, hp.beta2, hp.eps,
-                            hp.weight_decay, self.norm_sq, hp.grad_clip)
+                st.be.adamw(params, g, state["m"], state["v"], sched, hp.beta1, hp.beta2,
+                            hp.eps, hp.weight_decay, self.norm_sq, hp.grad_clip,
+                            state.get("master"), rounding_salt(st.part), a)
             if piece is not None:
                 self.tr.all_gather(params, st.params, "dp")
 
@@ -84,8 +96,8 @@ class AdamW:
             return st.grads
         if summed:
             return st.grads[piece[0]:piece[1]]
-        self.tr.reduce_scatter(st.grads, state[2], "dp")
-        return state[2]
+        self.tr.reduce_scatter(st.grads, state["summed"], "dp")
+        return state["summed"]
 
     def _global_norm(self, grads):
         """norm_sq = the sum of squares of the whole model's gradient, on every rank."""
@@ -102,33 +114,44 @@ class AdamW:
         """The last step's global gradient norm (before clipping), on the host."""
         return math.sqrt(float(self.stages[0].be.to_host(self.norm_sq)[0]))
 
+    KEPT = ("m", "v", "master")  # what a checkpoint keeps (master: bf16 runs only)
+
     def stage_state(self):
-        """Per stage, (m, v) over its whole flat buffer, on the host (ZeRO-1: the
-        replicas' slices all-gathered; collective over the dp group)."""
+        """Per stage, {name: host fp32 array over its whole flat buffer} of KEPT (ZeRO-1:
+        the replicas' slices all-gathered; collective over the dp group)."""
         out = []
         for st, piece, state in zip(self.stages, self.slices, self.state):
-            both = []
-            for x in state[:2]:
-                if piece is not None:
-                    whole = st.be.zeros(st.params.size, st.dtype)
+            kept = {}
+            for k in self.KEPT:
+                x = state.get(k)
+                if x is not None and piece is not None:
+                    whole = st.be.zeros(st.params.size, x.dtype)
                     self.tr.all_gather(x, whole, "dp")
                     x = whole
-                both.append(np.array(st.be.to_host(x), np.float32))
-            out.append(both)
+                if x is not None:
+                    kept[k] = np.array(st.be.to_host(x), np.float32)
+            out.append(kept)
         return out
 
     def load_stage_state(self, states):
-        """states: per stage, host (m, v) over its whole flat buffer; this rank keeps its
-        slice."""
+        """states: per stage, {name: host array over its whole flat buffer} of KEPT (without
+        "master", a bf16 run's master weights are the stage's parameters as given); this
+        rank keeps its slice."""
         for st, piece, mine, theirs in zip(self.stages, self.slices, self.state, states):
             a, b = piece or (0, st.params.size)
-            for x, host in zip(mine, theirs):
-                st.be.upload(x, host[a:b])
+            for k, x in mine.items():
+                if k in theirs:
+                    st.be.upload(x, theirs[k][a:b])
 
     def state_bytes(self):
-        """Bytes of the state on this rank (m and v, with ZeRO-1 1/dp of them and the summed
-        gradient slice)."""
-        return sum(x.nbytes for state in self.state for x in state)
+        """Bytes of the state on this rank."""
+        return sum(x.nbytes for state in self.state for x in state.values())
+
+
+def rounding_salt(part):
+    """Which stage a bf16 update's stochastic rounding is for: replicas of one stage round
+    alike (they must stay equal), other stages and shards differently."""
+    return ((part.l0 * 1024 + part.shard) * 4 + 2 * part.embed + part.head) & 0xFFFFFFFF
 
 
 def norm_ranges(st, piece=None):

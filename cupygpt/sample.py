@@ -3,6 +3,7 @@ import numpy as np
 
 from . import CupyGPTError
 from .files import read_model
+from .precision import DTYPES
 from .tokenizer import Tokenizer
 
 
@@ -60,7 +61,7 @@ def sample_text(sess, on_start=None, on_token=None):
                            f"model's context is {cfg.maxT}; shorten it", "prompt",
                            repr(o.prompt[:20] + "..." if len(o.prompt) > 20 else o.prompt))
     T = min(cfg.maxT, len(prompt) + max(o.max_new_tokens, 1))
-    run = sess.runner(cfg, params, batch=1, seq=T)
+    run = sess.runner(cfg, params, batch=1, seq=T, dtype=DTYPES[sess.config.dtype])
     if on_start:
         on_start(min(o.max_new_tokens, T - len(prompt)))
     ids = generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),

@@ -15,6 +15,7 @@ from .data import DataLoader
 from .files import atomic_write, write_model
 from .optim import AdamWConfig, lr_at
 from .parallel.pipeline.plan import stage_shares
+from .precision import DTYPES, is_narrow
 from .sample import generate
 from .session import load_model
 from .tokenizer import Tokenizer
@@ -98,6 +99,7 @@ class Trainer:
         self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
         opts, shape = self.opts, sess.shape
         self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
+                               dtype=DTYPES[opts.dtype],
                                adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay,
                                                  grad_clip=opts.grad_clip),
                                # a trace marks each action, accumulation feeds each batch:
@@ -138,6 +140,8 @@ class Trainer:
             ("tokens per step", f"{opts.total_batch} ({opts.micro_steps} micro-step(s))"),
             ("lr schedule", opts.lr_schedule + ("" if opts.lr_schedule == "constant" else
                                                 f", warm-up {opts.warmup}")),
+            ("dtype", opts.dtype + (" (fp32 master weights and AdamW state)"
+                                    if is_narrow(DTYPES[opts.dtype]) else "")),
             ("recompute", opts.recompute),
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
@@ -239,5 +243,5 @@ class Trainer:
         full = self.run.state_dict(optimizer=False)
         if self.tr.rank == 0:
             path = os.path.join(opts.out, "model.bin")
-            write_model(path, self.sess.shape, full["params"])
+            write_model(path, self.sess.shape, full["params"], bf16=is_narrow(self.run.dtype))
             self.log(f"wrote {path}")

@@ -9,12 +9,14 @@ import pytest
 
 from conftest import load_cudasim
 from cupygpt.backends import numpy_backend
+from cupygpt.precision import DTYPES
 
 # The one allowed difference: the contract ties these to supports_graphs (capturing a step
 # and replaying it), so a backend without graphs has none of them.
 GRAPH_ONLY = {"capture", "replay", "adamw_schedule"}
 # The capabilities the contract names, and the type each is
 CAPABILITIES = {"name": str, "DTYPES": tuple, "TRANSPORTS": tuple, "DEFAULT_RUN": tuple,
+                "DEFAULT_DTYPE": str,
                 "supports_graphs": bool, "asynchronous": bool, "memory_name": str}
 CAPABILITY_FUNCTIONS = {"configure", "device_memory", "memory_domain", "memory_in_use",
                         "numerics", "peak_flops", "device_info", "kernel_profile",
@@ -63,5 +65,6 @@ def test_each_holds_the_contracts_capabilities(backends):
         for cap, kind in CAPABILITIES.items():
             assert isinstance(getattr(mod, cap, None), kind), (b, cap)
         assert mod.name == b
-        assert mod.DTYPES and all(np.issubdtype(d, np.floating) for d in mod.DTYPES), b
+        assert mod.DTYPES and all(np.dtype(d) in DTYPES.values() for d in mod.DTYPES), b
+        assert DTYPES[mod.DEFAULT_DTYPE] in mod.DTYPES, b
         assert mod.TRANSPORTS and len(mod.DEFAULT_RUN) == 2, b

@@ -18,10 +18,11 @@ def log_losses(path):
     return {r["step"]: r["train_loss"] for r in map(json.loads, open(path)) if "train_loss" in r}
 
 
-@pytest.mark.parametrize("ranks", [None, 2])
-def test_resume_is_bit_identical(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,dtype", [(None, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_resume_is_bit_identical(tmp_path, ranks, dtype):
+    """bf16 too: its master weights are kept and its stochastic rounding repeats."""
     full, part = tmp_path / "full", tmp_path / "part"
-    samples = ["-s", "2", "-g", "6"]  # before the checkpoint too: the RNG moves
+    samples = ["-s", "2", "-g", "6", "--dtype", dtype]  # before the checkpoint too: the RNG moves
     a = cli(*TRAIN, *samples, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full,
             ranks=ranks)
     assert a.returncode == 0, a.stderr
@@ -45,7 +46,8 @@ def test_resume_mismatch_is_refused(tmp_path):
     assert a.returncode == 0, a.stderr
     for extra, what in ((["-t", "16"], "T: checkpoint 32 vs now 16"),
                         (["-b", "2"], "B: checkpoint 4 vs now 2"),
-                        (["-d", "256"], "total_batch: checkpoint 128 vs now 256")):
+                        (["-d", "256"], "total_batch: checkpoint 128 vs now 256"),
+                        (["--dtype", "bf16"], "dtype: checkpoint fp32 vs now bf16")):
         res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, *extra, "-o", tmp_path / "x")
         assert res.returncode == 1 and what in res.stderr and len(res.stderr.splitlines()) == 1
     (tmp_path / "ckpt_00000002" / "adamw.npz").unlink()

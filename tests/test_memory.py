@@ -49,8 +49,8 @@ def allocated(run):
     for st in run.stages:
         out["params"] += st.params.nbytes
         out["grads"] += st.grads.nbytes
-        out["activations"] += st.acts_buf.nbytes
-        out["scratch"] += st.scratch_buf.nbytes
+        out["activations"] += sum(b.nbytes for b in st.acts_bufs)
+        out["scratch"] += sum(b.nbytes for b in st.scratch_bufs)
     out["optimizer"] = run.opt.state_bytes()
     out["workspace"] = run.memory["workspace"]  # the backend's (measured by bench)
     return out

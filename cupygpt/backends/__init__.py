@@ -9,7 +9,8 @@ Conventions every backend keeps (the model relies on them):
   input gradients, so the residual stream's gradient and micro-batch gradients add up.
 
 Nothing outside this package asks which backend runs; it asks a capability instead:
-- name, for messages only; DTYPES, the float types it computes in; TRANSPORTS, the
+- name, for messages only; DTYPES, the float types it computes in (precision.py), and
+  DEFAULT_DTYPE, the name of the one a run takes when --dtype is not given; TRANSPORTS, the
   transports its arrays can travel by, preferred first; DEFAULT_RUN, (-e, -t) when the
   user gives none;
 - supports_graphs: a step can be captured and replayed (capture, replay, adamw_schedule);

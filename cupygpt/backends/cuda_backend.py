@@ -28,6 +28,7 @@ TRANSPORTS = ("nvshmem", "nccl", "mpi")  # preferred first
 supports_graphs = True
 asynchronous = True                      # launches return before the GPU is done
 DEFAULT_RUN = ("d12", 1024)              # -e, -t when not given: llm.c's GPT-2 124M run
+DEFAULT_DTYPE = "fp32"                   # --dtype when not given (bf16 kernels: not yet)
 # Dense (no sparsity) TF32 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; the most
 # specific name first.
 TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 494.7,
@@ -455,7 +456,7 @@ def gelu_backward(dinp, inp, dout):
 def adamw_schedule(sched):
     """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t) to the device, where the adamw
     kernel reads it: a captured step reads the new values on each replay."""
-    upload(_ws("sched", 3), np.array(sched, np.float32))
+    upload(_ws("sched", 3), np.array(sched[:3], np.float32))
 
 
 NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is too
@@ -473,7 +474,9 @@ def sum_squares(acc, x):
 
 
 @_op
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip):
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip,
+          master=None, salt=0, offset=0):
+    """(DTYPES has no bf16 yet: master, salt and offset, a bf16 run's, are never given.)"""
     if not cp.cuda.get_current_stream().is_capturing():
         adamw_schedule(sched)
     _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),

@@ -1,9 +1,12 @@
-"""The reference backend: every op vectorized over B, T and C; float32 or float64.
+"""The reference backend: every op vectorized over B, T and C; float32, float64, or bf16
+with llm.c's mixed-precision semantics (precision.py): an op on bf16 arrays reads them into
+float32, computes there and rounds each output once, where a CUDA kernel stores it.
 
 One module, as each backend is: its public functions are the interface
 (backends/__init__.py), read against cuda_backend.py's function by function.
 """
 import functools
+import inspect
 import math
 import os
 import socket
@@ -12,10 +15,12 @@ import time
 import numpy as np
 
 from . import host_memory
+from ..precision import BF16, step_seed, stochastic_round
 
 name = "numpy"
 # Capabilities (backends/__init__.py lists them)
-DTYPES = (np.float32, np.float64)
+DTYPES = (np.float32, np.float64, BF16)
+DEFAULT_DTYPE = "fp32"           # --dtype when not given
 TRANSPORTS = ("mpi",)            # host arrays travel by MPI
 supports_graphs = False
 asynchronous = False             # an op returns when its work is done
@@ -115,18 +120,52 @@ def stamp_seconds(marks):
 
 
 _trace = None  # {op: seconds} while kernel_profile runs
+_narrow = False  # inside an op on bf16 arrays: its stored intermediates round (_stored)
 
 
-def _op(fn):
-    """A public op: under kernel_profile its wall time is added to its name's."""
-    @functools.wraps(fn)
-    def op(*args, **kw):
-        if _trace is None:
-            return fn(*args, **kw)
-        t0 = time.perf_counter()
-        fn(*args, **kw)
-        _trace[fn.__name__] = _trace.get(fn.__name__, 0.0) + time.perf_counter() - t0
-    return op
+def _op(*writes, mixed=True):
+    """A public op writing the arrays named `writes` (accumulating into some). On bf16
+    arrays it runs on float32 copies and rounds each written one back once (the inputs are
+    exact in float32), unless not `mixed` (it rounds for itself); under kernel_profile its
+    wall time is added to its name's."""
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def op(*args, **kw):
+            t0 = time.perf_counter()
+            bound = sig.bind(*args, **kw)
+            narrow = {k: a for k, a in bound.arguments.items()
+                      if isinstance(a, np.ndarray) and a.dtype == BF16}
+            if narrow and mixed:
+                _mixed(fn, bound, narrow, writes)
+            else:
+                fn(*args, **kw)
+            if _trace is not None:
+                _trace[fn.__name__] = _trace.get(fn.__name__, 0.0) + time.perf_counter() - t0
+        return op
+    return wrap
+
+
+def _mixed(fn, bound, narrow, writes):
+    global _narrow
+    for k, a in narrow.items():
+        bound.arguments[k] = a.astype(np.float32)
+    _narrow = True
+    try:
+        fn(*bound.args, **bound.kwargs)
+    finally:
+        _narrow = False
+    for k in writes:
+        if k in narrow:
+            narrow[k][...] = bound.arguments[k]
+
+
+def _stored(x):
+    """x goes through memory in the run's dtype here (a kernel stores it, the next reads
+    it): inside a bf16 op it is rounded to bf16 in place."""
+    if _narrow:
+        x[...] = x.astype(BF16)
 
 
 def kernel_profile(step, steps):
@@ -172,7 +211,7 @@ def _held(inp, v0, rows):
     return np.where(held, r, 0), held
 
 
-@_op
+@_op("out")
 def encoder_forward(out, inp, wte, wpe, v0=0):
     """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32. wte holds vocab rows v0.. (a
     tensor-parallel shard): tokens it does not hold get zeros; wpe None: no positions."""
@@ -184,7 +223,7 @@ def encoder_forward(out, inp, wte, wpe, v0=0):
         np.add(x, wpe[: inp.shape[1]], out=out)
 
 
-@_op
+@_op("out", "mean", "rstd")
 def layernorm_forward(out, mean, rstd, inp, w, b):
     """out (B,T,C); mean, rstd (B,T) saved for backward."""
     mean[...] = inp.mean(-1)
@@ -194,7 +233,7 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
     out += b
 
 
-@_op
+@_op("out")
 def matmul_forward(out, inp, w, bias):
     """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T + bias (OC) or no bias."""
     np.matmul(_rows(inp), w.T, out=_rows(out))
@@ -202,7 +241,7 @@ def matmul_forward(out, inp, w, bias):
         out += bias
 
 
-@_op
+@_op("out", "preatt", "att")
 def attention_forward(out, preatt, att, qkv, NH):
     """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) saved."""
     B, T, C3 = qkv.shape
@@ -211,13 +250,15 @@ def attention_forward(out, preatt, att, qkv, NH):
     np.matmul(q, k.transpose(0, 1, 3, 2), out=preatt)
     preatt *= 1.0 / math.sqrt(HS)
     preatt[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    _stored(preatt)
     np.subtract(preatt, preatt.max(-1, keepdims=True), out=att)
     np.exp(att, out=att)
     att /= att.sum(-1, keepdims=True)
+    _stored(att)
     out.reshape(B, T, NH, HS)[...] = (att @ v).transpose(0, 2, 1, 3)
 
 
-@_op
+@_op("out")
 def attention_decode(out, qkv, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
@@ -231,7 +272,7 @@ def attention_decode(out, qkv, NH):
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
-@_op
+@_op("out")
 def gelu_forward(out, inp):
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
     x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
@@ -252,12 +293,12 @@ def _gelu_tanh(inp):
     return np.tanh(t, out=t)
 
 
-@_op
+@_op("out")
 def residual_forward(out, a, b):
     np.add(a, b, out=out)
 
 
-@_op
+@_op("stats")
 def classifier_stats(stats, logits, targets, v0, valid):
     """Per position, over this vocab shard's first `valid` logits (its real tokens):
     stats (B,T,3) = max, sum of exp(logit - max), and the target's logit when the shard
@@ -276,7 +317,7 @@ def classifier_stats(stats, logits, targets, v0, valid):
     stats[..., 2] = np.where(held, np.take_along_axis(lg, r[..., None], -1)[..., 0], 0)
 
 
-@_op
+@_op("logits", "losses")
 def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
     """Softmax + cross-entropy from every vocab shard's stats (tp,B,T,3), combined in shard
     order: max M, sum S = sum of s * exp(m - M), target logit t; losses (B,T) = log S + M - t.
@@ -304,7 +345,7 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
         logits[..., valid:] = 0
 
 
-@_op
+@_op("acc")
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses."""
     acc += losses.sum(dtype=np.float64)
@@ -312,7 +353,7 @@ def loss_accumulate(acc, losses):
 
 # --- backward ----------------------------------------------------------------------------
 
-@_op
+@_op("dwte", "dwpe")
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     """dwte[inp] += dout (for the tokens this vocab shard holds); dwpe[:T] += dout summed
     over B."""
@@ -321,7 +362,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     dwpe[: inp.shape[1]] += dout.sum(0)
 
 
-@_op
+@_op("dinp", "dw", "db")
 def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     norm = (inp - mean[..., None]) * rstd[..., None]
     dnorm = dout * w
@@ -331,13 +372,13 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     db += _rows(dout).sum(0)
 
 
-@_op
+@_op("dinp")
 def matmul_backward_input(dinp, dout, w):
     """dinp (B,T,C) = dout (B,T,OC) @ w (OC,C): the input gradient (zero-bubble's B)."""
     np.matmul(_rows(dout), w, out=_rows(dinp))
 
 
-@_op
+@_op("dw", "db")
 def matmul_backward_weight(dw, db, dout, inp):
     """dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows (zero-bubble's W: off the
     critical path, so a schedule may defer it)."""
@@ -347,7 +388,7 @@ def matmul_backward_weight(dw, db, dout, inp):
         db += d2.sum(0)
 
 
-@_op
+@_op("dqkv", "dpreatt", "datt")
 def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     """dqkv (B,T,3C) from dout (B,T,C); dpreatt, datt (B,NH,T,T) are scratch."""
     B, T, C3 = qkv.shape
@@ -356,14 +397,16 @@ def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     dq, dk, dv = (dqkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     do = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)
     np.matmul(do, v.transpose(0, 1, 3, 2), out=datt)
+    _stored(datt)
     dv[...] = att.transpose(0, 1, 3, 2) @ do
     np.multiply(att, datt - (datt * att).sum(-1, keepdims=True), out=dpreatt)
     dpreatt *= 1.0 / math.sqrt(HS)
+    _stored(dpreatt)
     dq[...] = dpreatt @ k
     dk[...] = dpreatt.transpose(0, 1, 3, 2) @ q
 
 
-@_op
+@_op("dinp")
 def gelu_backward(dinp, inp, dout):
     """dinp = dout * d/dx gelu(x), with th = tanh(s (x + 0.044715 x^3)):
     0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 * 0.044715 x^2); in place in two scratches."""
@@ -385,7 +428,7 @@ def gelu_backward(dinp, inp, dout):
 
 # --- optimizer ---------------------------------------------------------------------------
 
-@_op
+@_op("acc")
 def sum_squares(acc, x):
     """acc (1,) += the sum of x's squares (the global gradient norm's share of x), summed
     in float64: BLAS's float32 dot drifts by 1e-6 over a million terms."""
@@ -401,26 +444,34 @@ def _grad_scale(norm_sq, clip):
     return norm.dtype.type(clip) / norm if clip and norm > clip else None
 
 
-@_op
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip):
+@_op(mixed=False)
+def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip,
+          master=None, salt=0, offset=0):
     """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
-    sched = (lr, 1 - beta1^t, 1 - beta2^t); the gradient clipped at global norm clip
-    (norm_sq (1,): the norm squared; clip 0: never)."""
+    sched = (lr, 1 - beta1^t, 1 - beta2^t, t); the gradient clipped at global norm clip
+    (norm_sq (1,): the norm squared; clip 0: never). With master (a bf16 run's fp32 master
+    weights of params) the update is made there and params[i] becomes it stochastically
+    rounded with the noise of element offset + i and this step's seed (salt: the stage's)."""
     scale = _grad_scale(norm_sq, clip)
+    seed = step_seed(int(sched[3]), salt)
     for a in range(0, params.size, ADAM_CHUNK):  # elementwise: chunks change no bit
         b = a + ADAM_CHUNK
-        _adamw(params[a:b], grads[a:b], m[a:b], v[a:b], sched, beta1, beta2, eps, weight_decay,
-               scale)
+        w = params[a:b] if master is None else master[a:b]
+        _adamw(w, grads[a:b], m[a:b], v[a:b], sched, beta1, beta2, eps, weight_decay, scale)
+        if master is not None:
+            params[a:b] = stochastic_round(w, seed, offset + a)
 
 
 ADAM_CHUNK = 1 << 20  # 4 MiB of fp32: two scratches this size instead of the model's size
 
 
 def _adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, scale):
-    lr, bc1, bc2 = sched
+    lr, bc1, bc2 = sched[:3]
     t, u = _ws("adam_t", params.shape, params.dtype), _ws("adam_u", params.shape, params.dtype)
-    if scale is not None:
-        grads = np.multiply(grads, scale, out=_ws("adam_g", params.shape, params.dtype))
+    if scale is not None or grads.dtype != params.dtype:  # (bf16 gradients: widened)
+        g = _ws("adam_g", params.shape, params.dtype)
+        g[...] = grads
+        grads = g if scale is None else np.multiply(g, scale, out=g)
     m *= beta1
     np.multiply(grads, 1.0 - beta1, out=t)
     m += t

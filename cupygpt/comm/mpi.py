@@ -2,6 +2,7 @@
 GPU transports (nccl, nvshmem) also carry their control values over it."""
 import numpy as np
 
+from ..precision import BF16, wide
 from .base import AXES, Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
@@ -57,12 +58,12 @@ class Mpi(Transport):
 
     def send(self, kind, arr, peer, mb=None):
         host = np.array(self.be.to_host(arr), copy=True)
-        self.pending.append((self.comm.Isend(host, dest=peer, tag=TAGS[kind]), host))
+        self.pending.append((self.comm.Isend(_raw(host), dest=peer, tag=TAGS[kind]), host))
         self.pending = [(r, h) for r, h in self.pending if not r.Test()]
 
     def recv(self, kind, out, peer, mb=None):
         host = np.empty(out.shape, out.dtype)
-        self.wait(self.comm.Irecv(host, source=peer, tag=TAGS[kind]),
+        self.wait(self.comm.Irecv(_raw(host), source=peer, tag=TAGS[kind]),
                   f"{'activation' if kind == 'act' else 'gradient'} of micro-batch {mb} "
                   f"from rank {peer}")
         self.be.upload(out, host)
@@ -70,11 +71,11 @@ class Mpi(Transport):
     def sum_tied(self, arr, peer):
         mine = np.array(self.be.to_host(arr), copy=True)
         theirs = np.empty_like(mine)
-        req = self.comm.Isendrecv(mine, dest=peer, sendtag=TAGS["tied"], recvbuf=theirs,
-                                  source=peer, recvtag=TAGS["tied"])
+        req = self.comm.Isendrecv(_raw(mine), dest=peer, sendtag=TAGS["tied"],
+                                  recvbuf=_raw(theirs), source=peer, recvtag=TAGS["tied"])
         self.wait(req, f"the tied wte gradient from rank {peer}")
         first, last = (mine, theirs) if self.rank < peer else (theirs, mine)
-        self.be.upload(arr, first + last)
+        self.be.upload(arr, _member_sum([first, last]))
 
     def _reduce_chunk(self, arr, comm, axis):
         """This member's chunk of the group's sum, on the host: every member sends each
@@ -92,7 +93,7 @@ class Mpi(Transport):
         send = np.zeros(n * c, flat.dtype)
         send[:flat.size] = flat
         got = np.empty_like(send).reshape(n, c)
-        return comm.Ialltoall(send, got), (send, got)
+        return comm.Ialltoall(_raw(send), _raw(got)), (send, got)
 
     def start_all_reduce(self, arrs, axis):
         comm = self.groups[axis]
@@ -106,7 +107,7 @@ class Mpi(Transport):
         send = np.zeros(c, chunk.dtype)
         send[:chunk.size] = chunk
         got = np.empty(comm.size * c, chunk.dtype)
-        self.wait(comm.Iallgather(send, got), f"the {axis} group's all-gather")
+        self.wait(comm.Iallgather(_raw(send), _raw(got)), f"the {axis} group's all-gather")
         return got[:n_out]
 
     def all_reduce(self, arr, axis):
@@ -137,10 +138,17 @@ class Mpi(Transport):
 
 
 def _member_sum(parts):
-    acc = parts[0].copy()
+    """The parts added in member order, in float32 for bf16 parts (rounded once at the
+    end, as a bf16 kernel adds)."""
+    acc = parts[0].astype(wide(parts[0].dtype))
     for part in parts[1:]:
         acc += part
-    return acc
+    return acc.astype(parts[0].dtype, copy=False)
+
+
+def _raw(a):
+    """a as MPI takes it: bf16 (which it has no type for) as its 16-bit words."""
+    return a.view(np.uint16) if a.dtype == BF16 else a
 
 
 class _Overlapped:
@@ -160,7 +168,7 @@ class _Overlapped:
             mine = _member_sum(self.bufs[1])
             self.gathered = np.empty(self.comm.size * mine.size, mine.dtype)
             comm = self.tr.gather_groups[self.axis]
-            self.req, self.bufs = comm.Iallgather(mine, self.gathered), (mine,)
+            self.req, self.bufs = comm.Iallgather(_raw(mine), _raw(self.gathered)), (mine,)
         return self.gathered is not None
 
     def wait(self):

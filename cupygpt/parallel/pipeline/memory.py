@@ -14,18 +14,19 @@ def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=
     """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
     params, grads, activations (every slot), scratch, optimizer; and workspace, the
     backend's kept temporaries (shared by the stages: the largest one's)."""
-    item = np.dtype(dtype).itemsize
     out = dict.fromkeys(("params", "grads", "activations", "scratch", "optimizer"), 0)
     out["workspace"] = max(be.workspace_bytes(shape, plan.mb_rows, plan.seq, part, dtype)
                            for part in plan.parts)
     for i, (part, slots) in enumerate(zip(plan.parts, plan.slots)):
         sizes = Stage.sizes(shape, batch=plan.mb_rows, seq=plan.seq, part=part, slots=slots,
-                            split=plan.split_backward, recompute=recompute)
+                            split=plan.split_backward, recompute=recompute, dtype=dtype)
         for k, n in sizes.items():
-            out[k] += n * item
+            out[k] += n
         if with_adamw:
             zp = zero_slices[i] if zero_slices else None
-            out["optimizer"] += sum(AdamW.sizes(sizes["params"], zp)) * item
+            n_params = sizes["params"] // np.dtype(dtype).itemsize
+            out["optimizer"] += sum(n * np.dtype(dt).itemsize
+                                    for n, dt in AdamW.sizes(n_params, zp, dtype).values())
     return out
 
 

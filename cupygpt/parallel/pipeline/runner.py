@@ -43,6 +43,7 @@ class Runner:
         step as a CUDA graph where the backend and transport allow it; recompute: llm.c's
         -r (what backward makes again instead of keeping: layout.RECOMPUTED)."""
         self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
+        self.dtype = np.dtype(dtype)
         self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
                                      micro_batches=micro_batches, schedule=schedule,
                                      virtual=virtual, counts=counts)
@@ -154,7 +155,7 @@ class Runner:
         its real vocabulary columns), per micro-batch, on the head's ranks."""
         def grab(mb, logits):
             on_logits(self.plan.global_rows(mb), self.head.v0,
-                      self.be.to_host(logits)[..., :self.head.valid])
+                      self.be.to_host(logits)[..., :self.head.valid].astype(np.float32))
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
 
@@ -167,7 +168,8 @@ class Runner:
 
         def grab(mb, logits):
             if mb == 0:
-                row["logits"] = self.be.to_host(logits[0, t, :self.head.valid])
+                row["logits"] = self.be.to_host(logits[0, t, :self.head.valid]).astype(
+                    np.float32)
         self.exec.feed(tokens, None)
         self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
         self.transport.finish_sends()
@@ -198,28 +200,37 @@ class Runner:
     # --- state -------------------------------------------------------------------------
 
     def state_dict(self, optimizer=True):
-        """Collective: {"params", "m", "v"} (whole-model host arrays; m and v when there is
-        an optimizer and it is asked for) and "adam_t", on rank 0 (None elsewhere)."""
-        host = [[st.export() for st in self.stages]]
+        """Collective: {"params"} and, when there is an optimizer and it is asked for,
+        AdamW's "m", "v" (and a bf16 run's fp32 "master" weights) and "adam_t": whole-model
+        host arrays on rank 0 (None elsewhere)."""
         optimizer = optimizer and self.opt is not None
-        if optimizer:
-            per_stage = self.opt.stage_state()
-            host += [[m for m, _ in per_stage], [v for _, v in per_stage]]
+        per_stage = self.opt.stage_state() if optimizer else []
+        names = ["params"] + (list(per_stage[0]) if optimizer else [])
+        host = [[st.export() for st in self.stages]] + \
+            [[kept[k] for kept in per_stage] for k in names[1:]]
         whole = self._gather_whole(*host)
         if self.transport.rank != 0:
             return None
-        out = dict(zip(("params", "m", "v"), whole))
+        out = dict(zip(names, whole))
         return {**out, "adam_t": self.opt.t} if optimizer else out
 
-    def load_state_dict(self, params, m=None, v=None, adam_t=None):
-        """params (and AdamW's m, v): the whole model's host arrays; this rank takes its
-        parts. adam_t: AdamW's step count."""
+    def load_state_dict(self, params, m=None, v=None, adam_t=None, master=None):
+        """params (and AdamW's m, v, a bf16 run's master weights): the whole model's host
+        arrays; this rank takes its parts. adam_t: AdamW's step count. A bf16 run given no
+        master takes params, unrounded, as its master weights."""
         for st in self.stages:
             st.load(params)
-        if m is not None:
-            self.opt.load_stage_state([[copy_part(np.empty(st.layout.size, np.float32),
-                                                  st.part, x, self.shape) for x in (m, v)]
-                                       for st in self.stages])
+        if self.opt is None:
+            return
+        given = {"m": m, "v": v}
+        if "master" in self.opt.state[0]:
+            given["master"] = params if master is None else master
+        given = {k: x for k, x in given.items() if x is not None}
+        if given:
+            self.opt.load_stage_state([{k: copy_part(np.empty(st.layout.size, np.float32),
+                                                     st.part, x, self.shape)
+                                        for k, x in given.items()} for st in self.stages])
+        if adam_t is not None:
             self.opt.t = adam_t
 
     def _gather_whole(self, *host):

@@ -1,0 +1,105 @@
+"""bf16 mixed precision on the NumPy reference (llm.c's mainline trainer): bf16 weights,
+activations and gradients, fp32 statistics, master weights and AdamW state, stochastic
+rounding of the updated weights."""
+import types
+
+import numpy as np
+import pytest
+
+from conftest import cli, losses
+from cupygpt import CupyGPTError
+from cupygpt.backends import numpy_backend as npb
+from cupygpt.comm.local import Local
+from cupygpt.config import SampleConfig
+from cupygpt.config_parts import run_dtype
+from cupygpt.files import read_model_header
+from cupygpt.initialize import init_params
+from cupygpt.optim import AdamWConfig
+from cupygpt.parallel.mesh import Mesh
+from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.precision import BF16, stochastic_round
+from cupygpt.shape import preset
+
+
+def test_stochastic_rounding_is_unbiased_repeatable_and_sliceable():
+    lo = np.float32(1.0)
+    x = np.full(1 << 16, lo + np.float32(0.3 * 2 ** -7), np.float32)  # 30% of a bf16 gap
+    r = stochastic_round(x, seed=7, offset=0).astype(np.float32)
+    assert set(np.unique(r)) == {lo, lo + np.float32(2 ** -7)}   # one of the two neighbours
+    assert np.mean(r == lo + np.float32(2 ** -7)) == pytest.approx(0.3, abs=0.01)
+    assert np.array_equal(stochastic_round(x, 7, 0), stochastic_round(x, 7, 0))
+    assert not np.array_equal(stochastic_round(x, 7, 0), stochastic_round(x, 8, 0))
+    # a ZeRO-1 slice [a, b) rounds as the whole buffer's elements a..b do
+    assert np.array_equal(stochastic_round(x[100:900], 7, 100), stochastic_round(x, 7, 0)[100:900])
+    exact = np.array([1.0, -2.5, 0.0, np.inf, -np.inf], np.float32)
+    assert np.array_equal(stochastic_round(exact, 3, 0).astype(np.float32), exact)
+    assert np.isnan(stochastic_round(np.array([np.nan], np.float32), 3, 0).astype(np.float32))[0]
+
+
+def test_an_op_rounds_its_outputs_once_from_float32():
+    """matmul_forward in bf16 is the fp32 op on the same (bf16) inputs, rounded once."""
+    rng = np.random.default_rng(0)
+    inp, w, b = (rng.normal(size=s).astype(BF16) for s in ((2, 3, 16), (8, 16), (8,)))
+    out = np.zeros((2, 3, 8), BF16)
+    npb.matmul_forward(out, inp, w, b)
+    ref = np.zeros((2, 3, 8), np.float32)
+    npb.matmul_forward(ref, inp.astype(np.float32), w.astype(np.float32), b.astype(np.float32))
+    assert np.array_equal(out, ref.astype(BF16))
+    # an accumulating output reads its bf16 value, adds in fp32, rounds once
+    dw = rng.normal(size=(8, 16)).astype(BF16)
+    ref = dw.astype(np.float32)
+    npb.matmul_backward_weight(dw, None, out, inp)
+    npb.matmul_backward_weight(ref, None, out.astype(np.float32), inp.astype(np.float32))
+    assert np.array_equal(dw, ref.astype(BF16))
+
+
+def runner(dtype):
+    shape = preset("tiny")
+    run = Runner(shape=shape, backend=npb, transport=Local(), mesh=Mesh(), batch=2, seq=32,
+                 dtype=dtype, adamw=AdamWConfig(lr=1e-3, grad_clip=1.0))
+    run.load_state_dict(init_params(shape, 1))
+    return run
+
+
+def test_bf16_tracks_fp32_for_twenty_steps():
+    xy = np.random.default_rng(0).integers(0, preset("tiny").V, (2, 33)).astype(np.int32)
+    out = {}
+    for dtype in (np.float32, BF16):
+        run = runner(dtype)
+        out[dtype] = [run.step(xy[:, :-1], xy[:, 1:]) for _ in range(20)]
+        st = run.stages[0]
+        assert st.params.dtype == st.grads.dtype == st.acts_bufs[0].dtype == np.dtype(dtype)
+        assert st.acts[0]["ln1_mean"].dtype == run.opt.state[0]["m"].dtype == np.float32
+    a, b = np.array(out[np.float32]), np.array(out[BF16])
+    assert a[-1] < a[0] - 1.5  # (it learns)
+    assert np.abs(b - a).max() <= 5e-3 * a.max()  # measured: 1.3e-3 of the loss
+    master = run.opt.state[0]["master"]
+    assert master.dtype == np.float32
+    # the weights are the master weights rounded to one of their two bf16 neighbours
+    gap = np.abs(master - st.params.astype(np.float32))
+    assert gap.max() <= 2 ** -7 * np.abs(master).max() and gap.max() > 0
+
+
+def test_bf16_on_a_grid_tracks_one_process(tmp_path):
+    flags = ["-e", "tiny", "-b", "4", "-t", "32", "-n", "3", "-v", "0", "-g", "0",
+             "--dtype", "bf16"]
+    alone = cli("train", *flags, "-o", tmp_path / "one")
+    grid = cli("train", *flags, "--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zbv",
+               "--zero", "1", "--micro-batches", "2", "-o", tmp_path / "grid", ranks=8)
+    assert alone.returncode == 0 and grid.returncode == 0, alone.stderr + grid.stderr
+    assert "| dtype                   | bf16 (fp32 master weights" in alone.stdout
+    assert losses(grid.stdout) == pytest.approx(losses(alone.stdout), rel=2e-4)
+    assert read_model_header(str(tmp_path / "grid" / "model.bin"))[1] == 5  # llm.c's bf16
+    res = cli("sample", "--model", tmp_path / "grid" / "model.bin", "--dtype", "bf16",
+              "--max-new-tokens", "4")
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_dtype_the_backend_lacks_is_one_line():
+    cuda_like = types.SimpleNamespace(name="cuda", DTYPES=(np.float32,), DEFAULT_DTYPE="fp32")
+    with pytest.raises(CupyGPTError) as e:
+        run_dtype(SampleConfig(model="m", tokenizer="t", dtype="bf16"), cuda_like)
+    assert str(e.value) == "dtype bf16: the cuda backend runs in fp32"
+    assert run_dtype(SampleConfig(model="m", tokenizer="t"), npb).dtype == "fp32"
+    res = cli("train", "--dtype", "fp16")
+    assert res.returncode == 2 and "'fp16' is not one of 'fp32', 'bf16'" in res.stderr
