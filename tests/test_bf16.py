@@ -72,7 +72,7 @@ def test_bf16_tracks_fp32_for_twenty_steps():
         assert st.acts[0]["ln1_mean"].dtype == run.opt.state[0]["m"].dtype == np.float32
     a, b = np.array(out[np.float32]), np.array(out[BF16])
     assert a[-1] < a[0] - 1.5  # (it learns)
-    assert np.abs(b - a).max() <= 5e-3 * a.max()  # measured: 1.3e-3 of the loss
+    assert np.abs(b - a).max() <= 1e-3 * a.max()  # measured: 1.9e-3 absolute, 1.8e-4 of it
     master = run.opt.state[0]["master"]
     assert master.dtype == np.float32
     # the weights are the master weights rounded to one of their two bf16 neighbours
