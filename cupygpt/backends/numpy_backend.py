@@ -453,7 +453,7 @@ def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, 
     weights of params) the update is made there and params[i] becomes it stochastically
     rounded with the noise of element offset + i and this step's seed (salt: the stage's)."""
     scale = _grad_scale(norm_sq, clip)
-    seed = step_seed(int(sched[3]), salt)
+    seed = None if master is None else step_seed(int(sched[3]), salt)
     for a in range(0, params.size, ADAM_CHUNK):  # elementwise: chunks change no bit
         b = a + ADAM_CHUNK
         w = params[a:b] if master is None else master[a:b]
