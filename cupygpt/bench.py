@@ -5,6 +5,7 @@ import time
 from .data import DataLoader
 from .initialize import init_params
 from .optim import AdamWConfig
+from .config_parts import RUN_DTYPES
 from .precision import DTYPES
 
 
@@ -15,10 +16,20 @@ def flops_per_token(cfg, T):
 
 def bench(sess, on_step=None):
     """The `bench` command over a Session holding its validated BenchConfig; on_step() after
-    each step, warm-up included."""
+    each step, warm-up included. With --dtype both: {"fp32": ..., "bf16": ...,
+    "bf16_speedup"}, each timed by a runner of its own (the first freed first)."""
+    c = sess.config
+    if c.dtype != "both":
+        return _bench(sess, c.dtype, on_step)
+    out = {name: _bench(sess, name, on_step) for name in RUN_DTYPES}
+    out["bf16_speedup"] = out["fp32"]["ms_per_step_median"] / out["bf16"]["ms_per_step_median"]
+    return out
+
+
+def _bench(sess, dtype, on_step):
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
-    run = sess.runner(cfg, None, batch=B, seq=T, dtype=DTYPES[c.dtype],
+    run = sess.runner(cfg, None, batch=B, seq=T, dtype=DTYPES[dtype],
                       adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
                       graphs=c.graphs and not c.trace, recompute=c.recompute)
     run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
@@ -45,7 +56,7 @@ def bench(sess, on_step=None):
            "tf32_peak_tflops": peak / 1e12 if peak else None,
            "mfu": achieved / peak if peak else None,
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
-           "recompute": c.recompute, "dtype": c.dtype, "grad_clip": c.grad_clip,
+           "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,
            "planned_memory_bytes": run.memory,
            "grid": {"dp": sess.mesh.dp, "tp": sess.mesh.tp, "pp": sess.mesh.pp,
                     "micro_batches": c.pipeline.micro_batches, "zero": c.grid.zero,

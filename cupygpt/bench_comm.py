@@ -1,15 +1,18 @@
 """`bench --comm`: what the step's communication costs on the transport the run uses
 (--transport; auto: the backend's first): the collectives (all-reduce, reduce-scatter,
 all-gather over all ranks as one group) and a stage-to-stage handoff, from 1 KiB to 64 MiB
-and at the step's own sizes (the tensor-parallel activation sum of B*T*C floats, the
-data-parallel gradient sum of the model's parameters). Latency shows at the small sizes,
-bandwidth at the large ones. On the CPU that is mpi; on a GPU nvshmem or nccl, with their
-own collectives."""
+and at the step's own sizes, in fp32 and in bf16 (an activation of B*T*C, what a pipeline
+handoff and a tensor-parallel sum move; the data-parallel gradient sum of the model's
+parameters): bf16 moves half the bytes (sums in fp32, rounded once). Latency shows at the
+small sizes, bandwidth at the large ones. On the CPU that is mpi; on a GPU nvshmem or
+nccl, with their own collectives."""
 import statistics
 import time
 
 from .comm import make_transport
+from .config_parts import RUN_DTYPES
 from .parallel.mesh import Mesh
+from .precision import DTYPES
 
 SIZES = [2 ** k for k in range(10, 27, 2)]  # bytes: 1 KiB .. 64 MiB
 
@@ -29,10 +32,15 @@ def _median_s(fn, be, tr, nbytes):
     return statistics.median(times)
 
 
-def sizes(cfg, B, T):
-    return [(f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB", s) for s in SIZES] + [
-        (f"tp activation B*T*C ({B}x{T}x{cfg.C})", B * T * cfg.C * 4),
-        (f"dp gradient ({cfg.num_parameters():,} params)", cfg.num_parameters() * 4)]
+def sizes(cfg, B, T, be):
+    """(label, elements, dtype name) of each message timed (the step's in each dtype the
+    backend runs in)."""
+    dtypes = [d for d in RUN_DTYPES if DTYPES[d] in be.DTYPES]
+    return [(f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB", s // 4, "fp32")
+            for s in SIZES] + [
+        (f"activation B*T*C ({B}x{T}x{cfg.C}) {d}", B * T * cfg.C, d) for d in dtypes] + [
+        (f"dp gradient ({cfg.num_parameters():,} params) {d}", cfg.num_parameters(), d)
+        for d in dtypes]
 
 
 def comm_bench(sess, on_size=None):
@@ -43,14 +51,14 @@ def comm_bench(sess, on_size=None):
     be, rank, size, c, cfg = sess.be, sess.mesh.rank, sess.mesh.size, sess.config, sess.shape
     coll, name = sess.tr, sess.tr.name
     line = make_transport(name, be, Mesh(rank, pp=size), c.device.peer_timeout)
-    steps = sizes(cfg, c.batch, c.seq)
-    most = max(nbytes for _, nbytes in steps) // 4
+    steps = sizes(cfg, c.batch, c.seq, be)
+    most = max(n for _, n, _ in steps)
     # once (GPU buffers are collective); one message in flight each way
     line.prepare({"act": ((most,), 1), "grad": ((most,), 1)})
     rows = []
-    for label, nbytes in steps:
-        n = nbytes // 4
-        x, part = be.zeros(n), be.zeros(-(-n // size))
+    for label, n, dtype in steps:
+        nbytes = n * DTYPES[dtype].itemsize
+        x, part = be.zeros(n, DTYPES[dtype]), be.zeros(-(-n // size), DTYPES[dtype])
         mine = part[:min(len(part), max(0, n - rank * len(part)))]
 
         def handoff():
@@ -68,7 +76,8 @@ def comm_bench(sess, on_size=None):
             ("all_gather", lambda: coll.all_gather(mine, x, "dp")),
             ("handoff", handoff))}
         us["handoff"] /= 2
-        rows.append({"transport": name, "size": label, "bytes": nbytes, "ranks": size,
+        rows.append({"transport": name, "size": label, "dtype": dtype, "bytes": nbytes,
+                     "ranks": size,
                      **{f"{op}_us": v for op, v in us.items()},
                      "all_reduce_GBps": nbytes / us["all_reduce"] / 1e3,
                      "handoff_GBps": nbytes / us["handoff"] / 1e3})
@@ -78,10 +87,10 @@ def comm_bench(sess, on_size=None):
 
 
 def format_rows(rows):
-    out = [f"{'transport':<9} {'size':<34}{'all_reduce':>12}{'reduce_sc':>12}"
+    out = [f"{'transport':<9} {'size':<44}{'all_reduce':>12}{'reduce_sc':>12}"
            f"{'all_gather':>12}{'handoff':>12}{'AR GB/s':>9}{'P2P GB/s':>9}   (us, median)"]
     for r in rows:
-        out.append(f"{r['transport']:<9} {r['size']:<34}{r['all_reduce_us']:>12.1f}"
+        out.append(f"{r['transport']:<9} {r['size']:<44}{r['all_reduce_us']:>12.1f}"
                    f"{r['reduce_scatter_us']:>12.1f}{r['all_gather_us']:>12.1f}"
                    f"{r['handoff_us']:>12.1f}{r['all_reduce_GBps']:>9.2f}{r['handoff_GBps']:>9.2f}")
     return "\n".join(out)

@@ -9,7 +9,7 @@ import click
 
 from .bench import bench as run_bench
 from .bench_comm import comm_bench, format_rows, sizes
-from .config_parts import RUN_DTYPES
+from .config_parts import RUN_DTYPES, VERIFY_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
@@ -39,8 +39,9 @@ def cli():
 @click.option("--expected", default=None,
               help="JSON with a 'losses' list to check the steps  [default: NAME_expected.json "
                    "beside a NAME_model.bin, at the default --lr and --weight-decay]")
-@click.option("--dtype", default="float32", type=click.Choice(["float32", "float64"]),
-              show_default=True)
+@click.option("--dtype", default="fp32", type=click.Choice(VERIFY_DTYPES), show_default=True,
+              help="fp64: the gradients' exact reference; bf16: llm.c's mixed precision, "
+                   "against the fp32 reference at bf16's tolerances")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @trace_option
 @device_options
@@ -137,9 +138,8 @@ def train(**kw):
 @click.option("--graphs/--no-graphs", default=True, show_default=True)
 @click.option("-r", "recompute", default=0, show_default=True,
               help="activation recomputation, as train's -r")
-@click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES),
-              help="bf16: llm.c's mixed precision (fp32 master weights)  [default: the "
-                   "backend's: fp32 on the CPU]")
+@click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES + ("both",)),
+              help="as train's; both: fp32 and bf16 side by side  [default: the backend's]")
 @click.option("--grad-clip", default=1.0, show_default=True,
               help="the timed step clips at this global norm, as train's (0: off)")
 @click.option("--profile", is_flag=True,
@@ -160,7 +160,7 @@ def bench(out, **kw):
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
     if sess.config.comm:
-        with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq)),
+        with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq, sess.be)),
                       "timing transfers") as bar:
             rows = comm_bench(sess, lambda: bar.update(1))
         if rows is not None:
@@ -168,25 +168,36 @@ def bench(out, **kw):
                 f.write(json.dumps(rows, indent=1).encode())
             click.echo(format_rows(rows) + f"\nwrote {out}")
         return
-    with progress(sess.config.warmup + sess.config.steps, "benchmarking") as bar:
+    c = sess.config
+    with progress((c.warmup + c.steps) * (2 if c.dtype == "both" else 1), "benchmarking") as bar:
         r = run_bench(sess, lambda: bar.update(1))
     if sess.mesh.rank != 0:
         return
     with atomic_write(out) as f:
         f.write(json.dumps(r, indent=1).encode())
-    click.echo(f"{r['device']}: {r['model']} B={r['B']} T={r['T']}: "
-               f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
-               + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
-               + (f", host launch {100 * r['host_launch_fraction']:.1f}% of the step"
-                  if "host_launch_fraction" in r else "")
-               + (f"; without overlapping the replicas' gradient sum "
-                  f"{r['ms_per_step_no_overlap']:.2f} ms" if "ms_per_step_no_overlap" in r
-                  else "") + f"; wrote {out}")
-    for row in r.get("per_op", []):
-        click.echo(f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
-    for row in r.get("per_kernel", [])[:20]:
-        click.echo(f"  {row['op'] + ': ' + row['kernel']:<48} x{row['calls_per_step']:<4}"
-                   f"{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%")
+    if c.dtype == "both":
+        click.echo("\n".join([bench_line(r["fp32"], out), bench_line(r["bf16"], out),
+                              f"bf16 is {r['bf16_speedup']:.2f}x fp32's speed"]))
+    else:
+        click.echo(bench_line(r, out))
+
+
+def bench_line(r, out):
+    """bench's report of one dtype: its step, then its per-op and per-kernel rows."""
+    lines = [f"{r['device']}: {r['model']} {r['dtype']} B={r['B']} T={r['T']}: "
+             f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
+             + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+             + (f", host launch {100 * r['host_launch_fraction']:.1f}% of the step"
+                if "host_launch_fraction" in r else "")
+             + (f"; without overlapping the replicas' gradient sum "
+                f"{r['ms_per_step_no_overlap']:.2f} ms" if "ms_per_step_no_overlap" in r
+                else "") + f"; wrote {out}"]
+    lines += [f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%"
+              for row in r.get("per_op", [])]
+    lines += [f"  {row['op'] + ': ' + row['kernel']:<48} x{row['calls_per_step']:<4}"
+              f"{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%"
+              for row in r.get("per_kernel", [])[:20]]
+    return "\n".join(lines)
 
 
 @cli.command()

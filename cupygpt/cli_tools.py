@@ -9,7 +9,7 @@ import click
 from . import CupyGPTError
 from .backends import gpu_available
 from .cli_kit import DATA, TOKENIZER, entry, one_process, progress
-from .config_parts import make_dir, out_file
+from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
@@ -67,8 +67,8 @@ def prepare(text, out, tokenizer, name, force):
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--dtype", default="float32", show_default=True, help="the llm.c file's",
-              type=click.Choice(["float32", "bfloat16"]))
+@click.option("--dtype", default="fp32", show_default=True, help="the llm.c file's",
+              type=click.Choice(RUN_DTYPES))
 @click.option("--tokenizer", default=TOKENIZER, show_default=True,
               help="its vocab.json, merges.txt go beside a model with its vocab")
 @entry
@@ -76,7 +76,7 @@ def convert(src, dst, dtype, tokenizer):
     """A transformers GPT-2 directory SRC to an llm.c model file DST, or an llm.c file SRC
     to a new directory DST that GPT2LMHeadModel.from_pretrained loads."""
     one_process("convert")
-    for line in run_convert(src, dst, dtype == "bfloat16", tokenizer):
+    for line in run_convert(src, dst, dtype == "bf16", tokenizer):
         click.echo(line)
 
 

@@ -16,7 +16,8 @@ from . import CupyGPTError
 from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
-                           out_file, positive, recompute_level, run_dtype)
+                           out_file, positive, recompute_level, run_dtype,
+                           RUN_DTYPES, VERIFY_DTYPES)
 from .optim import LR_SCHEDULES
 from .shape import PRESETS, preset
 
@@ -134,7 +135,7 @@ class VerifyConfig:
     weight_decay: float = 0.01
     expected: Optional[str] = None
     expected_losses: tuple = ()     # validate reads them from `expected`
-    dtype: str = "float32"
+    dtype: str = "fp32"
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
@@ -143,8 +144,8 @@ class VerifyConfig:
     def validate(self, be, world):
         positive(self, "steps", "lr")
         positive(self, "weight_decay", zero_ok=True)
-        c = self if self.expected is None else \
-            replace(self, expected_losses=read_expected(self.expected))
+        c = run_dtype(self, be, VERIFY_DTYPES)
+        c = c if c.expected is None else replace(c, expected_losses=read_expected(c.expected))
         shape = model_shape(self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
@@ -193,7 +194,7 @@ class BenchConfig:
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
     recompute: int = 0
-    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
+    dtype: Optional[str] = None     # fp32 | bf16 | both; None: the backend's DEFAULT_DTYPE
     grad_clip: float = 1.0          # train's default: the step it times clips as train's
     trace: Optional[str] = None
     device: Device = field(default_factory=Device)
@@ -206,7 +207,11 @@ class BenchConfig:
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", "grad_clip", zero_ok=True)
         recompute_level(c)
-        c = run_dtype(c, be)
+        if c.dtype == "both":  # side by side: each must run here
+            for name in RUN_DTYPES:
+                run_dtype(replace(c, dtype=name), be)
+        else:
+            c = run_dtype(c, be)
         if is_model_file(c.init):  # (its weights would not change the timing)
             raise CupyGPTError(f"bench times a preset's shape ({', '.join(PRESETS)}), not a "
                                f"model file's", "init", c.init)

@@ -177,14 +177,15 @@ def recompute_level(cfg):
                            "recompute", cfg.recompute)
 
 
-RUN_DTYPES = ("fp32", "bf16")  # what train, bench and sample run in (verify adds fp64)
+RUN_DTYPES = ("fp32", "bf16")  # what train, bench and sample run in
+VERIFY_DTYPES = ("fp32", "fp64", "bf16")  # verify adds fp64, the gradient checks' reference
 
 
-def run_dtype(cfg, be):
+def run_dtype(cfg, be, names=RUN_DTYPES):
     """cfg with its --dtype resolved: the backend's default when not given (bf16 where it
-    has bf16 kernels, as llm.c on a GPU), else one the backend computes in."""
+    has bf16 kernels, as llm.c on a GPU), else one of names the backend computes in."""
     name = default(cfg.dtype, be.DEFAULT_DTYPE)
-    here = [n for n in RUN_DTYPES if n in {dtype_name(d) for d in be.DTYPES}]
+    here = [n for n in names if n in {dtype_name(d) for d in be.DTYPES}]
     if name not in here:
         raise CupyGPTError(f"the {be.name} backend runs in {', '.join(here)}", "dtype", name)
     return replace(cfg, dtype=name)

@@ -34,7 +34,7 @@ def convert(src, dst, bf16=False, tokenizer=None):
         return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {shape(cfg)}"]
     if bf16:
         raise CupyGPTError("is for the llm.c file written from a transformers directory; "
-                           "model.safetensors is written in float32", "dtype", "bfloat16")
+                           "model.safetensors is written in fp32", "dtype", "bf16")
     tok = Tokenizer(tokenizer) if tokenizer else None
     free_directory(dst)
     return write_hf(dst, cfg, read_model(src, mmap=True)[1], tok)

@@ -149,9 +149,11 @@ class AdamW:
 
 
 def rounding_salt(part):
-    """Which stage a bf16 update's stochastic rounding is for: replicas of one stage round
-    alike (they must stay equal), other stages and shards differently."""
-    return ((part.l0 * 1024 + part.shard) * 4 + 2 * part.embed + part.head) & 0xFFFFFFFF
+    """Which noise a bf16 update's stochastic rounding draws on a stage: the tensor-parallel
+    shard's. Not the layers': the embedding's and the head's copies of the tied wte (both at
+    offset 0 of their stages' buffers) must round alike, as must replicas (ZeRO-1 slices
+    use their offset in the stage's buffer)."""
+    return part.shard
 
 
 def norm_ranges(st, piece=None):

@@ -1,6 +1,7 @@
 """bf16 mixed precision on the NumPy reference (llm.c's mainline trainer): bf16 weights,
 activations and gradients, fp32 statistics, master weights and AdamW state, stochastic
 rounding of the updated weights."""
+import json
 import types
 
 import numpy as np
@@ -103,3 +104,18 @@ def test_a_dtype_the_backend_lacks_is_one_line():
     assert run_dtype(SampleConfig(model="m", tokenizer="t"), npb).dtype == "fp32"
     res = cli("train", "--dtype", "fp16")
     assert res.returncode == 2 and "'fp16' is not one of 'fp32', 'bf16'" in res.stderr
+
+
+def test_bench_puts_bf16_beside_fp32(tmp_path):
+    res = cli("bench", "--dtype", "both", "--steps", "1", "--warmup", "0", "--out",
+              tmp_path / "b.json")
+    assert res.returncode == 0, res.stderr
+    r = json.loads((tmp_path / "b.json").read_text())
+    assert (r["fp32"]["dtype"], r["bf16"]["dtype"]) == ("fp32", "bf16")
+    assert r["bf16_speedup"] == pytest.approx(r["fp32"]["ms_per_step_median"]
+                                              / r["bf16"]["ms_per_step_median"])
+    # bf16 plans half the bytes for parameters, gradients and activations
+    p32, p16 = r["fp32"]["planned_memory_bytes"], r["bf16"]["planned_memory_bytes"]
+    assert p16["params"] * 2 == p32["params"] and p16["activations"] < 0.6 * p32["activations"]
+    assert p16["optimizer"] == 1.5 * p32["optimizer"]  # m, v and the fp32 master weights
+    assert "bf16 is " in res.stdout

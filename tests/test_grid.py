@@ -227,7 +227,9 @@ def test_bench_comm_times_every_size_and_refuses_one_rank(tmp_path):
     rows = json.load(open(tmp_path / "c.json"))
     assert [r["bytes"] for r in rows[:9]] == [2 ** k for k in range(10, 27, 2)]
     assert all(r["transport"] == "mpi" and r["ranks"] == 2 for r in rows)
-    assert rows[-1]["bytes"] == 4 * 7_265_024  # tiny's gradient: its parameter count
+    # tiny's gradient, its parameter count in fp32 then bf16: half the bytes
+    assert [(r["dtype"], r["bytes"]) for r in rows[-2:]] == [("fp32", 4 * 7_265_024),
+                                                             ("bf16", 2 * 7_265_024)]
     assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))
     assert "handoff" in res.stdout and "dp gradient" in res.stdout
     one = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "d.json")

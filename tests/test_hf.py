@@ -96,8 +96,8 @@ def test_greedy_sample_equals_generate(hf_dir):
 
 @needs_hf
 def test_llmc_hf_llmc_is_byte_identical(tmp_path):
-    for name, dtype in (("tiny_model.bin", "float32"), ("odd_model.bin", "float32"),
-                        ("gpt2v_model_bf16.bin", "bfloat16")):
+    for name, dtype in (("tiny_model.bin", "fp32"), ("odd_model.bin", "fp32"),
+                        ("gpt2v_model_bf16.bin", "bf16")):
         d, back = tmp_path / name[:-4], tmp_path / f"back_{name}"
         res = ok_run("convert", fixture(name), d)
         assert ("tokenizer_config.json" in res.stdout) == (name.startswith("gpt2v")), res.stdout

@@ -26,6 +26,17 @@ def test_verify_passes(files):
     assert r["steps"][9]["loss"] < r["steps"][0]["loss"]
 
 
+@pytest.mark.parametrize("files", FILES[:3], ids=[f[0] for f in FILES[:3]])
+def test_bf16_passes_at_its_tolerances_and_is_not_fp32(files):
+    """bf16 against the fp32 reference: within bf16's tolerances (verify.TOLERANCES), and
+    measurably not fp32 (its logits are off by more than fp32's tolerance)."""
+    res, r = verify_numpy(files, "--dtype", "bf16")
+    assert res.returncode == 0 and r["ok"], res.stdout
+    assert r["backend"] == "numpy" and r["logits"]["tol"] == 5e-2
+    assert r["logits"]["max_abs_diff"] > 1e-3
+    assert all(s["ok"] for s in r["steps"]) and r["steps"][9]["loss"] < r["steps"][0]["loss"]
+
+
 def test_verify_fails_on_a_wrong_state(tmp_path):
     """A state whose gradient is off must fail (exit 1): verify can say no."""
     import numpy as np
