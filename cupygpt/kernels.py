@@ -5,7 +5,8 @@ the GPU runs).
 Options, chosen deliberately:
 - no --use_fast_math: the non-matmul kernels are memory-bound, so fast intrinsics buy
   little, and exact expf/tanhf/sqrtf keep `verify --backend cuda` close to PyTorch;
-- -std=c++17, -I cupygpt/kernels_cu (common.cuh), and -D for each GEOMETRY value;
+- -std=c++17, -I cupygpt/kernels_cu (common.cuh), -D for each GEOMETRY value, and
+  -DfloatX=: each file is compiled once per storage type (float, __nv_bfloat16);
 - the architecture is the running GPU's (CuPy picks it); the compile test builds for
   compute_80 (A100) and compute_90 (H100/H200).
 CuPy caches each compiled module on disk (~/.cupy/kernel_cache), so a process compiles
@@ -29,6 +30,12 @@ GEOMETRY = {
     "ROW_LANES": 8,       # column sums, stage 1: threads down the rows of each column
 }
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
+FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
+
+
+def options(dtype):
+    """The compile options of the kernels storing dtype ("fp32" or "bf16")."""
+    return OPTIONS + (f"-DfloatX={FLOATX[dtype]}",)
 
 
 def sources():
@@ -40,7 +47,7 @@ def kernels_in(src):
     return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
 
 
-def nvrtc_compile(path, arch, options=OPTIONS):
+def nvrtc_compile(path, arch, options=options("fp32")):
     """Compiles one .cu file with NVRTC for arch (e.g. "compute_90") and options; returns
     the log and raises RuntimeError with it on failure."""
     from cuda.bindings import nvrtc

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from cupygpt.kernels import KERNEL_DIR, OPTIONS, kernels_in, nvrtc_compile, sources
+from cupygpt.kernels import FLOATX, KERNEL_DIR, OPTIONS, kernels_in, nvrtc_compile, options, sources
 
 ARCHS = ("compute_80", "compute_90")
 
@@ -22,17 +22,18 @@ def have_nvrtc():
 
 @pytest.mark.skipif(not have_nvrtc() and not os.environ.get("CI"),
                     reason="NVRTC not installed (pip install -e '.[test]')")
+@pytest.mark.parametrize("dtype", FLOATX)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("path", sources(), ids=os.path.basename)
-def test_nvrtc_compiles(path, arch):
-    nvrtc_compile(path, arch)
+def test_nvrtc_compiles(path, arch, dtype):
+    nvrtc_compile(path, arch, options(dtype))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
 def test_nvcc_compiles(tmp_path, arch):
     # every file at once, an nvcc each: one nvcc keeps one core busy, so the cores share them
-    runs = {path: subprocess.Popen(["nvcc", f"-arch={arch}", *OPTIONS, "-c", path, "-o",
+    runs = {path: subprocess.Popen(["nvcc", f"-arch={arch}", *options("bf16"), "-c", path, "-o",
                                     str(tmp_path / (os.path.basename(path) + ".o"))],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for path in sources()}

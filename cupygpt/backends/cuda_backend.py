@@ -1,5 +1,8 @@
 """The CUDA backend: the NumPy reference's interface over CuPy arrays, with our kernels
-(kernels_cu/, cupy.RawModule) and cuBLAS matmuls. fp32 only; TF32 is a cuBLAS math mode.
+(kernels_cu/, cupy.RawModule) and cuBLAS matmuls, in fp32 (TF32 is a cuBLAS math mode) or
+bf16 (llm.c's mainline: bf16 storage, fp32 math, GEMMs with fp32 compute). Each kernel
+file is compiled once per storage type; a launch takes the bf16 build when any of its
+arrays is bf16.
 
 Attention keeps q, k, v and its other temporaries in backend workspaces (reused by every
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
@@ -19,22 +22,27 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from .. import CupyGPTError
-from ..kernels import GEOMETRY, OPTIONS, kernels_in, sources
+from ..kernels import GEOMETRY, kernels_in, options, sources
+from ..precision import BF16
 
 name = "cuda"
 # Capabilities (backends/__init__.py lists them)
-DTYPES = (np.float32,)
+DTYPES = (np.float32, BF16)
 TRANSPORTS = ("nvshmem", "nccl", "mpi")  # preferred first
 supports_graphs = True
 asynchronous = True                      # launches return before the GPU is done
 DEFAULT_RUN = ("d12", 1024)              # -e, -t when not given: llm.c's GPT-2 124M run
-DEFAULT_DTYPE = "fp32"                   # --dtype when not given (bf16 kernels: not yet)
+DEFAULT_DTYPE = "bf16"                   # --dtype when not given: llm.c's on a GPU
 # Dense (no sparsity) TF32 tensor-core peak, TFLOP/s, from NVIDIA's data sheets; the most
 # specific name first.
 TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 494.7,
              "H200": 494.7, "A100": 156.0, "L40S": 183.0}
+BF16_PEAK = {k: 2 * v for k, v in TF32_PEAK.items()}  # the same tables: twice TF32's
 
 CUBLAS_TF32_TENSOR_OP_MATH = 3  # cublas_api.h; CuPy's cublas module does not export it
+# cudaDataType (library_types.h) and cuBLAS's compute type and default algorithm, for gemmEx
+CUDA_TYPE = {np.dtype(np.float32): 0, BF16: 14}
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
 tf32 = False
 _modules, _functions, _workspace = {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
@@ -53,25 +61,32 @@ def configure(tf32=False, device_of=None, ranks_here=1):
     cublas.setMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH if tf32 else cublas.CUBLAS_DEFAULT_MATH)
 
 
-def _k(fn):
-    """A kernel by name, compiling its .cu file on first use (CuPy caches it on disk)."""
-    if not _functions:
+_files = {}  # kernel name: its .cu file
+
+
+def _k(fn, dtype="fp32"):
+    """A kernel by name, from its .cu file compiled for dtype's storage type on first use
+    (CuPy caches it on disk)."""
+    if not _files:
         for path in sources():
             for kernel in kernels_in(open(path).read()):
-                _functions[kernel] = path
-    f = _functions[fn]
-    if isinstance(f, str):
-        if f not in _modules:
-            _modules[f] = cp.RawModule(code=open(f).read(), options=OPTIONS)
-        f = _functions[fn] = _modules[f].get_function(fn)
-    return f
+                _files[kernel] = path
+    key = (fn, dtype)
+    if key not in _functions:
+        path = _files[fn]
+        if (path, dtype) not in _modules:
+            _modules[path, dtype] = cp.RawModule(code=open(path).read(), options=options(dtype))
+        _functions[key] = _modules[path, dtype].get_function(fn)
+    return _functions[key]
 
 
 def _launch(fn, grid, block, *args):
+    """Launches kernel fn, its bf16 build when an argument is a bf16 array."""
+    k = _k(fn, "bf16" if any(getattr(a, "dtype", None) == BF16 for a in args) else "fp32")
     if _trace is None:
-        _k(fn)(grid, block, args)
+        k(grid, block, args)
     else:
-        _traced(fn, _k(fn), grid, block, args)
+        _traced(fn, k, grid, block, args)
 
 
 def _timed(f, *args, **kw):
@@ -137,29 +152,48 @@ def _rows(fn, rows, *args):
     _launch(fn, ((rows + warps - 1) // warps,), (warps * GEOMETRY["WARP"],), *args)
 
 
-def _ws(key, n, dtype=np.float32):
-    """A workspace buffer of at least n elements, kept for the process."""
-    buf = _workspace.get(key)
+def _ws(key, n, dtype=np.float32, zeroed=False):
+    """A workspace buffer of at least n elements of dtype, kept for the process (zeroed:
+    made with zeros, for a user that leaves it zeroed)."""
+    buf = _workspace.get((key, np.dtype(dtype)))
     if buf is None or buf.size < n:
-        buf = _workspace[key] = cp.empty(n, dtype)
+        buf = _workspace[key, np.dtype(dtype)] = (cp.zeros if zeroed else cp.empty)(n, dtype)
     return buf[:n]
 
 
-def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0):
-    """Row-major C (M,N) = op(A) @ op(B) + beta * C, batched with element strides.
+def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0,
+          alpha=1.0):
+    """Row-major C (M,N) = alpha op(A) @ op(B) + beta * C, batched with element strides.
+    fp32: sgemm (TF32 when the handle's math mode says so); bf16 A and B: gemmEx with fp32
+    compute, C bf16 (rounded once, beta's C read in) or float.
 
     cuBLAS is column-major: a row-major matrix is its transpose there, so we ask for
     C^T = op(B)^T op(A)^T, i.e. swap the operands and keep each one's transpose flag.
     """
     h = cp.cuda.device.get_cublas_handle()
     cublas.setStream(h, cp.cuda.get_current_stream().ptr)
-    args = (h, tb, ta, N, M, K, _ONE.ctypes.data, B.data.ptr, ldb, sB, A.data.ptr, lda, sA,
-            (_ONE if beta else _ZERO).ctypes.data, C.data.ptr, ldc, sC, batch)
-    if _trace is None:
-        cublas.sgemmStridedBatched(*args)
+    al, be = _scalar(alpha).ctypes.data, (_ONE if beta else _ZERO).ctypes.data
+    if A.dtype == B.dtype == C.dtype == np.float32:
+        fn, prefix = cublas.sgemmStridedBatched, "sgemm"
+        args = (h, tb, ta, N, M, K, al, B.data.ptr, ldb, sB, A.data.ptr, lda, sA, be,
+                C.data.ptr, ldc, sC, batch)
     else:
-        name = f"sgemm_{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
-        _traced(name, cublas.sgemmStridedBatched, *args)
+        fn, prefix = cublas.gemmStridedBatchedEx, "gemmEx"
+        args = (h, tb, ta, N, M, K, al, B.data.ptr, CUDA_TYPE[B.dtype], ldb, sB, A.data.ptr,
+                CUDA_TYPE[A.dtype], lda, sA, be, C.data.ptr, CUDA_TYPE[C.dtype], ldc, sC, batch,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    if _trace is None:
+        fn(*args)
+    else:
+        name = f"{prefix}_{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
+        _traced(name, fn, *args)
+
+
+_scalars = {}  # alpha values by value: cuBLAS reads them through a host pointer
+
+
+def _scalar(x):
+    return _scalars.setdefault(float(x), np.array(x, np.float32))
 
 
 N_, T_ = 0, 1  # cuBLAS operation flags: no transpose, transpose
@@ -255,12 +289,14 @@ memory_name = "the GPU"
 
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
-    batch x seq: attention's q, k, v, y and their gradients (B, T, C/tp each), layernorm
-    backward's (B, T, C), the column sums' partials (up to 128 rows of 4C/tp) and the
-    norm's."""
-    n = batch * seq * cfg.C
-    return (8 * n // part.tp + n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS) * \
-        np.dtype(dtype).itemsize
+    batch x seq: attention's q, k, v and dy in dtype, y, dq, dk, dv in float (B, T, C/tp
+    each), layernorm backward's float dnorm (B, T, C), the column sums' partials (up to 128
+    rows of 4C/tp), the norm's, and in bf16 the embedding's float wte gradient buffer."""
+    n, x = batch * seq * cfg.C, np.dtype(dtype).itemsize
+    out = 4 * n // part.tp * (x + 4) + 4 * (n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS)
+    if part.embed and np.dtype(dtype) == BF16:
+        out += 4 * part.vocab(cfg)[1] * cfg.C
+    return out
 
 
 def memory_domain():
@@ -281,13 +317,17 @@ def device_info():
             "driver": cp.cuda.runtime.driverGetVersion()}
 
 
-def peak_flops():
-    """This GPU's dense TF32 peak FLOP/s (MFU's yardstick), None if not in the table."""
+def peak_flops(dtype="fp32"):
+    """This GPU's dense TF32 (or bf16) peak FLOP/s (MFU's yardstick), None if not in the
+    table."""
     dev = device_info()["device"]
-    return next((v * 1e12 for key, v in TF32_PEAK.items() if key in dev), None)
+    table = BF16_PEAK if dtype == "bf16" else TF32_PEAK
+    return next((v * 1e12 for key, v in table.items() if key in dev), None)
 
 
 def all_finite(a):
+    if a.dtype == BF16:  # a bf16 is finite when its exponent bits are not all ones
+        return bool(to_host(((a.view(cp.uint16) & 0x7F80) != 0x7F80).all()))
     return bool(to_host(cp.isfinite(a).all()))
 
 
@@ -312,16 +352,16 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 def matmul_forward(out, inp, w, bias):
     OC, C = w.shape
     N = inp.size // C
-    _gemm(N_, T_, N, OC, C, inp, C, w, C, out, OC)
-    if bias is not None:
-        _ew("add_bias", N * OC, out, bias, np.int64(N * OC), _i(OC))
+    if bias is not None:  # the bias first, the product added onto it: one rounding
+        _ew("broadcast_bias", N * OC, out, bias, np.int64(N * OC), _i(OC))
+    _gemm(N_, T_, N, OC, C, inp, C, w, C, out, OC, beta=float(bias is not None))
 
 
 def _qkv_split(qkv, NH):
     B, T, C3 = qkv.shape
     C = C3 // 3
     n = B * T * C
-    q, k, v = (_ws(key, n) for key in ("q", "k", "v"))
+    q, k, v = (_ws(key, n, qkv.dtype) for key in ("q", "k", "v"))
     _ew("permute_qkv", n, q, k, v, qkv, _i(B), _i(T), _i(NH), _i(C // NH))
     return B, T, C, C // NH, q, k, v
 
@@ -330,9 +370,9 @@ def _qkv_split(qkv, NH):
 def attention_forward(out, preatt, att, qkv, NH):
     B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
     BH = B * NH
-    _gemm(N_, T_, T, T, HS, q, HS, k, HS, preatt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T)
-    _rows("softmax_forward", BH * T, att, preatt, np.float32(1.0 / math.sqrt(HS)), _i(BH * T),
-          _i(T))
+    _gemm(N_, T_, T, T, HS, q, HS, k, HS, preatt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T,
+          alpha=1.0 / math.sqrt(HS))
+    _rows("softmax_forward", BH * T, att, preatt, _i(BH * T), _i(T))
     y = _ws("y", B * T * C)
     _gemm(N_, N_, T, HS, T, att, T, v, HS, y, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
     _ew("unpermute", B * T * C, out, y, _i(B), _i(T), _i(NH), _i(HS))
@@ -343,11 +383,11 @@ def attention_decode(out, qkv, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
     _, n, C, HS, q, k, v = _qkv_split(qkv, NH)
-    scores, att = _ws("dec_scores", NH * n), _ws("dec_att", NH * n)
+    scores, att = _ws("dec_scores", NH * n), _ws("dec_att", NH * n, qkv.dtype)
     # per head: the last query row (1, HS) @ k^T (HS, n); heads are n*HS apart in q, k, v
     _gemm(N_, T_, 1, n, HS, q[(n - 1) * HS:], HS, k, HS, scores, n, batch=NH, sA=n * HS,
-          sB=n * HS, sC=n)
-    _rows("softmax_decode", NH, att, scores, np.float32(1.0 / math.sqrt(HS)), _i(NH), _i(n))
+          sB=n * HS, sC=n, alpha=1.0 / math.sqrt(HS))
+    _rows("softmax_decode", NH, att, scores, _i(NH), _i(n))
     # (1, n) @ v (n, HS) per head, straight into out: for one position (NH, HS) is (C,)
     _gemm(N_, N_, 1, HS, n, att, n, v, HS, out, HS, batch=NH, sA=n, sB=n * HS, sC=HS)
 
@@ -392,8 +432,8 @@ def _column_sum(out, inp, N, OC):
     per = (N + R - 1) // R
     partial = _ws("colsum", R * OC)
     tile, lanes = GEOMETRY["COL_TILE"], GEOMETRY["ROW_LANES"]
-    _launch("column_sum_partial", ((OC + tile - 1) // tile, R), (tile, lanes), partial, inp,
-            _i(N), _i(OC), _i(per))
+    _launch("column_sum_partial" if inp.dtype == out.dtype else "column_sum_partial_f32",
+            ((OC + tile - 1) // tile, R), (tile, lanes), partial, inp, _i(N), _i(OC), _i(per))
     _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
 
 
@@ -401,8 +441,12 @@ def _column_sum(out, inp, N, OC):
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     B, T = inp.shape
     rows, C = dwte.shape
-    _ew("encoder_backward_wte", B * T * C, dwte, dout, inp, _i(B), _i(T), _i(C), _i(v0),
+    # atomics add in float: into dwte itself, or (bf16) a float buffer added once after
+    acc = dwte if dwte.dtype == np.float32 else _ws("wte_acc", dwte.size, zeroed=True)
+    _ew("encoder_backward_wte", B * T * C, acc, dout, inp, _i(B), _i(T), _i(C), _i(v0),
         _i(rows))
+    if acc is not dwte:
+        _ew("add_into", dwte.size, dwte, acc, np.int64(dwte.size))
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
 
 
@@ -435,7 +479,7 @@ def matmul_backward_weight(dw, db, dout, inp):
 def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
     B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
     BH, n = B * NH, B * T * C
-    dy, dq, dk, dv = (_ws(key, n) for key in ("dy", "dq", "dk", "dv"))
+    dy, (dq, dk, dv) = _ws("dy", n, dout.dtype), (_ws(key, n) for key in ("dq", "dk", "dv"))
     _ew("unpermute_backward", n, dy, dout, _i(B), _i(T), _i(NH), _i(HS))
     _gemm(N_, T_, T, T, HS, dy, HS, v, HS, datt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T)
     _gemm(T_, N_, T, HS, T, att, T, dy, HS, dv, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
@@ -454,9 +498,10 @@ def gelu_backward(dinp, inp, dout):
 # --- optimizer ---------------------------------------------------------------------------
 
 def adamw_schedule(sched):
-    """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t) to the device, where the adamw
-    kernel reads it: a captured step reads the new values on each replay."""
-    upload(_ws("sched", 3), np.array(sched[:3], np.float32))
+    """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t, t) to the device, where the adamw
+    kernel reads it: a captured step reads the new values on each replay (t, the rounding
+    seed's, is exact in float up to 2^24 steps)."""
+    upload(_ws("sched", 4), np.array(sched, np.float32))
 
 
 NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is too
@@ -464,11 +509,11 @@ NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is t
 
 @_op
 def sum_squares(acc, x):
-    """acc (1,) += the sum of x's squares, in two deterministic stages (a step's norm, and
-    so its clipping, repeats exactly)."""
+    """acc (1,) float64 += the sum of x's squares, in double, in two deterministic stages
+    (a step's norm, and so its clipping, repeats exactly)."""
     threads = GEOMETRY["EW_THREADS"]
     R = max(1, min(NORM_BLOCKS, (x.size + threads - 1) // threads))
-    partial = _ws("norm_partial", R)
+    partial = _ws("norm_partial", R, np.float64)
     _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size))
     _launch("sum_squares_finish", (1,), (1,), acc, partial, _i(R))
 
@@ -476,9 +521,9 @@ def sum_squares(acc, x):
 @_op
 def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip,
           master=None, salt=0, offset=0):
-    """(DTYPES has no bf16 yet: master, salt and offset, a bf16 run's, are never given.)"""
     if not cp.cuda.get_current_stream().is_capturing():
         adamw_schedule(sched)
-    _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),
-        np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay),
-        norm_sq, np.float32(clip))
+    _ew("adamw", params.size, params, params if master is None else master, grads, m, v,
+        np.int64(params.size), np.int64(offset), _ws("sched", 4), np.float32(beta1),
+        np.float32(beta2), np.float32(eps), np.float32(weight_decay), norm_sq,
+        np.float32(clip), np.uint32(salt))

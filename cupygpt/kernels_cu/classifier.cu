@@ -6,13 +6,13 @@
 
 // stats[row] = (max, sum of exp(x - max) over the shard's valid columns, the target's
 // logit if this shard holds the target else 0).
-extern "C" __global__ void classifier_stats(float* stats, const float* logits,
+extern "C" __global__ void classifier_stats(float* stats, const floatX* logits,
                                             const int* targets, int v0, int valid, int Vs) {
     __shared__ float sm[CLS_THREADS / WARP], ss[CLS_THREADS / WARP];
     long long row = blockIdx.x;
-    const float* x = logits + row * Vs;
+    const floatX* x = logits + row * Vs;
     float m = -INFINITY, s = 0.f;
-    for (int i = threadIdx.x; i < valid; i += blockDim.x) merge_max_sum(m, s, x[i], 1.f);
+    for (int i = threadIdx.x; i < valid; i += blockDim.x) merge_max_sum(m, s, load(x[i]), 1.f);
     warp_max_sum(m, s);
     int w = threadIdx.x / WARP, lane = threadIdx.x % WARP, nw = blockDim.x / WARP;
     if (lane == 0) { sm[w] = m; ss[w] = s; }
@@ -23,13 +23,13 @@ extern "C" __global__ void classifier_stats(float* stats, const float* logits,
     int r = targets[row] - v0;
     stats[row * 3] = m;
     stats[row * 3 + 1] = s;
-    stats[row * 3 + 2] = (r >= 0 && r < valid) ? x[r] : 0.f;
+    stats[row * 3 + 2] = (r >= 0 && r < valid) ? load(x[r]) : 0.f;
 }
 
 // losses[row] = log S + M - target logit, from the tp shards' stats (tp, N, 3) combined in
 // shard order. With write_dlogits this shard's row is replaced in place by
 // dloss * (softmax - onehot(target)), and 0 over its padding.
-extern "C" __global__ void classifier(float* logits, float* losses, const float* stats,
+extern "C" __global__ void classifier(floatX* logits, float* losses, const float* stats,
                                       const int* targets, float dloss, int write_dlogits,
                                       int v0, int valid, int Vs, int tp, int N) {
     long long row = blockIdx.x;
@@ -41,10 +41,11 @@ extern "C" __global__ void classifier(float* logits, float* losses, const float*
     }
     if (threadIdx.x == 0) losses[row] = logf(s) + m - t;
     if (!write_dlogits) return;
-    float* x = logits + row * Vs;
+    floatX* x = logits + row * Vs;
     int tgt = targets[row] - v0;
     for (int i = threadIdx.x; i < Vs; i += blockDim.x)
-        x[i] = i < valid ? (expf(x[i] - m) / s - (i == tgt ? 1.f : 0.f)) * dloss : 0.f;
+        store(&x[i], i < valid ? (expf(load(x[i]) - m) / s - (i == tgt ? 1.f : 0.f)) * dloss
+                               : 0.f);
 }
 
 // acc[0] += sum of n losses, in double, one block of CLS_THREADS threads (deterministic).

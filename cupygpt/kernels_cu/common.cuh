@@ -1,4 +1,4 @@
-// Shared helpers. Every kernel file includes this; all kernels are extern "C" fp32.
+// Shared helpers. Every kernel file includes this; all kernels are extern "C".
 #pragma once
 #ifndef INFINITY  // NVRTC (CuPy's compiler) has no <math.h>
 #define INFINITY __int_as_float(0x7f800000)
@@ -10,6 +10,21 @@
 #error "launch geometry not defined: compile with cupygpt.kernels.OPTIONS"
 #endif
 #define FULL_MASK 0xffffffffu
+
+// floatX: how parameters, activations and gradients are stored, float or __nv_bfloat16 (a
+// bf16 run's). The backend compiles each file once per type (-DfloatX=..., kernels.py). A
+// kernel loads floatX into float, computes in float and rounds what it stores once, to the
+// nearest even (store), as the NumPy reference does (precision.py); statistics, losses and
+// AdamW's state are float whatever floatX is.
+#ifndef floatX
+#error "storage type not defined: compile with cupygpt.kernels.options(dtype)"
+#endif
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

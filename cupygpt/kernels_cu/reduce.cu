@@ -5,15 +5,17 @@
 
 // Stage 1. Launch: grid (ceil(OC/COL_TILE), R), block (COL_TILE, ROW_LANES): a lane per
 // column, so each row is read coalesced; chunk r sums rows
-// [r*rows_per_chunk, (r+1)*rows_per_chunk) into partial[r, c].
-extern "C" __global__ void column_sum_partial(float* partial, const float* in, int N, int OC,
-                                              int rows_per_chunk) {
+// [r*rows_per_chunk, (r+1)*rows_per_chunk) into partial[r, c]. in is floatX (a gradient),
+// or float (column_sum_partial_f32: layernorm's dnorm).
+template <class T>
+__device__ void column_sum_rows(float* partial, const T* in, int N, int OC, int rows_per_chunk) {
     __shared__ float acc[ROW_LANES][COL_TILE];
     int c = blockIdx.x * COL_TILE + threadIdx.x;
     int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
     float s = 0.f;
     if (c < OC)
-        for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES) s += in[(long long)r * OC + c];
+        for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES)
+            s += load(in[(long long)r * OC + c]);
     acc[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && c < OC) {
@@ -23,36 +25,50 @@ extern "C" __global__ void column_sum_partial(float* partial, const float* in, i
     }
 }
 
-// Stage 2. Launch: EW_THREADS per block over OC columns; sums the R partials in order.
-extern "C" __global__ void column_sum_finish(float* out, const float* partial, int R, int OC) {
+extern "C" __global__ void column_sum_partial(float* partial, const floatX* in, int N, int OC,
+                                              int rows_per_chunk) {
+    column_sum_rows(partial, in, N, OC, rows_per_chunk);
+}
+
+extern "C" __global__ void column_sum_partial_f32(float* partial, const float* in, int N, int OC,
+                                                  int rows_per_chunk) {
+    column_sum_rows(partial, in, N, OC, rows_per_chunk);
+}
+
+// Stage 2. Launch: EW_THREADS per block over OC columns; sums the R partials in order and
+// adds them to out, rounding once.
+extern "C" __global__ void column_sum_finish(floatX* out, const float* partial, int R, int OC) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= OC) return;
     float s = 0.f;
     for (int r = 0; r < R; r++) s += partial[(long long)r * OC + c];
-    out[c] += s;
+    store(&out[c], load(out[c]) + s);
 }
 
-// The sum of squares: acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block
-// b sums its grid-strided share into partial[b].
-extern "C" __global__ void sum_squares_partial(float* partial, const float* x, long long n) {
-    __shared__ float part[EW_THREADS / WARP];
-    float s = 0.f;
+// The sum of squares, in double (so how the gradient is split over ranks changes no bit of
+// the float norm): acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block b
+// sums its grid-strided share into partial[b].
+extern "C" __global__ void sum_squares_partial(double* partial, const floatX* x, long long n) {
+    __shared__ double part[EW_THREADS / WARP];
+    double s = 0.0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
-        s += x[i] * x[i];
-    s = warp_sum(s);
+         i += (long long)gridDim.x * blockDim.x) {
+        double v = load(x[i]);
+        s += v * v;
+    }
+    s = warp_sum_d(s);
     if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float t = 0.f;
+        double t = 0.0;
         for (int k = 0; k < EW_THREADS / WARP; k++) t += part[k];
         partial[blockIdx.x] = t;
     }
 }
 
 // Stage 2. Launch: one thread; adds the R partials in order.
-extern "C" __global__ void sum_squares_finish(float* acc, const float* partial, int R) {
-    float t = 0.f;
+extern "C" __global__ void sum_squares_finish(double* acc, const double* partial, int R) {
+    double t = 0.0;
     for (int r = 0; r < R; r++) t += partial[r];
     acc[0] += t;
 }
