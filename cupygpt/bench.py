@@ -6,7 +6,7 @@ from .data import DataLoader
 from .initialize import init_params
 from .optim import AdamWConfig
 from .config_parts import RUN_DTYPES
-from .precision import DTYPES
+from .precision import DTYPES, numerics
 
 
 def flops_per_token(cfg, T):
@@ -50,7 +50,7 @@ def _bench(sess, dtype, on_step):
     peak = be.peak_flops(dtype)
     achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
     out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
-           "numerics": be.numerics(), "steps": steps, "warmup": warmup,
+           "numerics": numerics(be, DTYPES[dtype]), "steps": steps, "warmup": warmup,
            "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
            "peak_tflops": peak / 1e12 if peak else None,  # the dtype's: TF32 or bf16

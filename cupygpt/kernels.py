@@ -33,9 +33,21 @@ OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
 
 
+def cuda_headers():
+    """-I of the CUDA headers (common.cuh includes cuda_bf16.h, and NVRTC has no include
+    path of its own): the toolkit's, or the nvidia-cuda-runtime wheel's, as cuda.pathfinder
+    finds them; none when it finds none (cudasim brings its own)."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        found = find_nvidia_header_directory("cudart")
+    except Exception:  # (not installed: no CUDA here)
+        return ()
+    return (f"-I{found}",) if found else ()
+
+
 def options(dtype):
     """The compile options of the kernels storing dtype ("fp32" or "bf16")."""
-    return OPTIONS + (f"-DfloatX={FLOATX[dtype]}",)
+    return OPTIONS + cuda_headers() + (f"-DfloatX={FLOATX[dtype]}",)
 
 
 def sources():

@@ -25,6 +25,12 @@ def wide(dtype):
     return np.dtype(np.float32) if np.dtype(dtype) == BF16 else np.dtype(dtype)
 
 
+def numerics(be, dtype):
+    """Which arithmetic a run is (verify's tolerance row, bench's label): the backend's
+    own in fp32/fp64, "<backend>-bf16" in bf16."""
+    return f"{be.name}-bf16" if np.dtype(dtype) == BF16 else be.numerics()
+
+
 def is_narrow(dtype):
     """Whether a run of dtype keeps fp32 master weights (its parameters are rounded)."""
     return np.dtype(dtype) != wide(dtype)

@@ -266,13 +266,15 @@ def test_out_of_memory_at_start_is_one_line(device):
     assert "out of memory at start" in res.stderr and "GiB of the GPU is free" in res.stderr
 
 
-def test_bench_writes_json(device, tmp_path):
+@pytest.mark.parametrize("dtype,gemm,numerics", [("bf16", "gemmEx", "cuda-bf16"),
+                                                 ("fp32", "sgemm", "cuda-tf32")])
+def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
     out = tmp_path / "bench.json"
     res = run(device, "bench", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "32",
-              "--steps", "2", "--warmup", "1", "--profile", "--out", out)
+              "--steps", "2", "--warmup", "1", "--profile", "--dtype", dtype, "--out", out)
     assert res.returncode == 0, res.stderr
     r = json.loads(out.read_text())
-    assert r["backend"] == "cuda" and r["graphs"] and r["numerics"] == "cuda-tf32" and r["B"] == 2
+    assert r["backend"] == "cuda" and r["graphs"] and r["numerics"] == numerics and r["B"] == 2
     assert r["ms_per_step_median"] > 0 and 0 < r["host_launch_fraction"] <= 1.01
     ops = {o["op"] for o in r["per_op"]}
     assert {"matmul_forward", "matmul_backward_input", "matmul_backward_weight",
@@ -282,8 +284,8 @@ def test_bench_writes_json(device, tmp_path):
     kernels = {(k["op"], k["kernel"]): k for k in r["per_kernel"]}
     L, NH, C, BT = 4, 4, 128, 2 * 32  # tiny, -b 2 -t 32
     assert kernels["attention_forward", "softmax_forward"]["calls_per_step"] == L
-    assert kernels["attention_forward", f"sgemm_NT 32x32x{C // NH}x{2 * NH}"]["calls_per_step"] == L
-    assert kernels["matmul_forward", f"sgemm_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
+    assert kernels["attention_forward", f"{gemm}_NT 32x32x{C // NH}x{2 * NH}"]["calls_per_step"] == L
+    assert kernels["matmul_forward", f"{gemm}_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
     assert kernels["classifier", "classifier"]["calls_per_step"] == 1
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)

@@ -32,7 +32,7 @@ def test_bf16_passes_at_its_tolerances_and_is_not_fp32(files):
     measurably not fp32 (its logits are off by more than fp32's tolerance)."""
     res, r = verify_numpy(files, "--dtype", "bf16")
     assert res.returncode == 0 and r["ok"], res.stdout
-    assert r["backend"] == "numpy" and r["logits"]["tol"] == 5e-2
+    assert r["backend"] == "numpy-bf16" and r["logits"]["tol"] == 5e-2
     assert r["logits"]["max_abs_diff"] > 1e-3
     assert all(s["ok"] for s in r["steps"]) and r["steps"][9]["loss"] < r["steps"][0]["loss"]
 

@@ -16,6 +16,8 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
   testing values is an error (as it is in CUDA), and a replayed graph reuses the
   arguments it captured, pointers included, so a freed buffer is reported.
 TF32 math mode rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
+bf16 is ml_dtypes.bfloat16, as in CuPy: device arrays of it, `__nv_bfloat16*` kernel
+parameters (cuda_bf16.h here gives g++ CUDA's type), and gemmEx with fp32 compute.
 It reports CUDASIM_DEVICES GPUs (default 1): the nccl transport, which wants one per
 rank, runs with it set to the number of ranks (cudasim_nccl.py is its NCCL).
 """
@@ -32,12 +34,14 @@ import time
 import types
 import weakref
 
+import ml_dtypes
 import numpy as np
 
 from cupygpt.kernels import kernels_in
 
 __version__ = "cudasim"
-uint64, float32, float64 = np.uint64, np.float32, np.float64
+uint8, uint16, uint64, float32, float64 = np.uint8, np.uint16, np.uint64, np.float32, np.float64
+BF16 = np.dtype(ml_dtypes.bfloat16)
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
 MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
@@ -246,7 +250,7 @@ def _in_use():
 def _alloc(shape, dtype, value):
     a = ndarray(shape, dtype)
     if value is None:  # uninitialized: poison it
-        value = np.nan if np.dtype(dtype).kind == "f" else -1
+        value = np.nan if np.dtype(dtype).kind == "f" or np.dtype(dtype) == BF16 else -1
     np.ndarray.fill(a, value)
     return a
 
@@ -321,20 +325,23 @@ def get_default_memory_pool():
 
 _C_SCALARS = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,
               "float": np.float32, "double": np.float64}
-_C_POINTEES = {"int": np.int32, "float": np.float32, "double": np.float64}
+_C_POINTEES = {"int": np.int32, "float": np.float32, "double": np.float64,
+               "__nv_bfloat16": BF16}
 _CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
            np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
-def _signatures(code):
-    """{kernel: [(C type without const, parameter name)]} for each extern "C" kernel."""
+def _signatures(code, options=()):
+    """{kernel: [(C type without const, parameter name)]} for each extern "C" kernel, its
+    types' macros (-DNAME=TYPE options, as floatX) replaced as the compiler would."""
+    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
     out = {}
     for name, params in kernels_in(code).items():
         out[name] = []
         for p in params.split(","):
             ctype, pname = re.match(r"(.*?)\s*(\w+)$", " ".join(p.split())).groups()
-            out[name].append((" ".join(ctype.replace("const", "").replace("*", " *").split()),
-                              pname))
+            words = ctype.replace("const", "").replace("*", " * ").split()
+            out[name].append((" ".join(macros.get(w, w) for w in words), pname))
     return out
 
 
@@ -350,7 +357,7 @@ def _key_flag(flag):
 
 def _compile(code, options):
     """The shared library for code, built once and cached on disk (like CuPy's cache)."""
-    sigs = _signatures(code)
+    sigs = _signatures(code, options)
     wrappers = []
     for name, params in sigs.items():
         call = ", ".join(f"*({t.replace(' *', '*')}*)a[{i}]" for i, (t, _) in enumerate(params))
@@ -359,10 +366,12 @@ def _compile(code, options):
                         f'    return sim::launch({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ '
                         f'{name}({call}); }});\n}}\n')
     src = code + '\n#include "sim_runtime.h"\n' + "".join(wrappers)
-    # of CuPy's options, the include directories and the macros (the launch geometry)
+    # of CuPy's options, the include directories and the macros (the launch geometry, the
+    # storage type); not the CUDA toolkit's headers, which are for nvcc (here: cuda_bf16.h)
     flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-x", "c++", "-include",
              os.path.join(HERE, "sim.h"), f"-I{HERE}",
-             *(o for o in options if o.startswith(("-I", "-D")))]
+             *(o for o in options if o.startswith("-D") or o.startswith("-I") and not
+               os.path.isfile(os.path.join(o[2:], "cuda_runtime.h")))]
     key = hashlib.sha256("\0".join([src, *map(_key_flag, flags),
                                     open(os.path.join(HERE, "sim.h")).read(),
                                     open(os.path.join(HERE, "sim_runtime.h")).read()]).encode())
@@ -443,16 +452,19 @@ class _Kernel:
 
 # --- cuBLAS ------------------------------------------------------------------------------
 
-def _matrix(ptr, rows, cols, ld, stride, batch, what):
-    """The column-major rows x cols matrices (batched) at ptr, as a NumPy view."""
+def _matrix(ptr, rows, cols, ld, stride, batch, what, dtype=np.float32):
+    """The column-major rows x cols matrices (batched) of dtype at ptr, as a NumPy view."""
     if ld < max(1, rows):
         raise RuntimeError(f"CUBLAS_STATUS_INVALID_VALUE: ld{what}={ld} < {rows} rows")
+    item = np.dtype(dtype).itemsize
     extent = (batch - 1) * stride + (cols - 1) * ld + rows if rows and cols and batch else 0
-    if extent and _owner(ptr, extent * 4) is None:
+    if extent and _owner(ptr, extent * item) is None:
         raise RuntimeError(f"cuBLAS: matrix {what} ({batch}x{rows}x{cols}, ld {ld}, stride "
                            f"{stride}) reaches outside the device allocation at {ptr:#x}")
-    flat = np.ctypeslib.as_array((ctypes.c_float * max(extent, 1)).from_address(ptr))
-    return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), (stride * 4, 4, ld * 4))
+    buf = (ctypes.c_char * (max(extent, 1) * item)).from_address(ptr)
+    flat = np.frombuffer(buf, dtype, max(extent, 1))
+    return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols),
+                                           (stride * item, item, ld * item))
 
 
 def _tf32(a):
@@ -478,12 +490,41 @@ def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strid
     _enqueue(run)
 
 
+_CUDA_TYPES = {0: np.float32, 14: BF16}  # cudaDataType: CUDA_R_32F, CUDA_R_16BF
+
+
+def _gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA,
+                             B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount,
+                             computeType, algo):
+    """cuBLAS's mixed-precision GEMM with CUBLAS_COMPUTE_32F (68): the inputs widened to
+    float32 (bf16 products are exact there), float32 sums, alpha and beta * C (C read in
+    when beta is not 0) in float32, and C rounded once to its type (to nearest even)."""
+    if computeType != 68 or Atype != Btype:
+        raise RuntimeError(f"cudasim: gemmEx with compute type {computeType}, types "
+                           f"{Atype}/{Btype}: not emulated (only CUBLAS_COMPUTE_32F, A and B "
+                           f"alike)")
+    a_ = ctypes.c_float.from_address(alpha).value
+    b_ = ctypes.c_float.from_address(beta).value
+    opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A",
+                  _CUDA_TYPES[Atype])
+    opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, strideB, batchCount, "B",
+                  _CUDA_TYPES[Btype])
+    outC = _matrix(C, m, n, ldc, strideC, batchCount, "C", _CUDA_TYPES[Ctype])
+
+    def run():
+        x = (opA if transa == 0 else opA.transpose(0, 2, 1)).astype(np.float32)
+        y = (opB if transb == 0 else opB.transpose(0, 2, 1)).astype(np.float32)
+        r = np.float32(a_) * np.matmul(x, y)
+        outC[...] = r if b_ == 0 else r + np.float32(b_) * outC.astype(np.float32)
+    _enqueue(run)
+
+
 _cublas_mode = {"math": 0}
 cublas = types.SimpleNamespace(
     CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0,
     setPointerMode=lambda handle, mode: None, setStream=lambda handle, stream: None,
     setMathMode=lambda handle, mode: _cublas_mode.update(math=mode),
-    sgemmStridedBatched=_sgemm_strided_batched)
+    sgemmStridedBatched=_sgemm_strided_batched, gemmStridedBatchedEx=_gemm_strided_batched_ex)
 
 
 # --- the cupy.cuda namespace ---------------------------------------------------------------

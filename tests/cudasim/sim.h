@@ -51,3 +51,18 @@ inline float atomicAdd(float* p, float v) {  // fibers never run at once: a plai
     *p = old + v;
     return old;
 }
+
+// CUDA's bit casts between float and its 32 bits
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
