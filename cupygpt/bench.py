@@ -47,13 +47,13 @@ def _bench(sess, dtype, on_step):
         out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
     ms = statistics.median(times) * 1e3
 
-    peak = be.peak_flops()
+    peak = be.peak_flops(dtype)
     achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
     out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
            "numerics": be.numerics(), "steps": steps, "warmup": warmup,
            "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
-           "tf32_peak_tflops": peak / 1e12 if peak else None,
+           "peak_tflops": peak / 1e12 if peak else None,  # the dtype's: TF32 or bf16
            "mfu": achieved / peak if peak else None,
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
            "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,

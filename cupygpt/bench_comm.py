@@ -9,6 +9,8 @@ nccl, with their own collectives."""
 import statistics
 import time
 
+import numpy as np
+
 from .comm import make_transport
 from .config_parts import RUN_DTYPES
 from .parallel.mesh import Mesh
@@ -54,7 +56,7 @@ def comm_bench(sess, on_size=None):
     steps = sizes(cfg, c.batch, c.seq, be)
     most = max(n for _, n, _ in steps)
     # once (GPU buffers are collective); one message in flight each way
-    line.prepare({"act": ((most,), 1), "grad": ((most,), 1)})
+    line.prepare({"act": ((most,), 1, np.float32), "grad": ((most,), 1, np.float32)})
     rows = []
     for label, n, dtype in steps:
         nbytes = n * DTYPES[dtype].itemsize

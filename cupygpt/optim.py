@@ -45,7 +45,9 @@ class AdamW:
                        self.sizes(st.params.size, piece, st.dtype).items()}
                       for st, piece in zip(stages, self.slices)]
         self.counted = [norm_ranges(st, piece) for st, piece in zip(stages, self.slices)]
-        self.norm_sq = stages[0].be.zeros(1, stages[0].wide)  # the global sum of squares
+        # the global sum of squares, in float64 on every backend: a ZeRO-1 replica's slices
+        # and an unsharded rank add in other orders, yet give the same float32 norm
+        self.norm_sq = stages[0].be.zeros(1, np.float64)
 
     @staticmethod
     def sizes(n_params, piece=None, dtype=np.float32):

@@ -151,7 +151,8 @@ def test_adamw_matches_formula():
     m, v = r(20) * 0.1, np.abs(r(20)) * 0.1
     exp_m, exp_v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
     exp_p = p - 0.01 * ((exp_m / (1 - 0.9 ** 3)) / (np.sqrt(exp_v / (1 - 0.999 ** 3)) + 1e-8) + 0.1 * p)
-    be.adamw(p, g, m, v, (0.01, 1 - 0.9 ** 3, 1 - 0.999 ** 3), 0.9, 0.999, 1e-8, 0.1)
+    be.adamw(p, g, m, v, (0.01, 1 - 0.9 ** 3, 1 - 0.999 ** 3, 3), 0.9, 0.999, 1e-8, 0.1,
+             np.zeros(1), 0.0)
     close(p, exp_p)
     close(m, exp_m)
 

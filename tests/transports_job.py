@@ -89,7 +89,8 @@ def ring():
     """Each message carries (sender, receiver, kind, index), so a mix-up shows."""
     up, down = mesh.ring(1), mesh.ring(-1)
     shape = (3, 4)
-    tr.prepare({"act": (shape, 2), "grad": (shape, 2), "tied": ((2,), 1)})
+    tr.prepare({"act": (shape, 2, np.float32), "grad": (shape, 2, np.float32),
+                "tied": ((2,), 1, np.float32)})
 
     def msg(src, dst, kind, i):
         return np.full(shape, src * 1000 + dst * 100 + (kind == "grad") * 10 + i, np.float32)

@@ -138,10 +138,10 @@ def _rows(fn, rows, *args):
 
 
 def _ws(key, n, dtype=np.float32):
-    """A workspace buffer of at least n elements, kept for the process."""
-    buf = _workspace.get(key)
+    """A workspace buffer of at least n elements of dtype, kept for the process."""
+    buf = _workspace.get((key, np.dtype(dtype)))
     if buf is None or buf.size < n:
-        buf = _workspace[key] = cp.empty(n, dtype)
+        buf = _workspace[key, np.dtype(dtype)] = cp.empty(n, dtype)
     return buf[:n]
 
 
@@ -281,8 +281,9 @@ def device_info():
             "driver": cp.cuda.runtime.driverGetVersion()}
 
 
-def peak_flops():
-    """This GPU's dense TF32 peak FLOP/s (MFU's yardstick), None if not in the table."""
+def peak_flops(dtype="fp32"):
+    """This GPU's dense TF32 peak FLOP/s (MFU's yardstick), None if not in the table (no
+    bf16 run yet: DTYPES)."""
     dev = device_info()["device"]
     return next((v * 1e12 for key, v in TF32_PEAK.items() if key in dev), None)
 
@@ -454,9 +455,9 @@ def gelu_backward(dinp, inp, dout):
 # --- optimizer ---------------------------------------------------------------------------
 
 def adamw_schedule(sched):
-    """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t) to the device, where the adamw
+    """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t, t) to the device, where the adamw
     kernel reads it: a captured step reads the new values on each replay."""
-    upload(_ws("sched", 3), np.array(sched[:3], np.float32))
+    upload(_ws("sched", 4), np.array(sched, np.float32))
 
 
 NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is too
@@ -464,11 +465,11 @@ NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is t
 
 @_op
 def sum_squares(acc, x):
-    """acc (1,) += the sum of x's squares, in two deterministic stages (a step's norm, and
-    so its clipping, repeats exactly)."""
+    """acc (1,) float64 += the sum of x's squares, in double, in two deterministic stages
+    (a step's norm, and so its clipping, repeats exactly)."""
     threads = GEOMETRY["EW_THREADS"]
     R = max(1, min(NORM_BLOCKS, (x.size + threads - 1) // threads))
-    partial = _ws("norm_partial", R)
+    partial = _ws("norm_partial", R, np.float64)
     _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size))
     _launch("sum_squares_finish", (1,), (1,), acc, partial, _i(R))
 
@@ -479,6 +480,6 @@ def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, 
     """(DTYPES has no bf16 yet: master, salt and offset, a bf16 run's, are never given.)"""
     if not cp.cuda.get_current_stream().is_capturing():
         adamw_schedule(sched)
-    _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 3),
+    _ew("adamw", params.size, params, grads, m, v, np.int64(params.size), _ws("sched", 4),
         np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(weight_decay),
         norm_sq, np.float32(clip))

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import host_memory
-from ..precision import BF16, step_seed, stochastic_round
+from ..precision import BF16, step_seed, stochastic_round, wide
 
 name = "numpy"
 # Capabilities (backends/__init__.py lists them)
@@ -98,7 +98,7 @@ def numerics():
     return "numpy"
 
 
-def peak_flops():
+def peak_flops(dtype="fp32"):
     """The device's dense peak FLOP/s for MFU; None: not meaningful for a CPU here."""
     return None
 
@@ -269,6 +269,7 @@ def attention_decode(out, qkv, NH):
     s = (q @ k) * (1.0 / math.sqrt(HS))       # (NH, 1, n)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    _stored(p)                                # the next matmul's input
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
@@ -437,10 +438,10 @@ def sum_squares(acc, x):
         acc += np.dot(c, c)
 
 
-def _grad_scale(norm_sq, clip):
+def _grad_scale(norm_sq, clip, dtype):
     """The gradient's factor: clip / norm when the global norm is above clip (> 0), in
-    norm_sq's precision as the CUDA kernel computes it; None for 1."""
-    norm = np.sqrt(norm_sq[0])
+    dtype's wide type as the CUDA kernel computes it (norm_sq: float64); None for 1."""
+    norm = wide(dtype).type(np.sqrt(norm_sq[0]))
     return norm.dtype.type(clip) / norm if clip and norm > clip else None
 
 
@@ -452,7 +453,7 @@ def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, 
     (norm_sq (1,): the norm squared; clip 0: never). With master (a bf16 run's fp32 master
     weights of params) the update is made there and params[i] becomes it stochastically
     rounded with the noise of element offset + i and this step's seed (salt: the stage's)."""
-    scale = _grad_scale(norm_sq, clip)
+    scale = _grad_scale(norm_sq, clip, params.dtype)
     seed = None if master is None else step_seed(int(sched[3]), salt)
     for a in range(0, params.size, ADAM_CHUNK):  # elementwise: chunks change no bit
         b = a + ADAM_CHUNK

@@ -50,8 +50,8 @@ class Transport:
     name, rank, size = "", 0, 1
 
     def prepare(self, shapes):
-        """Collective, once: {kind: (shape, depth)} of every channel; GPU transports
-        allocate their buffers here."""
+        """Collective, once: {kind: (shape, depth, dtype)} of every channel (dtype: the
+        run's, what its messages hold); GPU transports allocate their buffers here."""
 
     def send(self, kind, arr, peer, mb=None):
         raise NotImplementedError

@@ -19,6 +19,7 @@ through a staging buffer of g * ceil(n / g) elements.
 import numpy as np
 
 from .. import CupyGPTError
+from ..precision import BF16
 from .base import AXES, chunks, poll
 from .gpu import start_on_side
 from .mpi import Mpi
@@ -39,7 +40,7 @@ class Nccl(Mpi):
         cp.cuda.Device(mesh.device(ndev)).use()  # before any NCCL call; the backend agrees
         self.cp, self.nccl, r = cp, nccl, self.rank
         self.dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32,
-                       np.dtype(np.float64): nccl.NCCL_FLOAT64}
+                       np.dtype(np.float64): nccl.NCCL_FLOAT64, BF16: nccl.NCCL_BFLOAT16}
         self.comms = {}  # every rank takes part in every unique id, in the same order
         for a, b, kind in mesh.pairs():
             uid = self.comm.bcast(nccl.get_unique_id() if r == 0 else None)
@@ -62,8 +63,8 @@ class Nccl(Mpi):
         """Staging rings for the two directions; NCCL itself needs no buffers."""
         cp = self.cp
         for kind in ("act", "grad"):
-            shape, depth = shapes[kind]
-            self.ring[kind] = [(cp.empty(shape, cp.float32), None) for _ in range(depth)]
+            shape, depth, dtype = shapes[kind]
+            self.ring[kind] = [(cp.empty(shape, dtype), None) for _ in range(depth)]
             self.n[kind] = 0
 
     def send(self, kind, arr, peer, mb=None):
@@ -75,18 +76,18 @@ class Nccl(Mpi):
             compute.wait_event(done)         # the send that last used this copy is finished
         buf.reshape(-1)[:arr.size] = arr.reshape(-1)  # prepare's shape holds the largest
         self.send_stream.wait_event(compute.record())
-        self.comms[(self.rank, peer, kind)].send(buf.data.ptr, arr.size, self.nccl.NCCL_FLOAT32,
+        self.comms[(self.rank, peer, kind)].send(buf.data.ptr, arr.size, self.dtypes[arr.dtype],
                                                  1, self.send_stream.ptr)
         self.ring[kind][i] = (buf, self.send_stream.record())
 
     def recv(self, kind, out, peer, mb=None):
-        self.comms[(peer, self.rank, kind)].recv(out.data.ptr, out.size, self.nccl.NCCL_FLOAT32,
+        self.comms[(peer, self.rank, kind)].recv(out.data.ptr, out.size, self.dtypes[out.dtype],
                                                  0, self.cp.cuda.get_current_stream().ptr)
 
     def sum_tied(self, arr, peer):
         """A 2-rank allreduce: NCCL gives both ranks the same sum, bit for bit."""
         comm = self.comms[(min(self.rank, peer), max(self.rank, peer), "tied")]
-        comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.nccl.NCCL_FLOAT32,
+        comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
                        self.nccl.NCCL_SUM, self.cp.cuda.get_current_stream().ptr)
 
     def _group(self, axis):

@@ -25,6 +25,9 @@ Collectives: built from the same puts, signals and stream waits (symmetric.py sa
 and why).
 """
 import atexit
+import math
+
+import numpy as np
 
 from .. import CupyGPTError
 from .base import AXES, chunks, poll
@@ -70,14 +73,16 @@ class Nvshmem(Mpi):
 
     def prepare(self, shapes):
         """Collective: allocates every channel's symmetric slots and signals on all PEs
-        (the same sizes everywhere, as NVSHMEM requires). shapes: {kind: (shape, depth)}.
-        act and grad get a set per direction when a rank has two ring neighbours; tied has
-        one peer."""
+        (the same sizes everywhere, as NVSHMEM requires). shapes: {kind: (shape, depth,
+        dtype)}. act and grad get a set per direction when a rank has two ring neighbours;
+        tied has one peer. A slot is raw bytes, read as the message's dtype: a smaller
+        dtype's message (bench --comm's bf16) fits the slot of the largest."""
         cp = self.cp
-        for kind, (shape, depth) in shapes.items():
+        for kind, (shape, depth, dtype) in shapes.items():
             ways = 2 if self.mesh.pp > 2 and kind != "tied" else 1
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             for way in range(ways):
-                slots = [self.nv.array(shape, dtype="float32") for _ in range(depth)]
+                slots = [self.nv.array((nbytes,), dtype="uint8") for _ in range(depth)]
                 data = [self.nv.buffer(8) for _ in range(depth)]
                 ack = [self.nv.buffer(8) for _ in range(depth)]
                 for b in data + ack:
@@ -85,7 +90,7 @@ class Nvshmem(Mpi):
                 self.chan[(kind, way)] = (slots, data, ack)
                 self.sent[(kind, way)] = self.got[(kind, way)] = 0
         if "tied" in shapes:  # sum_tied's copies, kept: a captured step allocates nothing
-            self.tied = [cp.empty(shapes["tied"][0], cp.float32) for _ in range(2)]
+            self.tied = [cp.empty(shapes["tied"][0], shapes["tied"][2]) for _ in range(2)]
         cp.cuda.get_current_stream().synchronize()
         self.barrier()
 
@@ -144,7 +149,7 @@ class Nvshmem(Mpi):
         n = self.got[(kind, way)] = self.got[(kind, way)] + 1
         i = (n - 1) % len(slots)
         self.ledger.wait(data[i].handle)
-        out[...] = slots[i].reshape(-1)[:out.size].reshape(out.shape)
+        out[...] = slots[i][:out.nbytes].view(out.dtype).reshape(out.shape)
         self.signal(ack[i].handle, 1, peer)
 
     def end_step(self):

@@ -23,6 +23,7 @@ chunk. So nothing depends on the runner announcing sizes, and memory stays bound
 """
 import numpy as np
 
+from ..precision import wide
 from .base import chunks
 
 # bytes of each collective inbox and gather area, per axis and stream: the pipeline's group
@@ -69,6 +70,9 @@ class Window:
         self.size = WINDOW[axis]
         # read only where a peer or this member wrote in the same phase: no zeroing
         self.inbox, self.gather = (tr.nv.array((self.size,), dtype="uint8") for _ in range(2))
+        # a bf16 sum is added in float (rounded once, as the other transports): this many
+        # floats hold a round of this member's chunk
+        self.acc = tr.cp.empty(self.size // 4, tr.cp.float32)
         self.sig = tr.nv.buffer(8 * 4 * len(members))
         tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
         self.ledger = Ledger(tr)
@@ -92,12 +96,15 @@ class Window:
             if src is not None:
                 self.phase(RED, self.inbox, [src[c:d] for c, d in cut], w, item)
                 inbox = self.inbox.view(src.dtype)
+                acc = slot if wide(dtype) == dtype else self.acc[:b - a]
                 for q in range(g):  # the sum in member order
                     part = src[a:b] if q == self.me else inbox[q * w:q * w + b - a]
                     if q == 0:
-                        slot[...] = part
+                        acc[...] = part
                     else:
-                        self.tr.cp.add(slot, part, out=slot)
+                        self.tr.cp.add(acc, part, out=acc)
+                if acc is not slot:
+                    slot[...] = acc
                 self.read(RED)
                 if mine is not None:
                     mine[a - base:b - base] = slot

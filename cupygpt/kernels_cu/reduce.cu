@@ -32,27 +32,30 @@ extern "C" __global__ void column_sum_finish(float* out, const float* partial, i
     out[c] += s;
 }
 
-// The sum of squares: acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block
-// b sums its grid-strided share into partial[b].
-extern "C" __global__ void sum_squares_partial(float* partial, const float* x, long long n) {
-    __shared__ float part[EW_THREADS / WARP];
-    float s = 0.f;
+// The sum of squares, in double (so how the gradient is split over ranks changes no bit of
+// the float norm): acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block b
+// sums its grid-strided share into partial[b].
+extern "C" __global__ void sum_squares_partial(double* partial, const float* x, long long n) {
+    __shared__ double part[EW_THREADS / WARP];
+    double s = 0.0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
-        s += x[i] * x[i];
-    s = warp_sum(s);
+         i += (long long)gridDim.x * blockDim.x) {
+        double v = x[i];
+        s += v * v;
+    }
+    s = warp_sum_d(s);
     if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float t = 0.f;
+        double t = 0.0;
         for (int k = 0; k < EW_THREADS / WARP; k++) t += part[k];
         partial[blockIdx.x] = t;
     }
 }
 
 // Stage 2. Launch: one thread; adds the R partials in order.
-extern "C" __global__ void sum_squares_finish(float* acc, const float* partial, int R) {
-    float t = 0.f;
+extern "C" __global__ void sum_squares_finish(double* acc, const double* partial, int R) {
+    double t = 0.0;
     for (int r = 0; r < R; r++) t += partial[r];
     acc[0] += t;
 }

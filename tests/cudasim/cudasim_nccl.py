@@ -17,13 +17,15 @@ import time
 import uuid
 
 import cupy
+import ml_dtypes
 import numpy as np
 
-NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16, NCCL_SUM = 7, 8, 9, 0
 available = True
 WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-_DTYPES = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}
+_DTYPES = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
+           NCCL_BFLOAT16: ml_dtypes.bfloat16}
 
 
 def get_unique_id():

@@ -70,8 +70,8 @@ class Runner:
         io = (plan.mb_rows, seq, shape.C)
         # the same shapes on every rank (NVSHMEM allocates symmetrically): the largest wte
         # shard's rows for the tied sum
-        transport.prepare({"act": (io, 2), "grad": (io, 2),
-                           "tied": ((-(-shape.Vp // mesh.tp), shape.C), 1)})
+        transport.prepare({"act": (io, 2, dtype), "grad": (io, 2, dtype),
+                           "tied": ((-(-shape.Vp // mesh.tp), shape.C), 1, dtype)})
 
     # --- training ----------------------------------------------------------------------
 
