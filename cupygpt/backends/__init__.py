@@ -19,7 +19,8 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   the GPU's, or the host's), memory_domain() (ranks with equal answers share that memory;
   its name in memory_name), workspace_bytes(cfg, batch, seq, part, dtype) (the most its
   kept workspaces reach for such a stage),
-  memory_in_use(), numerics() (verify's tolerance row), peak_flops(dtype) (a run dtype's dense peak; None: no MFU),
+  memory_in_use(), numerics() (verify's tolerance row in fp32), peak_flops(dtype) (a run
+  dtype's dense peak; None: no MFU),
   device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none).
 """
 import importlib

@@ -2,8 +2,9 @@
 // sched = {lr, 1 - beta1^t, 1 - beta2^t, t} lives on the device so a captured CUDA graph
 // replays with each step's learning rate, bias corrections and rounding seed. The gradient
 // is clipped at the global norm clip (0: never): norm_sq, the norm squared, is on the
-// device too (in double). The update is made in master (float): a bf16 run's fp32 master weights, or in
-// an fp32 run params itself; params[i] becomes it rounded (stochastically in bf16).
+// device too (in double). The update is made in master (float): a bf16 run's fp32 master
+// weights, or in an fp32 run params itself; params[i] becomes it rounded (stochastically in
+// bf16).
 #include "common.cuh"
 
 // A 32-bit hash of (index, seed): precision.noise, bit for bit.
