@@ -198,6 +198,24 @@ def test_verify_cuda(device, files):
     assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda", res.stdout + res.stderr
 
 
+def test_verify_bf16_cuda(device):
+    """bf16 kernels against llm.c's fp32 PyTorch reference, at bf16's tolerances."""
+    res, r = verify(device, FILES[1], "--dtype", "bf16")
+    assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda-bf16", res.stdout
+    assert r["logits"]["max_abs_diff"] > 1e-3  # (bf16, not fp32)
+
+
+def test_bf16_trains_as_the_numpy_reference(device, tmp_path):
+    """Four bf16 steps (AdamW's stochastic rounding, clipping, graph replay from step 2) on
+    the CUDA backend track the NumPy reference's bf16 run."""
+    args = ["train", "-e", "tiny", "-b", "4", "-t", "32", "-n", "4", "-v", "0", "-g", "0",
+            "--dtype", "bf16"]
+    ref = cli(*args, "--backend", "numpy", "-o", tmp_path / "np")
+    got = run(device, *args, "--backend", "cuda", "-o", tmp_path / "cu")
+    assert ref.returncode == 0 and got.returncode == 0, got.stderr
+    assert losses(got.stdout) == pytest.approx(losses(ref.stdout), rel=1e-3)
+
+
 def test_tf32_reaches_cublas(device):
     """--tf32 passes at its looser tolerance, and moves the logits far more than fp32 does."""
     _, fp32 = verify(device, FILES[0])
