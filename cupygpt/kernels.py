@@ -59,13 +59,14 @@ def kernels_in(src):
     return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
 
 
-def nvrtc_compile(path, arch, options=options("fp32")):
-    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90") and options; returns
-    the log and raises RuntimeError with it on failure."""
+def nvrtc_compile(path, arch, opts=None):
+    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90") and opts (default:
+    fp32's options); returns the log and raises RuntimeError with it on failure."""
+    opts = options("fp32") if opts is None else opts
     from cuda.bindings import nvrtc
     src = open(path, "rb").read()
     _, prog = nvrtc.nvrtcCreateProgram(src, os.path.basename(path).encode(), 0, [], [])
-    opts = [f"-arch={arch}".encode()] + [o.encode() for o in options]
+    opts = [f"-arch={arch}".encode()] + [o.encode() for o in opts]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * n

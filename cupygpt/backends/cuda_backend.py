@@ -173,20 +173,19 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
     h = cp.cuda.device.get_cublas_handle()
     cublas.setStream(h, cp.cuda.get_current_stream().ptr)
     al, be = _scalar(alpha).ctypes.data, (_ONE if beta else _ZERO).ctypes.data
+    shape = f"{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
     if A.dtype == B.dtype == C.dtype == np.float32:
-        fn, prefix = cublas.sgemmStridedBatched, "sgemm"
         args = (h, tb, ta, N, M, K, al, B.data.ptr, ldb, sB, A.data.ptr, lda, sA, be,
                 C.data.ptr, ldc, sC, batch)
-    else:
-        fn, prefix = cublas.gemmStridedBatchedEx, "gemmEx"
-        args = (h, tb, ta, N, M, K, al, B.data.ptr, CUDA_TYPE[B.dtype], ldb, sB, A.data.ptr,
-                CUDA_TYPE[A.dtype], lda, sA, be, C.data.ptr, CUDA_TYPE[C.dtype], ldc, sC, batch,
-                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        if _trace is None:
+            return cublas.sgemmStridedBatched(*args)
+        return _traced("sgemm_" + shape, cublas.sgemmStridedBatched, *args)
+    ex_args = (h, tb, ta, N, M, K, al, B.data.ptr, CUDA_TYPE[B.dtype], ldb, sB, A.data.ptr,
+               CUDA_TYPE[A.dtype], lda, sA, be, C.data.ptr, CUDA_TYPE[C.dtype], ldc, sC, batch,
+               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     if _trace is None:
-        fn(*args)
-    else:
-        name = f"{prefix}_{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
-        _traced(name, fn, *args)
+        return cublas.gemmStridedBatchedEx(*ex_args)
+    return _traced("gemmEx_" + shape, cublas.gemmStridedBatchedEx, *ex_args)
 
 
 _scalars = {}  # alpha values by value: cuBLAS reads them through a host pointer
