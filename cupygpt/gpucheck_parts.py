@@ -100,14 +100,16 @@ def bench(work, name, *args, timeout=400):
 
 
 def verify(out, work, plan):
-    """verify --backend cuda on each reference, TF32 off and on: the largest differences
-    from PyTorch, checked against (and to set) README's tolerances for each mode."""
+    """verify --backend cuda on each reference, fp32 with TF32 off and on, and bf16: the
+    largest differences from PyTorch, checked against (and to set) README's tolerances for
+    each mode."""
     for name in plan["verify"]:
-        for tf32 in ("--no-tf32", "--tf32"):
+        for mode, flags in (("no_tf32", ["--no-tf32"]), ("tf32", ["--tf32"]),
+                            ("bf16", ["--dtype", "bf16"])):
             fx = os.path.join(REFERENCE, name)
-            key = name + tf32[1:].replace("-", "_")  # e.g. tiny_no_tf32
+            key = f"{name}_{mode}"  # e.g. tiny_no_tf32
             log = os.path.join(work, f"verify_{key}.log")
-            rc, text = sh(CLI + ["verify", "--backend", "cuda", tf32, "--json", "--model",
+            rc, text = sh(CLI + ["verify", "--backend", "cuda", *flags, "--json", "--model",
                                  fx + "_model.bin", "--state", fx + "_debug_state.bin",
                                  "--expected", fx + "_expected.json"], 300, log, work)
             try:  # its one JSON line (exit 1 when outside the tolerances still prints it)
@@ -125,17 +127,22 @@ def verify(out, work, plan):
 
 def benches(out, work, plan):
     m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
-    runs = [(4, ts, ()), (4, tl, ("--profile",)), (4, tl, ("--no-graphs",))]
+    # bf16 (the GPU's default, llm.c's mainline), and fp32 beside it
+    runs = [(4, ts, ()), (4, tl, ("--profile",)), (4, tl, ("--no-graphs",)),
+            (4, tl, ("--dtype=fp32",))]
     runs += [(B, tl, ()) for B in plan["batches"]]
-    for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs
-        name = f"{m}_T{T}_B{B}" + "".join("_" + e[2:].replace("-", "_") for e in extra)
+    for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs, d12_T1024_B4_dtype_fp32
+        name = f"{m}_T{T}_B{B}" + "".join("_" + e[2:].replace("-", "_").replace("=", "_")
+                                           for e in extra)
         yield {name: bench(work, name, "-e", m, "-b", str(B), "-t", str(T), "--steps",
                            str(plan["steps"]), "--warmup", str(plan["warmup"]), *extra)}
 
 
 def pipeline(out, work, plan, ranks=2):
     """Per-step time and losses of one run on one GPU, then as a `ranks`-stage nvshmem
-    pipeline, and with plan["mps"] that pipeline again under an MPS server."""
+    pipeline, and with plan["mps"] that pipeline again under an MPS server; in fp32, where
+    the pipeline's losses are the one GPU's (bf16 stages round the tied wte's two
+    gradients apart before summing them)."""
     # what one handoff moves: a (B, T, C) fp32 activation forward or gradient back
     yield {"bytes_per_handoff": 4 * plan["t_short"] * preset(plan["model"]).C * 4}
     mpi = ["mpiexec", "-n", str(ranks)]
@@ -157,7 +164,8 @@ def train_run(work, label, plan, pre):
     log = os.path.join(work, f"pipe_{label}.jsonl")
     rc, text = sh(pre + CLI + ["train", "-e", plan["model"], "--backend", "cuda", "-b", "4",
                                "-t", str(plan["t_short"]), "-n", str(plan["pipe_steps"]),
-                               "-v", "0", "-g", "0", "--no-graphs", "--log-file", log,
+                               "-v", "0", "-g", "0", "--no-graphs", "--dtype", "fp32",
+                               "--log-file", log,
                                "-o", os.path.join(work, "pipe_" + label)]
                   + (["--transport", "nvshmem"] if pre else []), 600, log + ".out", work)
     if rc != 0:

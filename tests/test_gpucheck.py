@@ -40,6 +40,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     v = r["verify"]
     assert v["tiny_no_tf32"]["ok"] and v["tiny_no_tf32"]["logits"] < 1e-5, v
     assert v["tiny_tf32"]["ok"] and v["tiny_tf32"]["logits"] > 10 * v["tiny_no_tf32"]["logits"]
+    assert v["tiny_bf16"]["ok"] and v["tiny_bf16"]["logits"] > 10 * v["tiny_no_tf32"]["logits"]
     t = r["tests"]
     assert t["failed"] == 0 and t["errors"] == 0 and t["passed"] >= 4, t  # 4 kernel shapes
     assert r["bench"] and all("error" not in b for b in r["bench"].values()), r["bench"]
