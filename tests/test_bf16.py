@@ -19,7 +19,7 @@ from cupygpt.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.runner import Runner
 from cupygpt.precision import BF16, stochastic_round
-from cupygpt.shape import preset
+from cupygpt.shape import GPT2Config, preset
 
 
 def test_stochastic_rounding_is_unbiased_repeatable_and_sliceable():
@@ -54,26 +54,32 @@ def test_an_op_rounds_its_outputs_once_from_float32():
     assert np.array_equal(dw, ref.astype(BF16))
 
 
-def runner(dtype):
-    shape = preset("tiny")
+D12_SHAPED = GPT2Config(maxT=64, V=500, Vp=512, L=2, NH=12, C=768)  # d12's widths, 2 layers
+
+
+def runner(dtype, shape=None):
+    shape = shape or preset("tiny")
     run = Runner(shape=shape, backend=npb, transport=Local(), mesh=Mesh(), batch=2, seq=32,
                  dtype=dtype, adamw=AdamWConfig(lr=1e-3, grad_clip=1.0))
     run.load_state_dict(init_params(shape, 1))
     return run
 
 
-def test_bf16_tracks_fp32_for_twenty_steps():
-    xy = np.random.default_rng(0).integers(0, preset("tiny").V, (2, 33)).astype(np.int32)
+@pytest.mark.parametrize("shape", [None, D12_SHAPED], ids=["tiny", "d12-shaped"])
+def test_bf16_tracks_fp32_for_twenty_steps(shape):
+    xy = np.random.default_rng(0).integers(0, (shape or preset("tiny")).V,
+                                           (2, 33)).astype(np.int32)
     out = {}
     for dtype in (np.float32, BF16):
-        run = runner(dtype)
+        run = runner(dtype, shape)
         out[dtype] = [run.step(xy[:, :-1], xy[:, 1:]) for _ in range(20)]
         st = run.stages[0]
         assert st.params.dtype == st.grads.dtype == st.acts_bufs[0].dtype == np.dtype(dtype)
         assert st.acts[0]["ln1_mean"].dtype == run.opt.state[0]["m"].dtype == np.float32
     a, b = np.array(out[np.float32]), np.array(out[BF16])
     assert a[-1] < a[0] - 1.5  # (it learns)
-    assert np.abs(b - a).max() <= 1e-3 * a.max()  # measured: 1.9e-3 absolute, 1.8e-4 of it
+    # measured: tiny 1.9e-3 absolute (1.8e-4 of the loss), d12-shaped 4.3e-3 (6.8e-4)
+    assert np.abs(b - a).max() <= 3e-3 * a.max()
     master = run.opt.state[0]["master"]
     assert master.dtype == np.float32
     # the weights are the master weights rounded to one of their two bf16 neighbours

@@ -139,3 +139,17 @@ def test_graph_replayed_pipeline_steps_equal_eager_ones(tmp_path, device, ranks,
         runs[mode] = [r["train_loss"] for r in map(json.loads, open(out / "log.jsonl"))
                       if "train_loss" in r]
     assert len(runs["--graphs"]) == 4 and runs["--graphs"] == runs["--no-graphs"]
+
+
+@pytest.mark.parametrize("device", NVSHMEM_DEVICES)
+def test_bf16_grid_over_nvshmem_tracks_the_numpy_reference(tmp_path, device):
+    """bf16 stages over nvshmem (ZeRO-1 replicas, the pipeline's bf16 handoffs and tied sum,
+    the dp sums added in float) track the NumPy backend's one bf16 process."""
+    args = ["train", "-e", "tiny", "-b", "4", "-t", "16", "-n", "4", "-v", "0", "-g", "0",
+            "--dtype", "bf16"]
+    ref = cli(*args, "--backend", "numpy", "-o", tmp_path / "np")
+    grid = cli(*args, "--backend", "cuda", "--transport", "nvshmem", "--dp", "2", "--pp", "2",
+               "--zero", "1", "--micro-batches", "2", "-o", tmp_path / "grid", ranks=4,
+               timeout=600, env=device_env(device))
+    assert ref.returncode == 0 and grid.returncode == 0, grid.stdout + grid.stderr
+    assert losses(grid.stdout) == pytest.approx(losses(ref.stdout), rel=2e-4)
