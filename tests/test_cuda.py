@@ -437,6 +437,13 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
         getattr(npb, fn)(h, *args)
         getattr(cu, fn)(d, *args_d)
         check(d, h, 0 if fn == "residual_forward" else 1, fn)
+    # 128-bit accesses, and the element-wise path for a misaligned view and a ragged end
+    for lo in (0, 1):
+        h, d = out((B * T * C - lo,))
+        a_, a_d = x.reshape(-1)[lo:], x_d.reshape(-1)[lo:]
+        npb.residual_forward(h, a_, dout.reshape(-1)[lo:])
+        cu.residual_forward(d, a_d, dout_d.reshape(-1)[lo:])
+        check(d, h, 0, f"residual_forward from element {lo}")
     # classifier: logits bf16, statistics and losses float, dlogits bf16
     lg, lg_d = pair((B, T, 128), 3.0)
     tgt = rng.integers(0, 100, (B, T)).astype(np.int32)

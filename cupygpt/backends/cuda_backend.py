@@ -142,9 +142,16 @@ def kernel_profile(step, steps):
              for (op, k), t in sorted(per_kernel.items(), key=lambda kv: -kv[1])])
 
 
-def _ew(fn, n, *args):
+def _ew(fn, n, *args, per_thread=1):
     threads = GEOMETRY["EW_THREADS"]
+    n = (n + per_thread - 1) // per_thread
     _launch(fn, ((n + threads - 1) // threads,), (threads,), *args)
+
+
+def _packed(fn, out, *args):
+    """An elementwise kernel over out's elements, PACK (16 bytes of out's dtype: 128-bit
+    accesses) per thread."""
+    _ew(fn, out.size, out, *args, np.int64(out.size), per_thread=16 // out.dtype.itemsize)
 
 
 def _rows(fn, rows, *args):
@@ -393,12 +400,12 @@ def attention_decode(out, qkv, NH):
 
 @_op
 def gelu_forward(out, inp):
-    _ew("gelu_forward", inp.size, out, inp, np.int64(inp.size))
+    _packed("gelu_forward", out, inp)
 
 
 @_op
 def residual_forward(out, a, b):
-    _ew("residual_forward", a.size, out, a, b, np.int64(a.size))
+    _packed("residual_forward", out, a, b)
 
 
 @_op
@@ -491,7 +498,7 @@ def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
 
 @_op
 def gelu_backward(dinp, inp, dout):
-    _ew("gelu_backward", inp.size, dinp, inp, dout, np.int64(inp.size))
+    _packed("gelu_backward", dinp, inp, dout)
 
 
 # --- optimizer ---------------------------------------------------------------------------

@@ -26,6 +26,19 @@ __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// 128-bit access: PACK floatX in one 16-byte load or store (4 floats, 8 bf16). An
+// elementwise kernel's thread takes PACK consecutive elements, with one 16-byte access per
+// array where the run is whole and every pointer 16-byte aligned, else one at a time: the
+// same float math per element either way.
+#define PACK (16 / (int)sizeof(floatX))
+struct alignas(16) Pack {
+    floatX v[PACK];
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return ((unsigned long long)p & 15) == 0;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;

@@ -1,31 +1,49 @@
-// Elementwise ops. Launch: EW_THREADS per block, one element per thread.
+// Elementwise ops. Launch: EW_THREADS per block, PACK elements per thread (common.cuh).
 #include "common.cuh"
 
-extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+__device__ __forceinline__ float gelu(float x) {
+    return 0.5f * x * (1.f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+}
+
+__device__ __forceinline__ float gelu_grad(float x, float dout) {
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float local = 0.5f * (1.f + th) +
+                  0.5f * x * (1.f - th * th) * GELU_SCALE * (1.f + 3.f * 0.044715f * x * x);
+    return local * dout;
+}
+
+// out[i] = f(a[i], b[i]) for this thread's PACK elements: 128-bit loads and store where it can
+template <class F>
+__device__ __forceinline__ void map2(floatX* out, const floatX* a, const floatX* b, long long n,
+                                     F f) {
+    long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * PACK;
     if (i >= n) return;
-    float x = load(inp[i]);
-    store(&out[i], 0.5f * x * (1.f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+    if (i + PACK <= n && aligned16(out + i) && aligned16(a + i) && aligned16(b + i)) {
+        Pack x = *reinterpret_cast<const Pack*>(a + i), y = *reinterpret_cast<const Pack*>(b + i);
+        Pack o;
+        for (int k = 0; k < PACK; k++) store(&o.v[k], f(load(x.v[k]), load(y.v[k])));
+        *reinterpret_cast<Pack*>(out + i) = o;
+        return;
+    }
+    for (long long j = i; j < i + PACK && j < n; j++) store(&out[j], f(load(a[j]), load(b[j])));
+}
+
+extern "C" __global__ void gelu_forward(floatX* out, const floatX* inp, long long n) {
+    map2(out, inp, inp, n, [](float x, float) { return gelu(x); });
 }
 
 extern "C" __global__ void gelu_backward(floatX* dinp, const floatX* inp, const floatX* dout,
                                          long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = load(inp[i]), th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float local = 0.5f * (1.f + th) +
-                  0.5f * x * (1.f - th * th) * GELU_SCALE * (1.f + 3.f * 0.044715f * x * x);
-    store(&dinp[i], local * load(dout[i]));
+    map2(dinp, inp, dout, n, [](float x, float g) { return gelu_grad(x, g); });
 }
 
 extern "C" __global__ void residual_forward(floatX* out, const floatX* a, const floatX* b,
                                             long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) store(&out[i], load(a[i]) + load(b[i]));
+    map2(out, a, b, n, [](float x, float y) { return x + y; });
 }
 
 // out (N,OC) = bias (OC) in every row, before cuBLAS adds inp @ w^T to it (beta 1): the sum
-// is rounded once, in the GEMM's epilogue.
+// is rounded once, in the GEMM's epilogue. Launch: one element per thread.
 extern "C" __global__ void broadcast_bias(floatX* out, const floatX* bias, long long n, int OC) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) out[i] = bias[i % OC];
