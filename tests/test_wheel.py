@@ -27,7 +27,8 @@ from conftest import ROOT, SIM, cli, losses, requires_sim
 # The venv's processes see none of this one's path settings, so only its own copy imports.
 ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 # What the compile test imports, at the versions the test extra asks for.
-COMPILE_TEST_NEEDS = ("pytest", "cuda-bindings", "nvidia-cuda-nvrtc")
+# (nvidia-cuda-runtime: the CUDA headers, cuda_bf16.h among them, which NVRTC compiles with)
+COMPILE_TEST_NEEDS = ("pytest", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime")
 
 
 def run(cmd, cwd, timeout=300, env=None):
@@ -137,8 +138,8 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
                   if f.endswith(".cu"))
     assert compiled == [os.path.join(venv.pkg, "kernels_cu", f) for f in repo], compiled
     passed = set(re.findall(r"^PASSED \S+::test_nvrtc_compiles\[(\S+)\]", res.stdout, re.M))
-    assert passed == {f"{f}-{arch}" for f in repo for arch in ("compute_80", "compute_90")}, \
-        res.stdout
+    assert passed == {f"{f}-{arch}-{dtype}" for f in repo for arch in ("compute_80", "compute_90")
+                      for dtype in ("fp32", "bf16")}, res.stdout
     assert re.search(r"PASSED \S+::test_a_broken_kernel_is_caught", res.stdout)
     assert re.search(r"PASSED \S+::test_every_backend_kernel_exists", res.stdout)
 
