@@ -125,3 +125,37 @@ def test_bench_puts_bf16_beside_fp32(tmp_path):
     assert p16["params"] * 2 == p32["params"] and p16["activations"] < 0.6 * p32["activations"]
     assert p16["optimizer"] == 1.5 * p32["optimizer"]  # m, v and the fp32 master weights
     assert "bf16 is " in res.stdout
+
+
+def test_every_op_in_bf16_is_fp32_rounded():
+    """Each op on bf16 inputs against the same op in fp32 on the same (bf16-exact) inputs:
+    within one rounding (2^-8 relative, and of the output's rms for sums that cancel), the
+    attention, which stores its scores and probabilities in bf16 on the way, within 2^-6."""
+    rng = np.random.default_rng(2)
+    B, T, C, NH = 2, 16, 64, 4
+
+    def inputs(*shapes):
+        return [rng.normal(size=s).astype(BF16) for s in shapes]
+
+    def both(fn, outs, ins, bound=2 ** -8):
+        got = [np.zeros(s, BF16) for s in outs]
+        want = [np.zeros(s, np.float32) for s in outs]
+        fn(*got, *ins)
+        fn(*want, *(x.astype(np.float32) for x in ins))
+        for g, w in zip(got, want):
+            rms = float(np.sqrt(np.mean(w ** 2)))
+            np.testing.assert_allclose(g.astype(np.float32), w, rtol=bound, atol=bound * rms,
+                                       err_msg=fn.__name__)
+
+    x, w, b = inputs((B, T, C), (3 * C, C), (3 * C,))
+    both(npb.matmul_forward, [(B, T, 3 * C)], [x, w, b])
+    both(npb.gelu_forward, [(B, T, C)], [x])
+    both(npb.gelu_backward, [(B, T, C)], inputs((B, T, C), (B, T, C)))
+    both(npb.residual_forward, [(B, T, C)], inputs((B, T, C), (B, T, C)))
+    both(npb.matmul_backward_input, [(B, T, C)], inputs((B, T, 3 * C), (3 * C, C)))
+    both(lambda out, inp, g, bb: npb.layernorm_forward(out, np.zeros((B, T), np.float32),
+                                                       np.zeros((B, T), np.float32), inp, g,
+                                                       bb),
+         [(B, T, C)], inputs((B, T, C), (C,), (C,)))
+    both(lambda out, pre, att, qkv: npb.attention_forward(out, pre, att, qkv, NH),
+         [(B, T, C), (B, NH, T, T), (B, NH, T, T)], inputs((B, T, 3 * C)), 2 ** -6)
