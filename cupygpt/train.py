@@ -142,7 +142,9 @@ class Trainer:
                                                 f", warm-up {opts.warmup}")),
             ("dtype", opts.dtype + (" (fp32 master weights and AdamW state)"
                                     if is_narrow(DTYPES[opts.dtype]) else "")),
-            ("recompute", opts.recompute),
+            ("recompute", f"{opts.recompute}" + (
+                f" (rank 0 keeps {self.run.recompute_saves() / 2**20:.1f} MiB less)"
+                if opts.recompute else "")),
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),

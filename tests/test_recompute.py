@@ -1,6 +1,8 @@
 """llm.c's -r: activations backward makes again instead of keeping. The same bits as keeping
 them, on one process and across ranks (a split backward's weight pass, tensor-parallel
 shards), and less memory by what is not kept."""
+import re
+
 import pytest
 
 from conftest import cli, losses
@@ -16,13 +18,16 @@ FLAGS = ("-e", "tiny", "-b", "4", "-t", "32", "-n", "3", "-v", "0", "-g", "0", "
                                                          "--micro-batches", "2"]),
                                         (2, ["--tp", "2"])])
 def test_recomputing_gives_the_same_bits(tmp_path, ranks, grid):
-    models = []
+    models, saved = [], []
     for r in RECOMPUTED:
         res = cli("train", *FLAGS, *grid, "-r", r, "-o", tmp_path / str(r), ranks=ranks)
         assert res.returncode == 0, res.stderr
         assert losses(res.stdout) and f"| recompute               | {r} " in res.stdout
         models.append((tmp_path / str(r) / "model.bin").read_bytes())
+        said = re.findall(r"rank 0 keeps ([\d.]+) MiB less", res.stdout)
+        saved.append(float(said[0]) if said else 0.0)
     assert models[1] == models[0] and models[2] == models[0]
+    assert 0 == saved[0] < saved[1] < saved[2]  # the run table says what each level saves
 
 
 def test_recomputing_keeps_less():

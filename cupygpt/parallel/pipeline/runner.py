@@ -130,6 +130,12 @@ class Runner:
         unless the overlapped sum did."""
         self.opt.step(lr, self.sync.summed)
 
+    def recompute_saves(self):
+        """Bytes of activations and scratch this rank keeps fewer than it would without
+        recomputation (-r)."""
+        kept = memory_plan(self.shape, self.plan, self.be, self.dtype, False)
+        return sum(kept[k] - self.memory[k] for k in ("activations", "scratch"))
+
     def grad_norm(self):
         """The last step's global gradient norm, before clipping (the same on every rank)."""
         return self.opt.grad_norm()
