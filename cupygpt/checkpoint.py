@@ -176,13 +176,16 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
             check_matches(path, {"total_batch": B * T, "dtype": "fp32", **meta},
                           {"config": shape.__dict__, "B": B, "T": T,
                            "total_batch": total_batch, "dtype": dtype})
-            lengths = {_length(z, name) for name in ("m", "v")}
+            # a bf16 run's fp32 master weights beside m and v
+            kept = ("m", "v") + (("master",) if dtype == "bf16" else ())
+            lengths = {_length(z, name) if name + ".npy" in z.zip.namelist() else None
+                       for name in kept}
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
     n = param_layout(shape).size
     if lengths != {n}:
-        raise damaged(f, path, f"AdamW's m and v are not float32 arrays of the model's {n:,} "
-                               f"parameters")
+        raise damaged(f, path, f"AdamW's {', '.join(kept[:-1])} and {kept[-1]} are not "
+                               f"float32 arrays of the model's {n:,} parameters")
     try:
         np.random.default_rng().bit_generator.state = meta["rng"]
         step, t, (shard, pos) = meta["step"], meta["adam_t"], meta["train_loader"]

@@ -159,3 +159,16 @@ def test_every_op_in_bf16_is_fp32_rounded():
          [(B, T, C)], inputs((B, T, C), (C,), (C,)))
     both(lambda out, pre, att, qkv: npb.attention_forward(out, pre, att, qkv, NH),
          [(B, T, C), (B, NH, T, T), (B, NH, T, T)], inputs((B, T, 3 * C)), 2 ** -6)
+
+
+def test_a_bf16_checkpoint_without_its_master_weights_is_refused(tmp_path):
+    flags = ["-e", "tiny", "-b", "2", "-t", "32", "-v", "0", "-g", "0", "--dtype", "bf16"]
+    res = cli("train", *flags, "-n", "2", "--checkpoint-every", "2", "-o", tmp_path)
+    assert res.returncode == 0, res.stderr
+    state = tmp_path / "ckpt_00000002" / "adamw.npz"
+    with np.load(state) as z:
+        kept = {k: z[k] for k in z.files if k != "master"}
+    np.savez(state, **kept)
+    res = cli("train", *flags, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "again")
+    assert res.returncode == 1 and "AdamW's m, v and master are not float32 arrays" in \
+        res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
