@@ -88,14 +88,20 @@ def test_bf16_tracks_fp32_for_twenty_steps(shape):
 
 
 def test_bf16_on_a_grid_tracks_one_process(tmp_path):
-    flags = ["-e", "tiny", "-b", "4", "-t", "32", "-n", "3", "-v", "0", "-g", "0",
-             "--dtype", "bf16"]
-    alone = cli("train", *flags, "-o", tmp_path / "one")
-    grid = cli("train", *flags, "--dp", "2", "--tp", "2", "--pp", "2", "--schedule", "zbv",
-               "--zero", "1", "--micro-batches", "2", "-o", tmp_path / "grid", ranks=8)
-    assert alone.returncode == 0 and grid.returncode == 0, alone.stderr + grid.stderr
+    """20 bf16 steps on dp 2 x tp 2 x pp 2 (zbv, ZeRO-1) over MPI track the one bf16 process
+    and the one fp32 process (the tied sum, the tp and dp sums round in other places)."""
+    flags = ["-e", "tiny", "-b", "4", "-t", "32", "-n", "20", "-v", "0", "-g", "0"]
+    fp32 = cli("train", *flags, "--dtype", "fp32", "-o", tmp_path / "fp32")
+    alone = cli("train", *flags, "--dtype", "bf16", "-o", tmp_path / "one")
+    grid = cli("train", *flags, "--dtype", "bf16", "--dp", "2", "--tp", "2", "--pp", "2",
+               "--schedule", "zbv", "--zero", "1", "--micro-batches", "2",
+               "-o", tmp_path / "grid", ranks=8)
+    assert all(r.returncode == 0 for r in (fp32, alone, grid)), grid.stderr
     assert "| dtype                   | bf16 (fp32 master weights" in alone.stdout
-    assert losses(grid.stdout) == pytest.approx(losses(alone.stdout), rel=2e-4)
+    a, b, c = (np.array(losses(r.stdout)) for r in (fp32, alone, grid))
+    assert len(c) == 20 and a[-1] < a[0] - 1.0
+    assert np.abs(c - b).max() <= 5e-4 * a.max()  # measured: 7.3e-5 of the largest loss
+    assert np.abs(c - a).max() <= 5e-4 * a.max()  # measured: 7.6e-5
     assert read_model_header(str(tmp_path / "grid" / "model.bin"))[1] == 5  # llm.c's bf16
     res = cli("sample", "--model", tmp_path / "grid" / "model.bin", "--dtype", "bf16",
               "--max-new-tokens", "4")
