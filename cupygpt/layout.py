@@ -4,7 +4,7 @@ A layout covers a Part: a layer range [l0, l1), with or without the embedding an
 (what one pipeline stage owns), and one tensor-parallel shard of those tensors. The whole
 model is the range [0, L) with both, unsharded.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -108,9 +108,11 @@ def param_shapes(cfg, part):
             "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
-# Tensors every tensor-parallel shard holds whole (param_shapes does not divide them): their
-# gradients are the same on every shard, so the global norm counts shard 0's alone.
-TP_REPLICATED = ("wpe", "ln1w", "ln1b", "attprojb", "ln2w", "ln2b", "fcprojb", "lnfw", "lnfb")
+def replicated(cfg, part):
+    """The tensors part holds whole whatever its tensor-parallel shard (those param_shapes
+    does not divide): the same, with the same gradients, on every shard."""
+    whole = param_shapes(cfg, replace(part, tp=1, shard=0))
+    return {n for n, s in param_shapes(cfg, part).items() if s == whole[n]}
 
 
 def param_layout(cfg, part=None):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import TP_REPLICATED
+from .layout import replicated
 from .precision import is_narrow, wide
 
 
@@ -124,14 +124,13 @@ class AdamW:
         out = []
         for st, piece, state in zip(self.stages, self.slices, self.state):
             kept = {}
-            for k in self.KEPT:
-                x = state.get(k)
-                if x is not None and piece is not None:
+            for k in (k for k in self.KEPT if k in state):
+                x = state[k]
+                if piece is not None:
                     whole = st.be.zeros(st.params.size, x.dtype)
                     self.tr.all_gather(x, whole, "dp")
                     x = whole
-                if x is not None:
-                    kept[k] = np.array(st.be.to_host(x), np.float32)
+                kept[k] = np.array(st.be.to_host(x), np.float32)
             out.append(kept)
         return out
 
@@ -165,9 +164,10 @@ def norm_ranges(st, piece=None):
     tensor-parallel shard holds whole on shard 0 only, with ZeRO-1 this replica's slice
     piece only (without it each replica counts its whole, equal, gradient alone)."""
     lo, hi = piece or (0, st.layout.size)
+    skip = replicated(st.cfg, st.part) if st.part.shard else set()
     out = []
     for name, shape, off in zip(st.layout.names, st.layout.shapes, st.layout.offsets):
-        if (name == "wte" and not st.embed) or (st.part.shard and name in TP_REPLICATED):
+        if (name == "wte" and not st.embed) or name in skip:
             continue
         a, b = max(lo, off), min(hi, off + math.prod(shape))
         if a >= b:

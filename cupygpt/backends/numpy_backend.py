@@ -134,11 +134,8 @@ def _op(*writes, mixed=True):
         @functools.wraps(fn)
         def op(*args, **kw):
             t0 = time.perf_counter()
-            bound = sig.bind(*args, **kw)
-            narrow = {k: a for k, a in bound.arguments.items()
-                      if isinstance(a, np.ndarray) and a.dtype == BF16}
-            if narrow and mixed:
-                _mixed(fn, bound, narrow, writes)
+            if mixed and any(getattr(a, "dtype", None) == BF16 for a in (*args, *kw.values())):
+                _mixed(fn, sig.bind(*args, **kw), writes)  # (fp32 calls skip the binding)
             else:
                 fn(*args, **kw)
             if _trace is not None:
@@ -147,8 +144,10 @@ def _op(*writes, mixed=True):
     return wrap
 
 
-def _mixed(fn, bound, narrow, writes):
+def _mixed(fn, bound, writes):
     global _narrow
+    narrow = {k: a for k, a in bound.arguments.items()
+              if isinstance(a, np.ndarray) and a.dtype == BF16}
     for k, a in narrow.items():
         bound.arguments[k] = a.astype(np.float32)
     _narrow = True
