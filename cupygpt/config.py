@@ -16,7 +16,7 @@ from . import CupyGPTError
 from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
-                           out_file, positive, recompute_level, run_dtype,
+                           out_file, positive, recompute_level, run_dtype, runs_on,
                            RUN_DTYPES, VERIFY_DTYPES)
 from .optim import LR_SCHEDULES
 from .shape import PRESETS, preset
@@ -109,6 +109,7 @@ class TrainConfig:
                                    "fix the path", name, getattr(c, name))
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
+        runs_on(be, shape, "init", c.init)
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows_per_replica(c.batch)))
@@ -147,6 +148,7 @@ class VerifyConfig:
         c = run_dtype(self, be, VERIFY_DTYPES)
         c = c if c.expected is None else replace(c, expected_losses=read_expected(c.expected))
         shape = model_shape(self.model)
+        runs_on(be, shape, "model", self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
         out_file("trace", self.trace)
@@ -174,6 +176,7 @@ class SampleConfig:
         positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
         self = run_dtype(self, be)
         shape = model_shape(self.model)
+        runs_on(be, shape, "model", self.model)
         if self.top_k is not None and not 0 < self.top_k <= shape.V:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
                                self.top_k)
@@ -217,6 +220,7 @@ class BenchConfig:
                                f"model file's", "init", c.init)
         shape = preset(c.init)
         fits(c.seq, shape)
+        runs_on(be, shape, "init", c.init)
         c = replace(c, device=c.device.validate(be, world))
         if c.comm:  # every rank in one group: the collectives span the world
             if world < 2:

@@ -136,6 +136,13 @@ def fits(seq, shape):
         raise CupyGPTError(f"longer than the model's maxT={shape.maxT}; lower it", "seq", seq)
 
 
+def runs_on(be, shape, name, value):
+    """The backend runs this model's attention (the CUDA kernels take some head sizes)."""
+    why = be.attention_refuses(shape.C // shape.NH)
+    if why:
+        raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
+
+
 def make_dir(name, path):
     try:
         os.makedirs(path, exist_ok=True)

@@ -28,7 +28,12 @@ GEOMETRY = {
     "CLS_THREADS": 1024,  # classifier kernels and loss_accumulate: threads per block
     "COL_TILE": 32,       # column sums, stage 1: columns per block (one per lane)
     "ROW_LANES": 8,       # column sums, stage 1: threads down the rows of each column
+    "FLASH_WARPS": 4,     # flash attention: warps per block, 16 rows (queries or keys) each
+    "FLASH_COLS": 32,     # flash attention: columns (keys or queries) per tile walked
 }
+# The head sizes flash attention is built for (a kernel per size): a head of HS (a
+# multiple of 8, at most the last) runs in the smallest one >= HS.
+FLASH_HEAD_SIZES = (16, 32, 64, 96, 128)
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
 

@@ -33,9 +33,10 @@ class Layout:
 
 
 # Kept in fp32 (the run's wide type) whatever the run's dtype, as llm.c's bf16 trainer
-# keeps them: the layernorms' statistics, the losses and the softmax statistics.
-WIDE = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd", "losses",
-        "lstats")
+# keeps them: the layernorms' statistics, attention's log-sum-exp per query, the losses and
+# the softmax statistics.
+WIDE = ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "att_lse", "lnf_mean", "lnf_rstd",
+        "losses", "lstats")
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
 
     encoded is the stage input: the embedding's output on stage 0, the received
     activation elsewhere. The head's logits are overwritten in place by dlogits.
+    Attention keeps its output (atty) and each query's log-sum-exp (att_lse): backward
+    makes the probabilities again (flash attention), so nothing is (T, T).
     split (a schedule that splits backward): the output gradients of the four matmuls
     per layer (and the embedding's, with embed), kept from bwd_input to bwd_weight.
     recompute: RECOMPUTED[recompute] are left out (scratch_layout holds one layer's).
@@ -140,7 +143,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
     C, NH = cfg.C, cfg.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
          ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C // tp)), ("atty", (nl, B, T, C // tp)),
-         ("preatt", (nl, B, NH, T, T)), ("att", (nl, B, NH, T, T)), ("attproj", (nl, B, T, C)),
+         ("att_lse", (nl, B, NH, T)), ("attproj", (nl, B, T, C)),
          ("residual2", (nl, B, T, C)), ("ln2", (nl, B, T, C)), ("ln2_mean", (nl, B, T)),
          ("ln2_rstd", (nl, B, T)), ("fch", (nl, B, T, 4 * C // tp)),
          ("fch_gelu", (nl, B, T, 4 * C // tp)), ("fcproj", (nl, B, T, C)),
@@ -164,10 +167,10 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0):
     With recompute, one layer's GELU output (gelu_re) and, at 2, one layernorm output
     (ln_re: ln1's and ln2's in turn).
     """
-    C, NH = cfg.C, cfg.NH // tp
+    C = cfg.C
     e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
          ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
-         ("datt", (B, NH, T, T)), ("dpreatt", (B, NH, T, T)), ("lstats", (tp, B, T, 3))]
+         ("lstats", (tp, B, T, 3))]
     e += [("gelu_re", (B, T, 4 * C // tp))] if recompute >= 1 else []
     e += [("ln_re", (B, T, C))] if recompute >= 2 else []
     return Mixed.of(e)

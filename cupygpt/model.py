@@ -118,7 +118,7 @@ class Stage:
             return self._act(a, name, l)
 
         def attend(out, l):
-            be.attention_forward(out, a["preatt"][l], a["att"][l], a["qkv"][l], NH)
+            be.attention_forward(out, a["att_lse"][l], a["qkv"][l], NH)
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._head(whole, x)
@@ -294,8 +294,8 @@ class Stage:
                                   a["ln2_rstd"][l])
             matmul(s["datty"], "attproj", l, kept(dres, "dattproj", l), "atty")
             dqkv = out("dqkv", l, "dbt_3c")
-            be.attention_backward(dqkv, s["dpreatt"], s["datt"], s["datty"], a["qkv"][l],
-                                  a["att"][l], self.NH)
+            be.attention_backward(dqkv, s["datty"], a["qkv"][l], a["atty"][l],
+                                  a["att_lse"][l], self.NH)
             matmul(s["dbt_c"], "qkv", l, dqkv, "ln1")
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],

@@ -22,7 +22,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from .. import CupyGPTError
-from ..kernels import GEOMETRY, kernels_in, options, sources
+from ..kernels import FLASH_HEAD_SIZES, GEOMETRY, kernels_in, options, sources
 from ..precision import BF16
 
 name = "cuda"
@@ -80,13 +80,13 @@ def _k(fn, dtype="fp32"):
     return _functions[key]
 
 
-def _launch(fn, grid, block, *args):
+def _launch(fn, grid, block, *args, shared_mem=0):
     """Launches kernel fn, its bf16 build when an argument is a bf16 array."""
     k = _k(fn, "bf16" if any(getattr(a, "dtype", None) == BF16 for a in args) else "fp32")
     if _trace is None:
-        k(grid, block, args)
+        k(grid, block, args, shared_mem=shared_mem)
     else:
-        _traced(fn, k, grid, block, args)
+        _traced(fn, k, grid, block, args, shared_mem=shared_mem)
 
 
 def _timed(f, *args, **kw):
@@ -98,8 +98,8 @@ def _timed(f, *args, **kw):
     return start, end
 
 
-def _traced(name, f, *args):
-    _trace["kernels"].append((_trace["op"], name, *_timed(f, *args)))
+def _traced(name, f, *args, **kw):
+    _trace["kernels"].append((_trace["op"], name, *_timed(f, *args, **kw)))
 
 
 def _op(fn):
@@ -295,14 +295,24 @@ memory_name = "the GPU"
 
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
-    batch x seq: attention's q, k, v and dy in dtype, y, dq, dk, dv in float (B, T, C/tp
-    each), layernorm backward's float dnorm (B, T, C), the column sums' partials (up to 128
-    rows of 4C/tp), the norm's, and in bf16 the embedding's float wte gradient buffer."""
-    n, x = batch * seq * cfg.C, np.dtype(dtype).itemsize
-    out = 4 * n // part.tp * (x + 4) + 4 * (n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS)
+    batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
+    dnorm (B, T, C), the column sums' partials (up to 128 rows of 4C/tp), the norm's, and in
+    bf16 the embedding's float wte gradient buffer."""
+    n = batch * seq * cfg.C
+    out = 4 * (batch * seq * cfg.NH // part.tp + n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS)
     if part.embed and np.dtype(dtype) == BF16:
         out += 4 * part.vocab(cfg)[1] * cfg.C
     return out
+
+
+def attention_refuses(head_size):
+    """Why the flash kernels cannot run heads of head_size, or None: they are built for
+    FLASH_HEAD_SIZES and run any multiple of 8 up to the largest."""
+    top = FLASH_HEAD_SIZES[-1]
+    if head_size % 8 or head_size > top:
+        return (f"the cuda backend's attention runs head sizes (C/NH) that are multiples of "
+                f"8 up to {top}; this model's is {head_size}")
+    return None
 
 
 def memory_domain():
@@ -372,16 +382,35 @@ def _qkv_split(qkv, NH):
     return B, T, C, C // NH, q, k, v
 
 
+def flash_smem_bytes(kind, head_size, dtype):
+    """Dynamic shared memory of a flash kernel (flash_attention.cu's smem_need): its own
+    tiles (FR rows each: forward 1, dq and dkdv 2), two walked tiles of FC rows, rows padded
+    by 16 bytes; dkdv's walked lse and D; fp32 without TF32, each warp's 16 operand rows."""
+    x, warps, FC = np.dtype(dtype).itemsize, GEOMETRY["FLASH_WARPS"], GEOMETRY["FLASH_COLS"]
+    own = 1 if kind == "forward" else 2
+    n = (own * 16 * warps + 2 * FC) * (head_size + 16 // x) * x
+    n += 4 * 2 * FC if kind == "dkdv" else 0
+    return n + (4 * warps * 16 * (FC + 4) if x == 4 and not tf32 else 0)
+
+
+def _flash(kind, qkv, NH, *args):
+    """Launches flash_{kind}: a block per FR rows of each (b, h), the kernel built for the
+    smallest head size of FLASH_HEAD_SIZES that holds HS."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    hsp = next(n for n in FLASH_HEAD_SIZES if n >= HS)
+    rows, smem = 16 * GEOMETRY["FLASH_WARPS"], flash_smem_bytes(kind, hsp, qkv.dtype)
+    k = _k(f"flash_{kind}_{hsp}", "bf16" if qkv.dtype == BF16 else "fp32")
+    if k.max_dynamic_shared_size_bytes < smem:  # above 48 KiB, CUDA asks for an opt-in
+        k.max_dynamic_shared_size_bytes = smem
+    _launch(f"flash_{kind}_{hsp}", ((T + rows - 1) // rows, B * NH), (32 * GEOMETRY["FLASH_WARPS"],),
+            *args, np.float32(1.0 / math.sqrt(HS)), _i(T), _i(NH), _i(HS), _i(tf32),
+            shared_mem=smem)
+
+
 @_op
-def attention_forward(out, preatt, att, qkv, NH):
-    B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
-    BH = B * NH
-    _gemm(N_, T_, T, T, HS, q, HS, k, HS, preatt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T,
-          alpha=1.0 / math.sqrt(HS))
-    _rows("softmax_forward", BH * T, att, preatt, _i(BH * T), _i(T))
-    y = _ws("y", B * T * C)
-    _gemm(N_, N_, T, HS, T, att, T, v, HS, y, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
-    _ew("unpermute", B * T * C, out, y, _i(B), _i(T), _i(NH), _i(HS))
+def attention_forward(out, lse, qkv, NH):
+    _flash("forward", qkv, NH, out, lse, qkv)
 
 
 @_op
@@ -482,18 +511,10 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op
-def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
-    B, T, C, HS, q, k, v = _qkv_split(qkv, NH)
-    BH, n = B * NH, B * T * C
-    dy, (dq, dk, dv) = _ws("dy", n, dout.dtype), (_ws(key, n) for key in ("dq", "dk", "dv"))
-    _ew("unpermute_backward", n, dy, dout, _i(B), _i(T), _i(NH), _i(HS))
-    _gemm(N_, T_, T, T, HS, dy, HS, v, HS, datt, T, batch=BH, sA=T * HS, sB=T * HS, sC=T * T)
-    _gemm(T_, N_, T, HS, T, att, T, dy, HS, dv, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
-    _rows("softmax_backward", BH * T, dpreatt, datt, att, np.float32(1.0 / math.sqrt(HS)),
-          _i(BH * T), _i(T))
-    _gemm(N_, N_, T, HS, T, dpreatt, T, k, HS, dq, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
-    _gemm(T_, N_, T, HS, T, dpreatt, T, q, HS, dk, HS, batch=BH, sA=T * T, sB=T * HS, sC=T * HS)
-    _ew("permute_qkv_backward", n, dqkv, dq, dk, dv, _i(B), _i(T), _i(NH), _i(HS))
+def attention_backward(dqkv, dout, qkv, out, lse, NH):
+    D = _ws("flash_D", lse.size)  # rowsum(dout * out): flash_dq writes it, flash_dkdv reads
+    _flash("dq", qkv, NH, dqkv, D, dout, qkv, out, lse)
+    _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, lse)
 
 
 @_op

@@ -78,6 +78,11 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 
 
+def attention_refuses(head_size):
+    """Why this backend cannot run attention heads of head_size, or None: it runs any."""
+    return None
+
+
 def memory_domain():
     """What ranks with the same answer allocate from: this host's memory."""
     return socket.gethostname()
@@ -240,21 +245,52 @@ def matmul_forward(out, inp, w, bias):
         out += bias
 
 
-@_op("out", "preatt", "att")
-def attention_forward(out, preatt, att, qkv, NH):
-    """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); preatt, att (B,NH,T,T) saved."""
+# Attention goes by blocks of ATT_ROWS queries, as flash attention does (no (T, T) tensor
+# is kept; a block's scores against the keys it sees are the only temporary): forward keeps
+# each row's log-sum-exp, backward makes the probabilities again from it.
+ATT_ROWS = 128
+
+
+def _heads(x, B, T, NH):
+    """(B, T, NH*HS) -> the (B, NH, T, HS) view."""
+    return x.reshape(B, T, NH, -1).transpose(0, 2, 1, 3)
+
+
+def _qkv(qkv, NH):
     B, T, C3 = qkv.shape
-    HS = C3 // 3 // NH
-    q, k, v = (qkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    np.matmul(q, k.transpose(0, 1, 3, 2), out=preatt)
-    preatt *= 1.0 / math.sqrt(HS)
-    preatt[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
-    _stored(preatt)
-    np.subtract(preatt, preatt.max(-1, keepdims=True), out=att)
-    np.exp(att, out=att)
-    att /= att.sum(-1, keepdims=True)
-    _stored(att)
-    out.reshape(B, T, NH, HS)[...] = (att @ v).transpose(0, 2, 1, 3)
+    return (_heads(qkv.reshape(B, T, 3, C3 // 3)[:, :, i], B, T, NH) for i in range(3))
+
+
+def _probs(q, k, lse, t0, t1, scale):
+    """The probabilities of queries [t0, t1) over keys [0, t1) (B, NH, t1 - t0, t1), each
+    row's exp(score - lse); causal: 0 after the query's own position."""
+    s = q[:, :, t0:t1] @ k[:, :, :t1].transpose(0, 1, 3, 2)
+    s *= scale
+    s -= lse[:, :, t0:t1, None]
+    s[..., np.triu(np.ones((t1 - t0, t1), bool), t0 + 1)] = -np.inf
+    return np.exp(s, out=s)
+
+
+@_op("out", "lse")
+def attention_forward(out, lse, qkv, NH):
+    """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); lse (B,NH,T) float: each query
+    row's log of its sum of exp(scores), all backward keeps."""
+    B, T, C3 = qkv.shape
+    q, k, v = _qkv(qkv, NH)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    y = _heads(out, B, T, NH)
+    for t0 in range(0, T, ATT_ROWS):
+        t1 = min(T, t0 + ATT_ROWS)
+        s = q[:, :, t0:t1] @ k[:, :, :t1].transpose(0, 1, 3, 2)
+        s *= scale
+        s[..., np.triu(np.ones((t1 - t0, t1), bool), t0 + 1)] = -np.inf
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m, out=s)
+        total = p.sum(-1, keepdims=True)
+        lse[:, :, t0:t1] = (m + np.log(total))[..., 0]
+        p /= total
+        _stored(p)  # the next matmul's input
+        y[:, :, t0:t1] = p @ v[:, :, :t1]
 
 
 @_op("out")
@@ -388,22 +424,29 @@ def matmul_backward_weight(dw, db, dout, inp):
         db += d2.sum(0)
 
 
-@_op("dqkv", "dpreatt", "datt")
-def attention_backward(dqkv, dpreatt, datt, dout, qkv, att, NH):
-    """dqkv (B,T,3C) from dout (B,T,C); dpreatt, datt (B,NH,T,T) are scratch."""
+@_op("dqkv")
+def attention_backward(dqkv, dout, qkv, out, lse, NH):
+    """dqkv (B,T,3C) from dout (B,T,C), with forward's out and lse: each block's
+    probabilities made again, D = rowsum(dout * out) in place of the sum over keys."""
     B, T, C3 = qkv.shape
-    HS = C3 // 3 // NH
-    q, k, v = (qkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    dq, dk, dv = (dqkv.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    do = dout.reshape(B, T, NH, HS).transpose(0, 2, 1, 3)
-    np.matmul(do, v.transpose(0, 1, 3, 2), out=datt)
-    _stored(datt)
-    dv[...] = att.transpose(0, 1, 3, 2) @ do
-    np.multiply(att, datt - (datt * att).sum(-1, keepdims=True), out=dpreatt)
-    dpreatt *= 1.0 / math.sqrt(HS)
-    _stored(dpreatt)
-    dq[...] = dpreatt @ k
-    dk[...] = dpreatt.transpose(0, 1, 3, 2) @ q
+    q, k, v = _qkv(qkv, NH)
+    dq, dk, dv = _qkv(dqkv, NH)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    do = _heads(dout, B, T, NH)
+    D = (do * _heads(out, B, T, NH)).sum(-1)
+    dk[...], dv[...] = 0, 0
+    for t0 in range(0, T, ATT_ROWS):
+        t1 = min(T, t0 + ATT_ROWS)
+        p = _probs(q, k, lse, t0, t1, scale)
+        ds = do[:, :, t0:t1] @ v[:, :, :t1].transpose(0, 1, 3, 2)
+        ds -= D[:, :, t0:t1, None]
+        ds *= p
+        ds *= scale
+        _stored(ds)  # the next matmuls' input, as p is dv's
+        _stored(p)
+        dv[:, :, :t1] += p.transpose(0, 1, 3, 2) @ do[:, :, t0:t1]
+        dq[:, :, t0:t1] = ds @ k[:, :, :t1]
+        dk[:, :, :t1] += ds.transpose(0, 1, 3, 2) @ q[:, :, t0:t1]
 
 
 @_op("dinp")

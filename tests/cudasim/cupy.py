@@ -362,8 +362,9 @@ def _compile(code, options):
     for name, params in sigs.items():
         call = ", ".join(f"*({t.replace(' *', '*')}*)a[{i}]" for i, (t, _) in enumerate(params))
         wrappers.append(f'extern "C" const char* cudasim_{name}(unsigned gx, unsigned gy, '
-                        f'unsigned gz, unsigned bx, unsigned by, unsigned bz, void** a) {{\n'
-                        f'    return sim::launch({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ '
+                        f'unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned smem, '
+                        f'void** a) {{\n'
+                        f'    return sim::launch({{gx, gy, gz}}, {{bx, by, bz}}, smem, [&] {{ '
                         f'{name}({call}); }});\n}}\n')
     src = code + '\n#include "sim_runtime.h"\n' + "".join(wrappers)
     # of CuPy's options, the include directories and the macros (the launch geometry, the
@@ -373,8 +374,8 @@ def _compile(code, options):
              *(o for o in options if o.startswith("-D") or o.startswith("-I") and not
                os.path.isfile(os.path.join(o[2:], "cuda_runtime.h")))]
     key = hashlib.sha256("\0".join([src, *map(_key_flag, flags),
-                                    open(os.path.join(HERE, "sim.h")).read(),
-                                    open(os.path.join(HERE, "sim_runtime.h")).read()]).encode())
+                                    *(open(os.path.join(HERE, h)).read()
+                                      for h in ("sim.h", "sim_runtime.h", "sim_mma.h"))]).encode())
     cache = os.environ.get("CUDASIM_CACHE") or os.path.join(tempfile.gettempdir(),
                                                             f"cudasim-{os.getuid()}")
     os.makedirs(cache, exist_ok=True)
@@ -406,9 +407,24 @@ def _dims(d):
     return d + (1,) * (3 - len(d))
 
 
+SHARED_DEFAULT, SHARED_OPT_IN = 48 * 1024, 227 * 1024  # CUDA's per-block limits (sm_90)
+
+
 class _Kernel:
     def __init__(self, name, fn, params):
         self.name, self._fn, self._params = name, fn, params
+        self._max_dynamic = SHARED_DEFAULT
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._max_dynamic
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n):  # cuFuncSetAttribute's opt-in
+        if not 0 <= n <= SHARED_OPT_IN:
+            raise RuntimeError(f"cudaErrorInvalidValue: {self.name}: {n} bytes of dynamic "
+                               f"shared memory (at most {SHARED_OPT_IN})")
+        self._max_dynamic = int(n)
 
     def _arg(self, i, value):
         ctype, pname = self._params[i]
@@ -436,6 +452,10 @@ class _Kernel:
         if len(args) != len(self._params):
             raise TypeError(f"kernel {self.name}: {len(args)} arguments for "
                             f"{len(self._params)} parameters")
+        if not 0 <= shared_mem <= self._max_dynamic:
+            raise RuntimeError(f"cudaErrorInvalidValue: {self.name}: {shared_mem} bytes of "
+                               f"dynamic shared memory, above its {self._max_dynamic} (set "
+                               f"max_dynamic_shared_size_bytes first)")
         held = [self._arg(i, a) for i, a in enumerate(args)]
         argv = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h, _ in held])
 
@@ -444,7 +464,7 @@ class _Kernel:
                 if nbytes is not None and _owner(h.value, nbytes) is None:
                     raise RuntimeError(f"kernel {self.name}, argument {i}: its buffer was "
                                        f"freed (a graph replayed past a reallocation?)")
-            err = self._fn(gx, gy, gz, bx, by, bz, argv)
+            err = self._fn(gx, gy, gz, bx, by, bz, int(shared_mem), argv)
             if err:
                 raise RuntimeError(f"kernel {self.name}: {err.decode()}")
         _enqueue(run)

@@ -20,11 +20,19 @@ struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
+#define CUDASIM 1  // common.cuh: this file brings what CUDA does in inline PTX (sim_mma.h)
+
 namespace sim {
 extern dim3 thread_idx, block_idx, block_dim, grid_dim;
 void syncthreads();
+void syncwarp(unsigned mask);
 void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int bytes);
-const char* launch(dim3 grid, dim3 block, const std::function<void()>& body);
+void warp_gather(const void* in, void* all, int bytes, const char* what);
+unsigned char* dynamic_shared();
+unsigned dynamic_shared_bytes();
+[[noreturn]] void trap();
+const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
+                   const std::function<void()>& body);
 }  // namespace sim
 
 #define threadIdx sim::thread_idx
@@ -37,6 +45,8 @@ const char* launch(dim3 grid, dim3 block, const std::function<void()>& body);
 #define __shared__ static  // one block runs at a time: a static is that block's shared memory
 
 inline void __syncthreads() { sim::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { sim::syncwarp(mask); }
+inline void __trap() { sim::trap(); }
 
 template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_xor) {
@@ -66,3 +76,5 @@ inline float __uint_as_float(unsigned u) {
 }
 
 inline float __int_as_float(int i) { return __uint_as_float((unsigned)i); }
+
+#include "sim_mma.h"

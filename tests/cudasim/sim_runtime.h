@@ -51,7 +51,9 @@ struct Fiber {
 std::vector<Fiber> fibers;
 std::vector<char> stacks;
 std::vector<Barrier> warp_bars;
-std::vector<uint64_t> exchange;  // [2 parities][warps][32 lanes]
+constexpr int SLOT = 8;          // uint64s a lane may put in one exchange (an mma's fragments)
+std::vector<uint64_t> exchange;  // [2 parities][warps][32 lanes][SLOT]
+std::vector<unsigned char> dynamic_smem;
 Barrier block_bar;
 void* scheduler_sp;
 Fiber* cur;
@@ -104,6 +106,33 @@ void* fresh_stack(int i) {
 
 void syncthreads() { block_on(block_bar, live); }
 
+unsigned char* dynamic_shared() { return dynamic_smem.data(); }
+unsigned dynamic_shared_bytes() { return (unsigned)dynamic_smem.size(); }
+
+void trap() {
+    snprintf(error, sizeof error, "__trap() in block (%u,%u,%u) thread %u", block_idx.x,
+             block_idx.y, block_idx.z, thread_idx.x);
+    if (direct) throw DirectBarrier();
+    to_scheduler();  // the scheduler sees the error and abandons the block
+    __builtin_unreachable();
+}
+
+// Every lane of the warp must arrive (all 32, or all the warp has): the mask says which.
+void check_whole_warp(unsigned mask, const char* what) {
+    int n = warp_lanes(cur->warp);
+    if (mask != (n == 32 ? 0xffffffffu : (1u << n) - 1)) {
+        snprintf(error, sizeof error, "%s with mask %#x and %d lanes in the warp", what, mask,
+                 n);
+        to_scheduler();
+    }
+}
+
+void syncwarp(unsigned mask) {
+    if (direct) throw DirectBarrier();
+    check_whole_warp(mask, "__syncwarp");
+    block_on(warp_bars[cur->warp], warp_lanes(cur->warp));
+}
+
 void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int bytes) {
     if (direct) throw DirectBarrier();  // no fiber is current: say so before reading one
     Fiber& f = *cur;
@@ -113,11 +142,26 @@ void warp_exchange(const void* in, void* out, int lane_xor, unsigned mask, int b
                  mask, src, n);
         to_scheduler();  // the scheduler sees the error and abandons the block
     }
-    uint64_t* buf = &exchange[(size_t)(f.parity * nwarps + f.warp) * 32];
-    memcpy(&buf[f.lane], in, bytes);
+    uint64_t* buf = &exchange[(size_t)(f.parity * nwarps + f.warp) * 32 * SLOT];
+    memcpy(&buf[f.lane * SLOT], in, bytes);
     block_on(warp_bars[f.warp], n);
-    memcpy(out, &buf[src], bytes);
+    memcpy(out, &buf[src * SLOT], bytes);
     f.parity ^= 1;  // the next shuffle uses the other buffer: no second barrier needed
+}
+
+// all[l] = lane l's in, for all 32 lanes (a warp-wide instruction: the whole warp takes part).
+void warp_gather(const void* in, void* all, int bytes, const char* what) {
+    if (direct) throw DirectBarrier();
+    Fiber& f = *cur;
+    if (warp_lanes(f.warp) != 32 || bytes > SLOT * 8) {
+        snprintf(error, sizeof error, "%s in a warp of %d threads", what, warp_lanes(f.warp));
+        to_scheduler();
+    }
+    uint64_t* buf = &exchange[(size_t)(f.parity * nwarps + f.warp) * 32 * SLOT];
+    memcpy(&buf[f.lane * SLOT], in, bytes);
+    block_on(warp_bars[f.warp], 32);
+    for (int l = 0; l < 32; l++) memcpy((char*)all + (size_t)l * bytes, &buf[l * SLOT], bytes);
+    f.parity ^= 1;
 }
 
 // One block as fibers; alternate blocks run their threads in reverse order.
@@ -164,14 +208,16 @@ const char* run_fibers(dim3 block, bool reverse) {
 
 // Blocks run one after another. Block 0 runs as fibers; if it met no barrier, the kernel
 // has none, and the other blocks' threads run as plain calls (much faster).
-const char* launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
+                   const std::function<void()>& body) {
     nthreads = block.x * block.y * block.z;
     nwarps = (nthreads + 31) / 32;
     if (fibers.size() < (size_t)nthreads) {
         fibers.resize(nthreads);
         stacks.resize(nthreads * STACK);
     }
-    exchange.assign(2 * nwarps * 32, 0);
+    exchange.assign(2 * nwarps * 32 * SLOT, 0);
+    dynamic_smem.assign(shared_bytes, 0xff);  // uninitialized, as on the GPU: NaN-like bytes
     kernel = &body;
     grid_dim = grid;
     block_dim = block;

@@ -1,0 +1,121 @@
+"""Flash attention (kernels_cu/flash_attention.cu, and the NumPy reference's blocks of
+queries) against the attention computed whole in float64: the (T, T) probabilities
+materialized, softmax, and backward through them. On cudasim in CI, on the GPU where there
+is one; the compile checks (registers, spills, shared memory) need only NVRTC."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+from cupygpt.backends import numpy_backend as npb
+from cupygpt.kernels import FLASH_HEAD_SIZES, GEOMETRY, nvrtc_compile, options, sources
+from cupygpt.precision import BF16
+from test_cuda import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
+
+SIZES = (8, 16, 32, 64, 96, 128)   # the fixtures' head sizes (8, 16) and every kernel's
+LENGTHS = (1, 17, 64, 128, 1000)   # 1000: not a multiple of any tile
+
+
+def materialized(qkv, dy, NH):
+    """(y, dqkv) in float64 through the whole (T, T) attention."""
+    B, T, C3 = qkv.shape
+    HS = C3 // 3 // NH
+    q, k, v = (qkv.astype(np.float64).reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3)
+               for i in range(3))
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
+    s[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)
+    do = dy.astype(np.float64).reshape(B, T, NH, HS).transpose(0, 2, 1, 3)
+    dp = do @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / math.sqrt(HS)
+    grads = (ds @ k, ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ do)
+    return y, np.stack(grads, 2).transpose(0, 3, 2, 1, 4).reshape(B, T, C3)
+
+
+def inputs(B, T, NH, HS, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(B, T, 3 * NH * HS)).astype(dtype),
+            rng.normal(size=(B, T, NH * HS)).astype(dtype))
+
+
+def run(be, qkv, dy, NH, asarray=np.asarray, asnumpy=np.asarray):
+    B, T, C3 = qkv.shape
+    wide = np.float64 if qkv.dtype == np.float64 else np.float32  # the run's wide type
+    y, lse = asarray(np.zeros((B, T, C3 // 3), qkv.dtype)), asarray(np.zeros((B, NH, T), wide))
+    dqkv = asarray(np.full((B, T, C3), 7.0, qkv.dtype))  # every element is written
+    q, d = asarray(qkv), asarray(dy)
+    be.attention_forward(y, lse, q, NH)
+    be.attention_backward(dqkv, d, q, y, lse, NH)
+    return asnumpy(y), asnumpy(dqkv)
+
+
+def error(got, want):
+    """The largest difference, relative to the largest magnitude."""
+    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("T", (1, 17, 300))
+def test_numpy_blocks_of_queries_equal_the_whole_attention(T):
+    """T = 300: three blocks of ATT_ROWS queries, the last one short."""
+    assert npb.ATT_ROWS < 300 < 3 * npb.ATT_ROWS
+    qkv, dy = inputs(2, T, 3, 16, np.float64)
+    y, dqkv = run(npb, qkv, dy, 3)
+    want_y, want_d = materialized(qkv, dy, 3)
+    assert error(y, want_y) < 1e-13 and error(dqkv, want_d) < 1e-13
+
+
+def cases():
+    for HS in SIZES:
+        for T in LENGTHS:
+            if T < 1000 or HS >= 32:
+                yield HS, T
+
+
+@pytest.mark.parametrize("HS,T", list(cases()))
+def test_flash_kernels_fp32_equal_the_whole_attention(dev, HS, T):
+    """Exact fp32 (TF32 off, verify's arithmetic): within 1e-5 of the largest value; B * NH
+    = 3, a multiple of nothing."""
+    dev.cu.configure(tf32=False)
+    qkv, dy = inputs(3, T, 1, HS, np.float32)
+    y, dqkv = run(dev.cu, qkv, dy, 1, dev.cp.asarray, dev.cp.asnumpy)
+    want_y, want_d = materialized(qkv, dy, 1)
+    assert error(y, want_y) < 1e-5 and error(dqkv, want_d) < 1e-5, (error(y, want_y),
+                                                                    error(dqkv, want_d))
+
+
+@pytest.mark.parametrize("HS,T", list(cases()))
+def test_flash_kernels_bf16_are_as_close_as_the_reference(dev, HS, T):
+    """bf16 on tensor cores: bf16 rounds the probabilities and their gradients on their way
+    into the products, which alone puts several bf16 steps between any bf16 attention and
+    the float64 one (the NumPy reference, which rounds the same values, measures that). The
+    kernels are within 1.5x the reference's own distance (plus a step of the rms), and the
+    output within 4 steps of each row's rms."""
+    NH = 1 if T == 1000 else 3  # (one head at T = 1000: cudasim's time)
+    qkv, dy = inputs(1, T, NH, HS, BF16)
+    y, dqkv = run(dev.cu, qkv, dy, NH, dev.cp.asarray, dev.cp.asnumpy)
+    ref_y, ref_d = run(npb, qkv, dy, NH)
+    want_y, want_d = materialized(qkv, dy, NH)
+    for got, ref, want, what in ((y, ref_y, want_y, "y"), (dqkv, ref_d, want_d, "dqkv")):
+        step = 2.0 ** (np.floor(np.log2(np.sqrt(np.mean(want ** 2)))) - 7)
+        worst = np.abs(got.astype(np.float64) - want).max()
+        assert worst <= 1.5 * np.abs(ref.astype(np.float64) - want).max() + step, what
+    rows = want_y.reshape(1, T, NH, HS)
+    steps = 2.0 ** (np.floor(np.log2(np.sqrt(np.mean(rows ** 2, -1, keepdims=True)))) - 7)
+    assert (np.abs(y.astype(np.float64).reshape(rows.shape) - rows) / steps).max() <= 4
+
+
+@pytest.mark.parametrize("HS", (16, 64, 128))
+def test_flash_kernels_tf32(dev, HS):
+    """fp32 training's arithmetic: the products on TF32 tensor cores (10-bit mantissas)."""
+    dev.cu.configure(tf32=True)
+    try:
+        qkv, dy = inputs(2, 70, 2, HS, np.float32)
+        y, dqkv = run(dev.cu, qkv, dy, 2, dev.cp.asarray, dev.cp.asnumpy)
+    finally:
+        dev.cu.configure(tf32=False)
+    want_y, want_d = materialized(qkv, dy, 2)
+    assert error(y, want_y) < 5e-3 and error(dqkv, want_d) < 5e-3
+    assert error(y, want_y) > 1e-6, "TF32 rounds its inputs: exactly fp32 means it did not run"
