@@ -34,6 +34,18 @@ GEOMETRY = {
 # The head sizes flash attention is built for (a kernel per size): a head of HS (a
 # multiple of 8, at most the last) runs in the smallest one >= HS.
 FLASH_HEAD_SIZES = (16, 32, 64, 96, 128)
+
+
+def flash_smem_bytes(kind, head_size, itemsize, fma):
+    """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's smem_need,
+    which checks it was given this much): its own tiles of 16 * FLASH_WARPS rows (forward
+    1, dq and dkdv 2) and two walked tiles of FLASH_COLS rows, each row padded by 16 bytes;
+    dkdv's walked lse and D; with fma (fp32 without TF32), each warp's 16 operand rows."""
+    warps, cols = GEOMETRY["FLASH_WARPS"], GEOMETRY["FLASH_COLS"]
+    own = 1 if kind == "forward" else 2
+    n = (own * 16 * warps + 2 * cols) * (head_size + 16 // itemsize) * itemsize
+    n += 4 * 2 * cols if kind == "dkdv" else 0
+    return n + (4 * warps * 16 * (cols + 4) if fma else 0)
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
 

@@ -1,15 +1,20 @@
 """Every kernels_cu/*.cu compiles, with the backend's own options, for sm_80 and sm_90 —
-through NVRTC (what CuPy uses on the GPU) and through nvcc where it is installed. Runs
-without a GPU, so a broken kernel cannot land."""
+through NVRTC (what CuPy uses on the GPU) down to the GPU's code (ptxas, whose -v report
+says each kernel's registers and spills), and through nvcc where it is installed. Runs
+without a GPU, so a broken kernel, or one that spills, cannot land."""
 import os
+import re
 import shutil
 import subprocess
 
 import pytest
 
-from cupygpt.kernels import FLOATX, KERNEL_DIR, OPTIONS, kernels_in, nvrtc_compile, options, sources
+from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_smem_bytes, kernels_in,
+                             nvrtc_compile, options, sources)
 
 ARCHS = ("compute_80", "compute_90")
+SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)
+REGISTERS_PER_SM = 65536
 
 
 def have_nvrtc():
@@ -20,13 +25,39 @@ def have_nvrtc():
         return False
 
 
+def ptxas_report(log):
+    """{kernel: (registers, spill bytes stored + loaded)} from ptxas's -v lines."""
+    out = {}
+    for name, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)",
+                                 log, re.S):
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
+        regs = re.search(r"Used (\d+) registers", body)
+        out[name] = (int(regs.group(1)), int(spills.group(1)) + int(spills.group(2)))
+    return out
+
+
 @pytest.mark.skipif(not have_nvrtc() and not os.environ.get("CI"),
                     reason="NVRTC not installed (pip install -e '.[test]')")
 @pytest.mark.parametrize("dtype", FLOATX)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", SM)
 @pytest.mark.parametrize("path", sources(), ids=os.path.basename)
 def test_nvrtc_compiles(path, arch, dtype):
-    nvrtc_compile(path, arch, options(dtype))
+    """To the GPU's code, with no register spills; flash attention's kernels leave room for
+    two blocks per SM (registers, and the dynamic shared memory the backend launches them
+    with; an fp32 head above 64 only on the H100)."""
+    report = ptxas_report(nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",)))
+    assert report, "ptxas reported no kernel"
+    assert not {k: r for k, r in report.items() if r[1]}, "register spills"
+    threads = 32 * GEOMETRY["FLASH_WARPS"]
+    for name, (regs, _) in report.items():
+        if not name.startswith("flash_"):
+            continue
+        kind, hs = name[len("flash_"):].rsplit("_", 1)
+        x = 2 if dtype == "bf16" else 4
+        smem = flash_smem_bytes(kind, int(hs), x, x == 4)
+        assert 2 * regs * threads <= REGISTERS_PER_SM, (name, regs)
+        if arch == "sm_90" or dtype == "bf16" or int(hs) <= 64:
+            assert 2 * (smem + 1024) <= SM[arch], (name, smem)  # (1 KiB reserved per block)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

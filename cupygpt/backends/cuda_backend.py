@@ -22,7 +22,8 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from .. import CupyGPTError
-from ..kernels import FLASH_HEAD_SIZES, GEOMETRY, kernels_in, options, sources
+from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
+                       sources)
 from ..precision import BF16
 
 name = "cuda"
@@ -382,24 +383,14 @@ def _qkv_split(qkv, NH):
     return B, T, C, C // NH, q, k, v
 
 
-def flash_smem_bytes(kind, head_size, dtype):
-    """Dynamic shared memory of a flash kernel (flash_attention.cu's smem_need): its own
-    tiles (FR rows each: forward 1, dq and dkdv 2), two walked tiles of FC rows, rows padded
-    by 16 bytes; dkdv's walked lse and D; fp32 without TF32, each warp's 16 operand rows."""
-    x, warps, FC = np.dtype(dtype).itemsize, GEOMETRY["FLASH_WARPS"], GEOMETRY["FLASH_COLS"]
-    own = 1 if kind == "forward" else 2
-    n = (own * 16 * warps + 2 * FC) * (head_size + 16 // x) * x
-    n += 4 * 2 * FC if kind == "dkdv" else 0
-    return n + (4 * warps * 16 * (FC + 4) if x == 4 and not tf32 else 0)
-
-
 def _flash(kind, qkv, NH, *args):
     """Launches flash_{kind}: a block per FR rows of each (b, h), the kernel built for the
     smallest head size of FLASH_HEAD_SIZES that holds HS."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
     hsp = next(n for n in FLASH_HEAD_SIZES if n >= HS)
-    rows, smem = 16 * GEOMETRY["FLASH_WARPS"], flash_smem_bytes(kind, hsp, qkv.dtype)
+    x = qkv.dtype.itemsize
+    rows, smem = 16 * GEOMETRY["FLASH_WARPS"], flash_smem_bytes(kind, hsp, x, x == 4 and not tf32)
     k = _k(f"flash_{kind}_{hsp}", "bf16" if qkv.dtype == BF16 else "fp32")
     if k.max_dynamic_shared_size_bytes < smem:  # above 48 KiB, CUDA asks for an opt-in
         k.max_dynamic_shared_size_bytes = smem
