@@ -68,7 +68,11 @@ def test_every_grid_measures_and_clips_at_the_one_process_norm(tmp_path, grid):
                                                                           "--pp")]))
     on_grid = train(tmp_path / "grid", *grid, "--micro-batches", "2", ranks=ranks)
     assert min(alone[1]) > 0.5  # every step clipped
-    assert on_grid[1] == pytest.approx(alone[1], rel=1e-5)
+    # the first step's norm is the same sums in another order (1e-8); two updates at this lr
+    # amplify fp32's order differences: measured at step 3 under zbv, 9.95e-6 with the
+    # materialized attention and 1.17e-5 with flash attention's
+    assert on_grid[1][0] == pytest.approx(alone[1][0], rel=1e-7)
+    assert on_grid[1] == pytest.approx(alone[1], rel=2e-5)
     assert on_grid[0] == pytest.approx(alone[0], rel=1e-5)
 
 

@@ -1,16 +1,15 @@
 """Flash attention (kernels_cu/flash_attention.cu, and the NumPy reference's blocks of
 queries) against the attention computed whole in float64: the (T, T) probabilities
 materialized, softmax, and backward through them. On cudasim in CI, on the GPU where there
-is one; the compile checks (registers, spills, shared memory) need only NVRTC."""
+is one (the compile checks, registers and spills: test_kernels_compile.py)."""
 import math
-import re
 
 import numpy as np
 import pytest
 
 from cupygpt.backends import numpy_backend as npb
-from cupygpt.kernels import FLASH_HEAD_SIZES, GEOMETRY, nvrtc_compile, options, sources
 from cupygpt.precision import BF16
+from conftest import cli, device_env
 from test_cuda import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
 
 SIZES = (8, 16, 32, 64, 96, 128)   # the fixtures' head sizes (8, 16) and every kernel's
@@ -119,3 +118,18 @@ def test_flash_kernels_tf32(dev, HS):
     want_y, want_d = materialized(qkv, dy, 2)
     assert error(y, want_y) < 5e-3 and error(dqkv, want_d) < 5e-3
     assert error(y, want_y) > 1e-6, "TF32 rounds its inputs: exactly fp32 means it did not run"
+
+
+@pytest.mark.parametrize("NH", (4, 1))  # head sizes 12 (not a multiple of 8) and 192
+def test_a_head_size_the_kernels_lack_is_refused_before_anything_runs(device, tmp_path, NH):
+    from cupygpt.files import write_model
+    from cupygpt.initialize import init_params
+    from cupygpt.shape import GPT2Config
+    cfg = GPT2Config(maxT=16, V=300, Vp=320, L=1, NH=NH, C=48 if NH == 4 else 192)
+    write_model(tmp_path / "model.bin", cfg, init_params(cfg, 3))
+    res = cli("train", "--backend", "cuda", "-e", tmp_path / "model.bin", "-b", "1", "-t", "8",
+              "-n", "1", "-o", tmp_path / "out", env=device_env(device))
+    hs = cfg.C // cfg.NH
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert f"multiples of 8 up to 128; this model's is {hs}" in res.stderr
+    assert "--backend numpy" in res.stderr and not (tmp_path / "out").exists()

@@ -77,7 +77,7 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 // 2q..2q+1), (g+8, ..). Low halves hold the lower index.
 __device__ __forceinline__ void mma_bf16_16816(float d[4], const unsigned a[4],
                                                const unsigned b[2]) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -88,7 +88,7 @@ __device__ __forceinline__ void mma_bf16_16816(float d[4], const unsigned a[4],
 // (g+8, q+4)), B 8x8 column-major ((k q, n g), (k q+4, n g)), D as above.
 __device__ __forceinline__ void mma_tf32_1688(float d[4], const unsigned a[4],
                                               const unsigned b[2]) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
