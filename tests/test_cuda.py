@@ -479,3 +479,65 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     np.testing.assert_allclose(cp.asnumpy(master_d), master, rtol=1e-6, atol=2.5e-7)
     assert ulps(cp.asnumpy(p_d), p).max() <= 1
     assert (ulps(cp.asnumpy(p_d), p) == 0).mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
+    """sum_squares against the NumPy reference (the same float group sums, float64 across):
+    whole, from an unaligned offset, and on a misaligned view (the element-wise path)."""
+    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.precision import BF16
+    cp, cu = dev.cp, dev.cu
+    g = np.random.default_rng(2).normal(size=70_001).astype(BF16 if dtype == "bf16" else np.float32)
+    g_d = cp.asarray(g)
+    for lo, offset in ((0, 0), (0, 5), (1, 1), (3, 0)):
+        want, got = np.zeros(1), cp.zeros(1, np.float64)
+        npb.sum_squares(want, g[lo:], offset)
+        cu.sum_squares(got, g_d[lo:], offset)
+        assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-12), (lo, offset)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("lo", [0, 1], ids=["aligned", "misaligned"])
+def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
+    """The layernorms, the bias column sums and the fused classifier against the NumPy
+    reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
+    each row ends in a partial 16-byte run), and views starting one element in (every
+    16-byte access misaligned: the element-wise path)."""
+    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.precision import BF16
+    cp, cu = dev.cp, dev.cu
+    dt = BF16 if dtype == "bf16" else np.float32
+    rng = np.random.default_rng(4)
+    N, C = 13, 44
+
+    def pair(*shape, scale=1.0):  # a host array and its device copy, lo elements into both
+        h = np.zeros(lo + int(np.prod(shape)), dt)
+        h[lo:] = (rng.normal(size=h.size - lo) * scale).astype(dt)
+        d = cp.asarray(h)
+        return h[lo:].reshape(shape), d[lo:].reshape(shape)
+
+    def check(d, h, what):
+        got, want = cp.asnumpy(d).astype(np.float32), h.astype(np.float32)
+        tol = (2 ** -7, 1e-2) if dtype == "bf16" else (1e-5, 1e-5)
+        np.testing.assert_allclose(got, want, rtol=tol[0], atol=tol[1], err_msg=what)
+
+    x, x_d = pair(N, C, scale=2.0)
+    (w, w_d), (b, b_d) = pair(C), pair(C)
+    (o, o_d), (m, r) = pair(N, C), (np.zeros(N, np.float32), np.zeros(N, np.float32))
+    m_d, r_d = cp.asarray(m), cp.asarray(r)
+    npb.layernorm_forward(o, m, r, x, w, b)
+    cu.layernorm_forward(o_d, m_d, r_d, x_d, w_d, b_d)
+    check(o_d, o, "layernorm_forward")
+    check(r_d, r, "rstd")
+    (dout, dout_d), (di, di_d), (dw, dw_d), (db, db_d) = pair(N, C), pair(N, C), pair(C), pair(C)
+    npb.layernorm_backward(di, dw, db, dout, x, w, m, r)
+    cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
+    for d, h, what in ((di_d, di, "dinp"), (dw_d, dw, "dlnw"), (db_d, db, "dlnb")):
+        check(d, h, what)
+    for OC in (C, 300):  # one column tile; several
+        (do, do_d), (xi, xi_d) = pair(N, OC), pair(N, C)
+        (dwm, dwm_d), (dbb, dbb_d) = pair(OC, C), pair(OC)
+        npb.matmul_backward_weight(dwm, dbb, do, xi)
+        cu.matmul_backward_weight(dwm_d, dbb_d, do_d, xi_d)
+        check(dbb_d, dbb, f"bias gradient, {OC} columns")

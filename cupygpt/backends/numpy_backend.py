@@ -428,13 +428,27 @@ def gelu_backward(dinp, inp, dout):
 
 # --- optimizer ---------------------------------------------------------------------------
 
-@_op("acc")
-def sum_squares(acc, x):
-    """acc (1,) += the sum of x's squares (the global gradient norm's share of x), summed
-    in float64: BLAS's float32 dot drifts by 1e-6 over a million terms."""
-    for a in range(0, x.size, ADAM_CHUNK):
-        c = x[a:a + ADAM_CHUNK].astype(np.float64)
-        acc += np.dot(c, c)
+@_op(mixed=False)
+def sum_squares(acc, x, offset=0):
+    """acc (1,) += the sum of x's squares (the global gradient norm's share of x; x[0] is
+    element `offset` of its stage's flat buffer), as the CUDA kernel sums them: squares
+    added in x's wide type (float for fp32 and bf16) within each group of 16 bytes of that
+    buffer, in element order, and the groups' sums in float64. Each group's float sum is
+    the same whichever ranks' slices hold the group (only a group a slice boundary cuts is
+    summed in two parts), and float64 sums in another order move the float norm only on a
+    tie within 1e-16 of it: so ZeRO-1's norm is the unsharded one, bit for bit."""
+    pack, w = 16 // x.dtype.itemsize, wide(x.dtype)
+    lead = offset % pack
+    step = ADAM_CHUNK - ADAM_CHUNK % pack  # (chunks of whole groups)
+    for a in range(-lead, x.size, step):
+        c = np.zeros(step, w)
+        part = x[max(a, 0):a + step]
+        c[max(a, 0) - a:max(a, 0) - a + part.size] = part
+        sq = (c * c).reshape(-1, pack)
+        s = sq[:, 0].copy()
+        for k in range(1, pack):  # in element order, as the kernel
+            s += sq[:, k]
+        acc += s.sum(dtype=np.float64)
 
 
 def _grad_scale(norm_sq, clip, dtype):

@@ -39,6 +39,27 @@ __device__ __forceinline__ bool aligned16(const void* p) {
     return ((unsigned long long)p & 15) == 0;
 }
 
+// f[k] = p[k] for k < n, 0 after; one 16-byte load where vec (n is PACK, p aligned).
+__device__ __forceinline__ void load_pack(float* f, const floatX* p, int n, bool vec) {
+    if (vec) {
+        Pack v = *reinterpret_cast<const Pack*>(p);
+        for (int k = 0; k < PACK; k++) f[k] = load(v.v[k]);
+        return;
+    }
+    for (int k = 0; k < PACK; k++) f[k] = k < n ? load(p[k]) : 0.f;
+}
+
+// p[k] = f[k] rounded, for k < n; one 16-byte store where vec.
+__device__ __forceinline__ void store_pack(floatX* p, const float* f, int n, bool vec) {
+    if (vec) {
+        Pack v;
+        for (int k = 0; k < PACK; k++) store(&v.v[k], f[k]);
+        *reinterpret_cast<Pack*>(p) = v;
+        return;
+    }
+    for (int k = 0; k < n && k < PACK; k++) store(&p[k], f[k]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
