@@ -53,7 +53,7 @@ class Stage:
         # by attention_backward, before dbt_c is written
         self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
             B, T, cfg.C // part.tp)
-        # row-parallel biases: every shard's partial sum, shard 0's with the bias, is summed
+        # the positions are added by shard 0 alone: the shards' embeddings are summed
         self.bias_here = part.shard == 0
 
     @staticmethod
@@ -167,6 +167,8 @@ class Stage:
         one the scratch buffer forward passes it through."""
         if name in self.recomputed:
             return self.s[self.RECOMPUTE_INTO[name]]
+        if name == "proj":  # one layer's projection product, read by its residual add only
+            return self.s["proj"]
         return a[name] if l is None else a[name][l]
 
     def _input(self, a, name, l):
@@ -187,36 +189,55 @@ class Stage:
 
     def _blocks(self, act, attend, x):
         """The transformer blocks on x, writing activations act(name, layer) (whole tensors
-        for a pass, one row's views for a decode step); returns the last block's output."""
+        for a pass, one row's views for a decode step); returns the last block's output.
+        Each residual add takes the projection's bias and the next layernorm with it (the
+        next layer's ln1, or the head's lnf); the projections' products pass through
+        scratch (backward never reads them)."""
         be, p = self.be, self.p
+        if self.nl:
+            be.layernorm_forward(act("ln1", 0), act("ln1_mean", 0), act("ln1_rstd", 0), x,
+                                 p["ln1w"][0], p["ln1b"][0])
         for l in range(self.nl):
-            be.layernorm_forward(act("ln1", l), act("ln1_mean", l), act("ln1_rstd", l), x,
-                                 p["ln1w"][l], p["ln1b"][l])
             be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
             attend(act("atty", l), l)
-            self._row_parallel(act("attproj", l), act("atty", l), p["attprojw"][l],
-                               p["attprojb"][l])
-            be.residual_forward(act("residual2", l), x, act("attproj", l))
-            be.layernorm_forward(act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
-                                 act("residual2", l), p["ln2w"][l], p["ln2b"][l])
-            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], p["fcb"][l])
-            be.gelu_forward(act("fch_gelu", l), act("fch", l))
-            self._row_parallel(act("fcproj", l), act("fch_gelu", l), p["fcprojw"][l],
-                               p["fcprojb"][l])
-            be.residual_forward(act("residual3", l), act("residual2", l), act("fcproj", l))
-            x = act("residual3", l)
+            self._row_parallel(act("proj"), act("atty", l), p["attprojw"][l])
+            be.residual_layernorm_forward(act("residual2", l), act("ln2", l), act("ln2_mean", l),
+                                          act("ln2_rstd", l), x, act("proj"), p["attprojb"][l],
+                                          p["ln2w"][l], p["ln2b"][l])
+            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], None)
+            be.gelu_forward(act("fch_gelu", l), act("fch", l), p["fcb"][l])
+            self._row_parallel(act("proj"), act("fch_gelu", l), p["fcprojw"][l])
+            x = self._residual3(act, l, act("residual2", l))
         return x
 
-    def _row_parallel(self, out, inp, w, bias):
-        """out = inp @ w^T + bias with inp and w split by columns: each shard's partial
-        product (shard 0's with the bias, added once), summed over the shards."""
-        self.be.matmul_forward(out, inp, w, bias if self.bias_here else None)
+    def _residual3(self, act, l, x):
+        """Layer l's output x + fcproj + its bias, with the layernorm that reads it next."""
+        be, p, res = self.be, self.p, act("residual3", l)
+        if l + 1 < self.nl:
+            norm = (act("ln1", l + 1), act("ln1_mean", l + 1), act("ln1_rstd", l + 1),
+                    p["ln1w"][l + 1], p["ln1b"][l + 1])
+        elif self.head:
+            norm = act("lnf"), act("lnf_mean"), act("lnf_rstd"), p["lnfw"], p["lnfb"]
+        else:
+            be.residual_forward(res, x, act("proj"), p["fcprojb"][l])
+            return res
+        out, mean, rstd, w, b = norm
+        be.residual_layernorm_forward(res, out, mean, rstd, x, act("proj"), p["fcprojb"][l], w, b)
+        return res
+
+    def _row_parallel(self, out, inp, w):
+        """out = inp @ w^T with inp and w split by columns: each shard's partial product,
+        summed over the shards (the bias is added once after, with the residual)."""
+        self.be.matmul_forward(out, inp, w, None)
         self.tp_sum(out)
 
     def _head(self, act, x):
-        """Final layernorm and the tied LM head: logits."""
+        """Final layernorm (done with the last residual add where the stage has layers)
+        and the tied LM head: logits."""
         be, p = self.be, self.p
-        be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"], p["lnfb"])
+        if not self.nl:
+            be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"],
+                                 p["lnfb"])
         be.matmul_forward(act("logits"), act("lnf"), p["wte"], None)
 
     def backward(self, slot=0, tokens=None, layer_done=None):

@@ -500,8 +500,8 @@ def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("lo", [0, 1], ids=["aligned", "misaligned"])
 def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
-    """The layernorms, the bias column sums and the fused classifier against the NumPy
-    reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
+    """The layernorms (with the residual add before), GELU with its bias, the bias column
+    sums and the fused classifier against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
     from cupygpt.backends import numpy_backend as npb
@@ -535,6 +535,22 @@ def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h, what in ((di_d, di, "dinp"), (dw_d, dw, "dlnw"), (db_d, db, "dlnb")):
         check(d, h, what)
+    # the residual add with a projection's bias, alone and with the next layernorm
+    (a, a_d), (bb, bb_d), (bias, bias_d) = pair(N, C), pair(N, C), pair(C)
+    (res, res_d), (ln, ln_d) = pair(N, C), pair(N, C)
+    npb.residual_forward(res, a, bb, bias)
+    cu.residual_forward(res_d, a_d, bb_d, bias_d)
+    check(res_d, res, "residual_forward with bias")
+    npb.residual_layernorm_forward(res, ln, m, r, a, bb, bias, w, b)
+    cu.residual_layernorm_forward(res_d, ln_d, m_d, r_d, a_d, bb_d, bias_d, w_d, b_d)
+    for d, h, what in ((res_d, res, "residual"), (ln_d, ln, "its layernorm"), (r_d, r, "rstd")):
+        check(d, h, what)
+    # GELU with fc's bias: the pre-activation updated in place
+    (f, f_d), (fb, fb_d), (g, g_d) = pair(N, C), pair(C), pair(N, C)
+    npb.gelu_forward(g, f, fb)
+    cu.gelu_forward(g_d, f_d, fb_d)
+    check(f_d, f, "fch + bias")
+    check(g_d, g, "gelu")
     for OC in (C, 300):  # one column tile; several
         (do, do_d), (xi, xi_d) = pair(N, OC), pair(N, C)
         (dwm, dwm_d), (dbb, dbb_d) = pair(OC, C), pair(OC)

@@ -402,13 +402,29 @@ def attention_decode(out, qkv, NH):
 
 
 @_op
-def gelu_forward(out, inp):
-    _packed("gelu_forward", out, inp)
+def gelu_forward(out, inp, bias=None):
+    if bias is None:
+        _packed("gelu_forward", out, inp)
+    else:
+        _ew("gelu_bias_forward", out.size, out, inp, bias, np.int64(out.size), _i(bias.size),
+            per_thread=16 // out.dtype.itemsize)
 
 
 @_op
-def residual_forward(out, a, b):
-    _packed("residual_forward", out, a, b)
+def residual_forward(out, a, b, bias=None):
+    if bias is None:
+        _packed("residual_forward", out, a, b)
+    else:
+        C = out.shape[-1]
+        _rows("residual_bias_forward", out.size // C, out, a, b, bias, _i(out.size // C), _i(C))
+
+
+@_op
+def residual_layernorm_forward(res, out, mean, rstd, a, b, bias, w, lnb):
+    C = res.shape[-1]
+    N = res.size // C
+    _rows("residual_layernorm_forward", N, res, out, mean, rstd, a, b, bias, w, lnb, _i(N),
+          _i(C))
 
 
 @_op

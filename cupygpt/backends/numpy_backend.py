@@ -272,10 +272,14 @@ def attention_decode(out, qkv, NH):
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
-@_op("out")
-def gelu_forward(out, inp):
+@_op("out", "inp")
+def gelu_forward(out, inp, bias=None):
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
-    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
+    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies. With bias
+    (fc's, folded in here), inp += bias first, stored in place: backward reads it."""
+    if bias is not None:
+        inp += bias
+        _stored(inp)
     t = _gelu_tanh(inp)
     t += 1.0
     np.multiply(inp, 0.5, out=out)
@@ -294,8 +298,20 @@ def _gelu_tanh(inp):
 
 
 @_op("out")
-def residual_forward(out, a, b):
-    np.add(a, b, out=out)
+def residual_forward(out, a, b, bias=None):
+    """out = a + b, or a + (b + bias): a row-parallel projection's bias is added here."""
+    if bias is None:
+        np.add(a, b, out=out)
+    else:
+        np.add(b, bias, out=out)
+        out += a
+
+
+def residual_layernorm_forward(res, out, mean, rstd, a, b, bias, w, lnb):
+    """res = a + (b + bias), stored; out, mean, rstd: the layernorm of res as stored. The
+    CUDA kernel fuses the two; here they are the two ops (and profile as such)."""
+    residual_forward(res, a, b, bias)
+    layernorm_forward(out, mean, rstd, res, w, lnb)
 
 
 @_op("stats")

@@ -26,6 +26,13 @@ __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// v as stored: rounded to floatX (what the next kernel reading it back gets).
+__device__ __forceinline__ float stored(float v) {
+    floatX t;
+    store(&t, v);
+    return load(t);
+}
+
 // 128-bit access: PACK floatX in one 16-byte load or store (4 floats, 8 bf16). An
 // elementwise kernel's thread takes PACK consecutive elements, with one 16-byte access per
 // array where the run is whole and every pointer 16-byte aligned, else one at a time: the
