@@ -1,7 +1,10 @@
 """Every kernels_cu/*.cu compiles, with the backend's own options, for sm_80 and sm_90 —
-through NVRTC (what CuPy uses on the GPU) and through nvcc where it is installed. Runs
-without a GPU, so a broken kernel cannot land."""
+through NVRTC (what CuPy uses on the GPU) and through nvcc where it is installed; ptxas
+spills nothing, and the bulk kernels' SASS has 16-byte global accesses. Runs without a
+GPU, so a broken or slowed kernel cannot land."""
+import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -63,10 +66,60 @@ def test_a_kernel_without_the_launch_geometry_is_refused():
 
 def test_every_backend_kernel_exists():
     """Each kernel name the CUDA backend launches is defined in kernels_cu."""
-    import re
     src = open(os.path.join(os.path.dirname(KERNEL_DIR), "backends", "cuda_backend.py")).read()
     used = set(re.findall(r'_(?:ew|rows|launch)\("(\w+)"', src))
     defined = set()
     for path in sources():
         defined |= set(kernels_in(open(path).read()))
     assert used and used <= defined, used - defined
+
+
+@pytest.mark.skipif(not have_nvrtc(), reason="NVRTC not installed")
+@pytest.mark.parametrize("dtype", FLOATX)
+@pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
+@pytest.mark.parametrize("path", sources(), ids=os.path.basename)
+def test_no_kernel_spills(path, arch, dtype):
+    """ptxas (through NVRTC, -v) keeps every kernel in registers: no local-memory spills."""
+    log = nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",))
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(s == ("0", "0") for s in spills), log
+
+
+# The kernels that move the bulk of a step's non-GEMM bytes, and which of their global
+# accesses must be 16 bytes wide (L: loads, S: stores) on the aligned path.
+WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f32": "L",
+                 "layernorm_forward": "LS", "residual_layernorm_forward": "LS",
+                 "residual_bias_forward": "LS", "layernorm_backward": "LS",
+                 "cross_entropy": "LS", "gelu_forward": "LS", "gelu_bias_forward": "LS",
+                 "gelu_backward": "LS", "residual_forward": "LS"}
+
+
+def cuobjdump():
+    """cuobjdump (with nvdisasm beside it: pip install nvidia-cuda-cuobjdump
+    nvidia-cuda-nvdisasm), on PATH or in the nvidia wheels' bin directory; None: neither."""
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    found = [p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "*", "bin", "cuobjdump"))]
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(not have_nvrtc() or cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+@pytest.mark.parametrize("dtype", FLOATX)
+def test_bulk_kernels_use_16_byte_accesses(tmp_path, dtype):
+    """The sm_90 SASS of each WIDE_ACCESSES kernel holds LDG.E.128 (and STG.E.128)."""
+    tool = cuobjdump()
+    env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ["PATH"])
+    seen = {}
+    for path in sources():
+        _, code = nvrtc_compile(path, "sm_90", options(dtype), cubin=True)
+        (tmp_path / "k.cubin").write_bytes(code)
+        sass = subprocess.run([tool, "-sass", str(tmp_path / "k.cubin")], capture_output=True,
+                              text=True, env=env, check=True).stdout
+        for fn, body in re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S):
+            seen[fn] = "L" * ("LDG.E.128" in body) + "S" * ("STG.E.128" in body)
+    for fn, wanted in WIDE_ACCESSES.items():
+        assert all(c in seen[fn] for c in wanted), (fn, seen[fn])
