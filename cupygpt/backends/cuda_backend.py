@@ -298,14 +298,11 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     batch x seq: attention's q, k, v and dy in dtype, y, dq, dk, dv in float (B, T, C/tp
     each), layernorm backward's float partials (two rows of C per ROW_WARPS rows), the
     column sums' (COLUMN_BLOCKS blocks of at most 256 columns, plus a row of 4C) and their
-    counters, the norm's, and in bf16 the embedding's float wte gradient buffer."""
+    counters, the norm's, and the embedding backward's three int32 arrays of B*T."""
     n, x = batch * seq * cfg.C, np.dtype(dtype).itemsize
     ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
     out = 4 * n // part.tp * (x + 4) + 4 * (ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C)
-    out += 8 * NORM_BLOCKS
-    if part.embed and np.dtype(dtype) == BF16:
-        out += 4 * part.vocab(cfg)[1] * cfg.C
-    return out
+    return out + 8 * NORM_BLOCKS + (12 * batch * seq if part.embed else 0)
 
 
 def memory_domain():
@@ -420,10 +417,10 @@ def residual_forward(out, a, b, bias=None):
 
 
 @_op
-def residual_layernorm_forward(res, out, mean, rstd, a, b, bias, w, lnb):
+def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
     C = res.shape[-1]
     N = res.size // C
-    _rows("residual_layernorm_forward", N, res, out, mean, rstd, a, b, bias, w, lnb, _i(N),
+    _rows("residual_layernorm_forward", N, res, a, b, bias, out, mean, rstd, w, lnb, _i(N),
           _i(C))
 
 
@@ -441,6 +438,13 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
     _launch("classifier", (N,), (GEOMETRY["CLS_THREADS"],), logits, losses, stats, targets,
             np.float32(dloss or 0.0), _i(dloss is not None), _i(v0), _i(valid), _i(Vs),
             _i(stats.shape[0]), _i(N))
+
+
+@_op
+def cross_entropy(logits, losses, targets, valid, dloss=None):
+    Vs = logits.shape[-1]
+    _launch("cross_entropy", (logits.size // Vs,), (GEOMETRY["CLS_THREADS"],), logits, losses,
+            targets, np.float32(dloss or 0.0), _i(dloss is not None), _i(valid), _i(Vs))
 
 
 @_op
@@ -473,12 +477,11 @@ def _column_sum(out, inp, N, OC, out_b=None, split=None):
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     B, T = inp.shape
     rows, C = dwte.shape
-    # atomics add in float: into dwte itself, or (bf16) a float buffer added once after
-    acc = dwte if dwte.dtype == np.float32 else _ws("wte_acc", dwte.size, zeroed=True)
-    _ew("encoder_backward_wte", B * T * C, acc, dout, inp, _i(B), _i(T), _i(C), _i(v0),
-        _i(rows))
-    if acc is not dwte:
-        _ew("add_into", dwte.size, dwte, acc, np.int64(dwte.size))
+    n, warp = B * T, GEOMETRY["WARP"]
+    order = [_ws(key, n, np.int32) for key in ("emb_sorted", "emb_first", "emb_start")]
+    _ew("encoder_sort", n, *order, inp, _i(n))
+    _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
+            dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
 
 

@@ -307,7 +307,7 @@ def residual_forward(out, a, b, bias=None):
         out += a
 
 
-def residual_layernorm_forward(res, out, mean, rstd, a, b, bias, w, lnb):
+def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
     """res = a + (b + bias), stored; out, mean, rstd: the layernorm of res as stored. The
     CUDA kernel fuses the two; here they are the two ops (and profile as such)."""
     residual_forward(res, a, b, bias)
@@ -359,6 +359,15 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
         lg *= dloss
     if dloss is not None:
         logits[..., valid:] = 0
+
+
+def cross_entropy(logits, losses, targets, valid, dloss=None):
+    """classifier_stats and classifier for a head holding the whole vocab (no tensor
+    parallelism: nothing to gather between them), which the CUDA kernel fuses; here they
+    are the two ops (and profile as such)."""
+    stats = _ws("ce_stats", (1, *targets.shape, 3), wide(logits.dtype))
+    classifier_stats(stats[0], logits, targets, 0, valid)
+    classifier(logits, losses, stats, targets, 0, valid, dloss)
 
 
 @_op("acc")

@@ -72,9 +72,9 @@ extern "C" __global__ void residual_bias_forward(floatX* res, const floatX* a, c
 
 // The residual row, then out = layernorm(res) from the stored values, as layernorm_forward
 // computes it (each lane reads back the columns it wrote itself: no barrier needed).
-extern "C" __global__ void residual_layernorm_forward(floatX* res, floatX* out, float* mean,
-                                                      float* rstd, const floatX* a,
+extern "C" __global__ void residual_layernorm_forward(floatX* res, const floatX* a,
                                                       const floatX* b, const floatX* bias,
+                                                      floatX* out, float* mean, float* rstd,
                                                       const floatX* w, const floatX* lnb,
                                                       int N, int C) {
     int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
