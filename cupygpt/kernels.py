@@ -76,9 +76,10 @@ def kernels_in(src):
     return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
 
 
-def nvrtc_compile(path, arch, opts=None):
-    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90") and opts (default:
-    fp32's options); returns the log and raises RuntimeError with it on failure."""
+def nvrtc_compile(path, arch, opts=None, cubin=False):
+    """Compiles one .cu file with NVRTC for arch (e.g. "compute_90", or "sm_90": through
+    ptxas) and opts (default: fp32's options); returns the log (with cubin, for an sm_
+    arch: the log and the cubin's bytes) and raises RuntimeError with it on failure."""
     opts = options("fp32") if opts is None else opts
     from cuda.bindings import nvrtc
     src = open(path, "rb").read()
@@ -88,8 +89,12 @@ def nvrtc_compile(path, arch, opts=None):
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * n
     nvrtc.nvrtcGetProgramLog(prog, log)
+    code = None
+    if cubin and err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        code = b" " * nvrtc.nvrtcGetCUBINSize(prog)[1]
+        nvrtc.nvrtcGetCUBIN(prog, code)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace").strip("\x00 \n")
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"{os.path.basename(path)} ({arch}): {log}")
-    return log
+    return (log, code) if cubin else log

@@ -143,11 +143,10 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
     C, NH = cfg.C, cfg.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
          ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C // tp)), ("atty", (nl, B, T, C // tp)),
-         ("att_lse", (nl, B, NH, T)), ("attproj", (nl, B, T, C)),
+         ("att_lse", (nl, B, NH, T)),
          ("residual2", (nl, B, T, C)), ("ln2", (nl, B, T, C)), ("ln2_mean", (nl, B, T)),
          ("ln2_rstd", (nl, B, T)), ("fch", (nl, B, T, 4 * C // tp)),
-         ("fch_gelu", (nl, B, T, 4 * C // tp)), ("fcproj", (nl, B, T, C)),
-         ("residual3", (nl, B, T, C))]
+         ("fch_gelu", (nl, B, T, 4 * C // tp)), ("residual3", (nl, B, T, C))]
     if head:
         e += [("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
               ("logits", (B, T, vocab_rows or cfg.Vp)), ("losses", (B, T))]
@@ -163,14 +162,15 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0):
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
     for the previous one. lstats holds each shard's softmax statistics per position (max,
-    sum of exponentials, target logit), gathered from the tensor-parallel group.
+    sum of exponentials, target logit), gathered from the tensor-parallel group. proj is
+    a layer's attproj or fcproj product on its way to the residual add (forward only).
     With recompute, one layer's GELU output (gelu_re) and, at 2, one layernorm output
     (ln_re: ln1's and ln2's in turn).
     """
     C = cfg.C
     e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
          ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
-         ("lstats", (tp, B, T, 3))]
+         ("lstats", (tp, B, T, 3)), ("proj", (B, T, C))]
     e += [("gelu_re", (B, T, 4 * C // tp))] if recompute >= 1 else []
     e += [("ln_re", (B, T, C))] if recompute >= 2 else []
     return Mixed.of(e)

@@ -53,8 +53,6 @@ class Stage:
         # by attention_backward, before dbt_c is written
         self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
             B, T, cfg.C // part.tp)
-        # row-parallel biases: every shard's partial sum, shard 0's with the bias, is summed
-        self.bias_here = part.shard == 0
 
     @staticmethod
     def layouts(cfg, B, T, part, split, recompute=0):
@@ -129,15 +127,17 @@ class Stage:
         """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
         rest), shard 0 adds the positions; the sum over shards is wte[token] + wpe exactly
         (the other terms are zeros)."""
-        self.be.encoder_forward(out, tokens, self.p["wte"], wpe if self.bias_here else None,
+        self.be.encoder_forward(out, tokens, self.p["wte"], wpe if self.part.shard == 0 else None,
                                 self.v0)
         self.tp_sum(out)
 
     def _cross_entropy(self, logits, losses, targets, dloss):
         """Vocab-parallel softmax cross-entropy: each shard's (max, sum of exponentials,
         target logit) per position are gathered, every shard combines them in shard order,
-        and the (B, T, Vp) logits are never gathered."""
+        and the (B, T, Vp) logits are never gathered. With one shard, one fused op."""
         be, stats = self.be, self.s["lstats"]
+        if self.part.tp == 1:
+            return be.cross_entropy(logits, losses, targets, self.valid, dloss)
         be.classifier_stats(stats[self.part.shard], logits, targets, self.v0, self.valid)
         self.comm.all_gather(stats[self.part.shard], stats, "tp")
         be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
@@ -165,8 +165,8 @@ class Stage:
     def _act(self, a, name, l=None):
         """Activation `name` (of layer l) of a slot's views a: its own, or for a recomputed
         one the scratch buffer forward passes it through."""
-        if name in self.recomputed:
-            return self.s[self.RECOMPUTE_INTO[name]]
+        if name in self.recomputed or name == "proj":  # (proj: one layer's, in scratch)
+            return self.s[self.RECOMPUTE_INTO.get(name, name)]
         return a[name] if l is None else a[name][l]
 
     def _input(self, a, name, l):
@@ -187,36 +187,46 @@ class Stage:
 
     def _blocks(self, act, attend, x):
         """The transformer blocks on x, writing activations act(name, layer) (whole tensors
-        for a pass, one row's views for a decode step); returns the last block's output."""
-        be, p = self.be, self.p
+        for a pass, one row's views for a decode step); returns the last block's output. A
+        projection's product (scratch: backward never reads it), summed over the tp shards,
+        takes its bias once in the residual add, which runs the next layernorm too."""
+        be, p, proj = self.be, self.p, act("proj")
+        if self.nl:
+            be.layernorm_forward(act("ln1", 0), act("ln1_mean", 0), act("ln1_rstd", 0), x,
+                                 p["ln1w"][0], p["ln1b"][0])
         for l in range(self.nl):
-            be.layernorm_forward(act("ln1", l), act("ln1_mean", l), act("ln1_rstd", l), x,
-                                 p["ln1w"][l], p["ln1b"][l])
             be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
             attend(act("atty", l), l)
-            self._row_parallel(act("attproj", l), act("atty", l), p["attprojw"][l],
-                               p["attprojb"][l])
-            be.residual_forward(act("residual2", l), x, act("attproj", l))
-            be.layernorm_forward(act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
-                                 act("residual2", l), p["ln2w"][l], p["ln2b"][l])
-            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], p["fcb"][l])
-            be.gelu_forward(act("fch_gelu", l), act("fch", l))
-            self._row_parallel(act("fcproj", l), act("fch_gelu", l), p["fcprojw"][l],
-                               p["fcprojb"][l])
-            be.residual_forward(act("residual3", l), act("residual2", l), act("fcproj", l))
-            x = act("residual3", l)
+            be.matmul_forward(proj, act("atty", l), p["attprojw"][l], None)
+            self.tp_sum(proj)
+            be.residual_layernorm_forward(act("residual2", l), x, proj, p["attprojb"][l],
+                                          act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
+                                          p["ln2w"][l], p["ln2b"][l])
+            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], None)
+            be.gelu_forward(act("fch_gelu", l), act("fch", l), p["fcb"][l])
+            be.matmul_forward(proj, act("fch_gelu", l), p["fcprojw"][l], None)
+            self.tp_sum(proj)
+            x = self._residual3(act, l, act("residual2", l), proj)
         return x
 
-    def _row_parallel(self, out, inp, w, bias):
-        """out = inp @ w^T + bias with inp and w split by columns: each shard's partial
-        product (shard 0's with the bias, added once), summed over the shards."""
-        self.be.matmul_forward(out, inp, w, bias if self.bias_here else None)
-        self.tp_sum(out)
+    def _residual3(self, act, l, x, proj):
+        """Layer l's output x + proj + fcproj's bias, and the next ln1 (or the head's lnf)."""
+        be, p, res, bias = self.be, self.p, act("residual3", l), self.p["fcprojb"][l]
+        if l + 1 == self.nl and not self.head:
+            be.residual_forward(res, x, proj, bias)
+            return res
+        k, name = (l + 1, "ln1") if l + 1 < self.nl else (None, "lnf")
+        w, b = (p[name + "w"], p[name + "b"]) if k is None else (p[name + "w"][k], p[name + "b"][k])
+        be.residual_layernorm_forward(res, x, proj, bias, act(name, k), act(name + "_mean", k),
+                                      act(name + "_rstd", k), w, b)
+        return res
 
     def _head(self, act, x):
-        """Final layernorm and the tied LM head: logits."""
+        """Final layernorm (the last residual add's, where there are layers) and the LM head."""
         be, p = self.be, self.p
-        be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"], p["lnfb"])
+        if not self.nl:
+            be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"],
+                                 p["lnfb"])
         be.matmul_forward(act("logits"), act("lnf"), p["wte"], None)
 
     def backward(self, slot=0, tokens=None, layer_done=None):

@@ -108,7 +108,7 @@ class AdamW:
         for st, piece, g, ranges in zip(self.stages, self.slices, grads, self.counted):
             a0 = piece[0] if piece else 0
             for a, b in ranges:
-                st.be.sum_squares(acc, g[a - a0:b - a0])
+                st.be.sum_squares(acc, g[a - a0:b - a0], a)
         for axis in ("tp", "pp") + (("dp",) if self.slices[0] is not None else ()):
             self.tr.all_reduce(acc, axis)
 

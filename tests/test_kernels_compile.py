@@ -1,7 +1,9 @@
 """Every kernels_cu/*.cu compiles, with the backend's own options, for sm_80 and sm_90 —
-through NVRTC (what CuPy uses on the GPU) down to the GPU's code (ptxas, whose -v report
-says each kernel's registers and spills), and through nvcc where it is installed. Runs
-without a GPU, so a broken kernel, or one that spills, cannot land."""
+through NVRTC (what CuPy uses on the GPU) down to the GPU's code, and through nvcc where it
+is installed: ptxas (-v) spills nothing, flash attention leaves room for two blocks per SM,
+and the bulk kernels' SASS has 16-byte global accesses. Runs without a GPU, so a broken or
+slowed kernel cannot land."""
+import glob
 import os
 import re
 import shutil
@@ -41,11 +43,13 @@ def ptxas_report(log):
 @pytest.mark.parametrize("dtype", FLOATX)
 @pytest.mark.parametrize("arch", SM)
 @pytest.mark.parametrize("path", sources(), ids=os.path.basename)
-def test_nvrtc_compiles(path, arch, dtype):
+def test_nvrtc_compiles(tmp_path, path, arch, dtype):
     """To the GPU's code, with no register spills; flash attention's kernels leave room for
     two blocks per SM (registers, and the dynamic shared memory the backend launches them
-    with; an fp32 head above 64 only on the H100)."""
-    report = ptxas_report(nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",)))
+    with; an fp32 head above 64 only on the H100); on sm_90 the WIDE_ACCESSES kernels'
+    SASS holds LDG.E.128 (and STG.E.128)."""
+    log, cubin = nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",), cubin=True)
+    report = ptxas_report(log)
     assert report, "ptxas reported no kernel"
     assert not {k: r for k, r in report.items() if r[1]}, "register spills"
     threads = 32 * GEOMETRY["FLASH_WARPS"]
@@ -58,6 +62,11 @@ def test_nvrtc_compiles(path, arch, dtype):
         assert 2 * regs * threads <= REGISTERS_PER_SM, (name, regs)
         if arch == "sm_90" or dtype == "bf16" or int(hs) <= 64:
             assert 2 * (smem + 1024) <= SM[arch], (name, smem)  # (1 KiB reserved per block)
+    if arch == "sm_90" and cuobjdump():
+        wide = sass_wide_accesses(cubin, tmp_path)
+        for fn, wanted in WIDE_ACCESSES.items():
+            if fn in report:
+                assert all(c in wide[fn] for c in wanted), (fn, wide[fn])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -94,10 +103,44 @@ def test_a_kernel_without_the_launch_geometry_is_refused():
 
 def test_every_backend_kernel_exists():
     """Each kernel name the CUDA backend launches is defined in kernels_cu."""
-    import re
     src = open(os.path.join(os.path.dirname(KERNEL_DIR), "backends", "cuda_backend.py")).read()
     used = set(re.findall(r'_(?:ew|rows|launch)\("(\w+)"', src))
     defined = set()
     for path in sources():
         defined |= set(kernels_in(open(path).read()))
     assert used and used <= defined, used - defined
+
+
+# The kernels that move the bulk of a step's non-GEMM bytes, and which of their global
+# accesses must be 16 bytes wide (L: loads, S: stores) on the aligned path.
+WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f32": "L",
+                 "layernorm_forward": "LS", "residual_layernorm_forward": "LS",
+                 "residual_bias_forward": "LS", "layernorm_backward": "LS",
+                 "cross_entropy": "LS", "gelu_forward": "LS", "gelu_bias_forward": "LS",
+                 "gelu_backward": "LS", "residual_forward": "LS",
+                 "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS"}
+
+
+def cuobjdump():
+    """cuobjdump (with nvdisasm beside it: pip install nvidia-cuda-cuobjdump
+    nvidia-cuda-nvdisasm), on PATH or in the nvidia wheels' bin directory; None: neither."""
+    if shutil.which("cuobjdump"):
+        return shutil.which("cuobjdump")
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    found = [p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "*", "bin", "cuobjdump"))]
+    return found[0] if found else None
+
+
+def sass_wide_accesses(cubin, tmp_path):
+    """{kernel: "L" if its SASS has a 16-byte global load, + "S" for a store}."""
+    tool = cuobjdump()
+    env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ["PATH"])
+    (tmp_path / "k.cubin").write_bytes(cubin)
+    sass = subprocess.run([tool, "-sass", str(tmp_path / "k.cubin")], capture_output=True,
+                          text=True, env=env, check=True).stdout
+    return {fn: "L" * ("LDG.E.128" in body) + "S" * ("STG.E.128" in body)
+            for fn, body in re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
+                                       re.S)}

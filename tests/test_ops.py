@@ -173,3 +173,27 @@ def test_kernel_profile_times_each_op_and_the_rest():
     assert sum(row["share"] for row in per_op) == pytest.approx(1.0)
     assert all(row["ms_per_step"] > 0 for row in per_op)
     assert be._trace is None  # profiling ends with the call
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_norm_is_the_same_float_however_the_buffer_is_split(dtype):
+    """sum_squares sums float squares within each 16-byte group of the stage's buffer, in
+    element order, and the groups in float64: any split into slices (ZeRO-1's, at
+    unaligned cuts) gives the unsharded float norm."""
+    from cupygpt.precision import BF16
+    dt = BF16 if dtype == "bf16" else np.float32
+    g = np.random.default_rng(3).normal(size=300_001).astype(dt)
+    pack = 16 // g.dtype.itemsize
+    whole = np.zeros(1)
+    be.sum_squares(whole, g)
+    sq = np.concatenate([g.astype(np.float32), np.zeros(-g.size % pack, np.float32)]) ** 2
+    groups = sq.reshape(-1, pack)
+    by_hand = groups[:, 0].copy()
+    for k in range(1, pack):
+        by_hand += groups[:, k]
+    assert whole[0] == pytest.approx(by_hand.sum(dtype=np.float64), rel=1e-13)
+    for cuts in ((0, 150_000, 300_001), (0, 7, 100_003, 200_005, 300_001)):
+        split = np.zeros(1)
+        for a, b in zip(cuts, cuts[1:]):
+            be.sum_squares(split, g[a:b].copy(), a)  # (a slice copied: ZeRO-1's buffer)
+        assert np.float32(np.sqrt(split[0])) == np.float32(np.sqrt(whole[0]))

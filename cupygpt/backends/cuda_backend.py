@@ -297,13 +297,12 @@ memory_name = "the GPU"
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
     batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
-    dnorm (B, T, C), the column sums' partials (up to 128 rows of 4C/tp), the norm's, and in
-    bf16 the embedding's float wte gradient buffer."""
-    n = batch * seq * cfg.C
-    out = 4 * (batch * seq * cfg.NH // part.tp + n + 128 * 4 * cfg.C // part.tp + NORM_BLOCKS)
-    if part.embed and np.dtype(dtype) == BF16:
-        out += 4 * part.vocab(cfg)[1] * cfg.C
-    return out
+    partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
+    at most 256 columns, plus a row of 4C) and their counters, the norm's, and the embedding
+    backward's three int32 arrays of B*T."""
+    ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
+    out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C)
+    return out + 8 * NORM_BLOCKS + (12 * batch * seq if part.embed else 0)
 
 
 def attention_refuses(head_size):
@@ -419,13 +418,29 @@ def attention_decode(out, qkv, NH):
 
 
 @_op
-def gelu_forward(out, inp):
-    _packed("gelu_forward", out, inp)
+def gelu_forward(out, inp, bias=None):
+    if bias is None:
+        _packed("gelu_forward", out, inp)
+    else:
+        _ew("gelu_bias_forward", out.size, out, inp, bias, np.int64(out.size), _i(bias.size),
+            per_thread=16 // out.dtype.itemsize)
 
 
 @_op
-def residual_forward(out, a, b):
-    _packed("residual_forward", out, a, b)
+def residual_forward(out, a, b, bias=None):
+    if bias is None:
+        _packed("residual_forward", out, a, b)
+    else:
+        C = out.shape[-1]
+        _rows("residual_bias_forward", out.size // C, out, a, b, bias, _i(out.size // C), _i(C))
+
+
+@_op
+def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
+    C = res.shape[-1]
+    N = res.size // C
+    _rows("residual_layernorm_forward", N, res, a, b, bias, out, mean, rstd, w, lnb, _i(N),
+          _i(C))
 
 
 @_op
@@ -445,6 +460,13 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
 
 
 @_op
+def cross_entropy(logits, losses, targets, valid, dloss=None):
+    Vs = logits.shape[-1]
+    _launch("cross_entropy", (logits.size // Vs,), (GEOMETRY["CLS_THREADS"],), logits, losses,
+            targets, np.float32(dloss or 0.0), _i(dloss is not None), _i(valid), _i(Vs))
+
+
+@_op
 def loss_accumulate(acc, losses):
     """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
     _launch("loss_accumulate", (1,), (GEOMETRY["CLS_THREADS"],), acc, losses, _i(losses.size))
@@ -452,27 +474,33 @@ def loss_accumulate(acc, losses):
 
 # --- backward ----------------------------------------------------------------------------
 
-def _column_sum(out, inp, N, OC):
-    """out (OC) += column sums of inp (N, OC), deterministically in two stages."""
-    R = max(1, min(128, N // 64))
-    per = (N + R - 1) // R
-    partial = _ws("colsum", R * OC)
-    tile, lanes = GEOMETRY["COL_TILE"], GEOMETRY["ROW_LANES"]
-    _launch("column_sum_partial" if inp.dtype == out.dtype else "column_sum_partial_f32",
-            ((OC + tile - 1) // tile, R), (tile, lanes), partial, inp, _i(N), _i(OC), _i(per))
-    _ew("column_sum_finish", OC, out, partial, _i(R), _i(OC))
+COLUMN_BLOCKS = 528  # column sums: at least this many blocks (4 per SM of an H100) where
+                     # the rows allow, each chunk of rows at least ROW_LANES long
+
+
+def _column_sum(out, inp, N, OC, out_b=None, split=None):
+    """out (OC) += column sums of inp (N, OC), deterministically, in one launch (reduce.cu);
+    with out_b, columns [split, OC) go to out_b instead."""
+    per_thread = 16 // inp.dtype.itemsize
+    tiles = -(-OC // (GEOMETRY["COL_TILE"] * per_thread))
+    R = max(1, min(-(-COLUMN_BLOCKS // tiles), N // GEOMETRY["ROW_LANES"]))
+    per = -(-N // R)
+    R = -(-N // per)  # (no empty chunk)
+    _launch("column_sum_x" if inp.dtype == out.dtype else "column_sum_f32", (tiles, R),
+            (GEOMETRY["COL_TILE"], GEOMETRY["ROW_LANES"]), out, out if out_b is None else out_b,
+            _i(OC if split is None else split), inp, _i(N), _i(OC), _i(per), _ws("colsum", R * OC),
+            _ws("colsum_done", tiles, np.int32, zeroed=True))
 
 
 @_op
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     B, T = inp.shape
     rows, C = dwte.shape
-    # atomics add in float: into dwte itself, or (bf16) a float buffer added once after
-    acc = dwte if dwte.dtype == np.float32 else _ws("wte_acc", dwte.size, zeroed=True)
-    _ew("encoder_backward_wte", B * T * C, acc, dout, inp, _i(B), _i(T), _i(C), _i(v0),
-        _i(rows))
-    if acc is not dwte:
-        _ew("add_into", dwte.size, dwte, acc, np.int64(dwte.size))
+    n, warp = B * T, GEOMETRY["WARP"]
+    order = [_ws(key, n, np.int32) for key in ("emb_sorted", "emb_first", "emb_start")]
+    _ew("encoder_sort", n, *order, inp, _i(n))
+    _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
+            dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
 
 
@@ -480,10 +508,10 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
 def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     C = inp.shape[-1]
     N = inp.size // C
-    dnorm = _ws("dnorm", N * C)
-    _rows("layernorm_backward", N, dinp, dnorm, dout, inp, w, mean, rstd, _i(N), _i(C))
-    _column_sum(dw, dnorm, N, C)
-    _column_sum(db, dout, N, C)
+    R = -(-N // GEOMETRY["ROW_WARPS"])
+    partial = _ws("ln_partial", R * 2 * C)
+    _rows("layernorm_backward", N, dinp, partial, dout, inp, w, mean, rstd, _i(N), _i(C))
+    _column_sum(dw, partial, R, 2 * C, db, C)
 
 
 @_op
@@ -522,18 +550,22 @@ def adamw_schedule(sched):
     upload(_ws("sched", 4), np.array(sched, np.float32))
 
 
-NORM_BLOCKS = 128  # sum_squares' partial sums: a fixed count, so the order is too
+NORM_BLOCKS = 528  # sum_squares' most blocks: 4 per SM of an H100 (132 SMs)
 
 
 @_op
-def sum_squares(acc, x):
-    """acc (1,) float64 += the sum of x's squares, in double, in two deterministic stages
-    (a step's norm, and so its clipping, repeats exactly)."""
-    threads = GEOMETRY["EW_THREADS"]
-    R = max(1, min(NORM_BLOCKS, (x.size + threads - 1) // threads))
+def sum_squares(acc, x, offset=0):
+    """acc (1,) float64 += the sum of x's squares (x[0]: element `offset` of its stage's
+    flat buffer), float within each 16-byte group of that buffer and float64 across them
+    (reduce.cu says why), in an order fixed by x.size, so a step's norm and its clipping
+    repeat exactly."""
+    threads, pack = GEOMETRY["EW_THREADS"], 16 // x.dtype.itemsize
+    groups = (offset % pack + x.size + pack - 1) // pack
+    R = max(1, min(NORM_BLOCKS, (groups + threads - 1) // threads))
     partial = _ws("norm_partial", R, np.float64)
-    _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size))
-    _launch("sum_squares_finish", (1,), (1,), acc, partial, _i(R))
+    _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size),
+            np.int64(offset))
+    _launch("sum_squares_finish", (1,), (threads,), acc, partial, _i(R))
 
 
 @_op

@@ -308,10 +308,14 @@ def attention_decode(out, qkv, NH):
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
-@_op("out")
-def gelu_forward(out, inp):
+@_op("out", "inp")
+def gelu_forward(out, inp, bias=None):
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
-    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
+    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies. With bias
+    (fc's, folded in here), inp += bias first, stored in place: backward reads it."""
+    if bias is not None:
+        inp += bias
+        _stored(inp)
     t = _gelu_tanh(inp)
     t += 1.0
     np.multiply(inp, 0.5, out=out)
@@ -330,8 +334,20 @@ def _gelu_tanh(inp):
 
 
 @_op("out")
-def residual_forward(out, a, b):
-    np.add(a, b, out=out)
+def residual_forward(out, a, b, bias=None):
+    """out = a + b, or a + (b + bias): a row-parallel projection's bias is added here."""
+    if bias is None:
+        np.add(a, b, out=out)
+    else:
+        np.add(b, bias, out=out)
+        out += a
+
+
+def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
+    """res = a + (b + bias), stored; out, mean, rstd: the layernorm of res as stored. The
+    CUDA kernel fuses the two; here they are the two ops (and profile as such)."""
+    residual_forward(res, a, b, bias)
+    layernorm_forward(out, mean, rstd, res, w, lnb)
 
 
 @_op("stats")
@@ -379,6 +395,15 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
         lg *= dloss
     if dloss is not None:
         logits[..., valid:] = 0
+
+
+def cross_entropy(logits, losses, targets, valid, dloss=None):
+    """classifier_stats and classifier for a head holding the whole vocab (no tensor
+    parallelism: nothing to gather between them), which the CUDA kernel fuses; here they
+    are the two ops (and profile as such)."""
+    stats = _ws("ce_stats", (1, *targets.shape, 3), wide(logits.dtype))
+    classifier_stats(stats[0], logits, targets, 0, valid)
+    classifier(logits, losses, stats, targets, 0, valid, dloss)
 
 
 @_op("acc")
@@ -471,13 +496,27 @@ def gelu_backward(dinp, inp, dout):
 
 # --- optimizer ---------------------------------------------------------------------------
 
-@_op("acc")
-def sum_squares(acc, x):
-    """acc (1,) += the sum of x's squares (the global gradient norm's share of x), summed
-    in float64: BLAS's float32 dot drifts by 1e-6 over a million terms."""
-    for a in range(0, x.size, ADAM_CHUNK):
-        c = x[a:a + ADAM_CHUNK].astype(np.float64)
-        acc += np.dot(c, c)
+@_op(mixed=False)
+def sum_squares(acc, x, offset=0):
+    """acc (1,) += the sum of x's squares (the global gradient norm's share of x; x[0] is
+    element `offset` of its stage's flat buffer), as the CUDA kernel sums them: squares
+    added in x's wide type (float for fp32 and bf16) within each group of 16 bytes of that
+    buffer, in element order, and the groups' sums in float64. Each group's float sum is
+    the same whichever ranks' slices hold the group (only a group a slice boundary cuts is
+    summed in two parts), and float64 sums in another order move the float norm only on a
+    tie within 1e-16 of it: so ZeRO-1's norm is the unsharded one, bit for bit."""
+    pack, w = 16 // x.dtype.itemsize, wide(x.dtype)
+    lead = offset % pack
+    step = ADAM_CHUNK - ADAM_CHUNK % pack  # (chunks of whole groups)
+    for a in range(-lead, x.size, step):
+        c = np.zeros(step, w)
+        part = x[max(a, 0):a + step]
+        c[max(a, 0) - a:max(a, 0) - a + part.size] = part
+        sq = (c * c).reshape(-1, pack)
+        s = sq[:, 0].copy()
+        for k in range(1, pack):  # in element order, as the kernel
+            s += sq[:, k]
+        acc += s.sum(dtype=np.float64)
 
 
 def _grad_scale(norm_sq, clip, dtype):

@@ -48,6 +48,51 @@ extern "C" __global__ void classifier(floatX* logits, float* losses, const float
                                : 0.f);
 }
 
+// The block's (max, sum of exponentials) merged in warp order, as every thread's result.
+__device__ void block_max_sum(float& m, float& s) {
+    __shared__ float sm[CLS_THREADS / WARP], ss[CLS_THREADS / WARP];
+    warp_max_sum(m, s);
+    int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (lane == 0) { sm[w] = m; ss[w] = s; }
+    __syncthreads();
+    m = -INFINITY; s = 0.f;
+    for (int k = 0; k < (int)blockDim.x / WARP; k++) merge_max_sum(m, s, sm[k], ss[k]);
+}
+
+// Cross-entropy with the whole vocab in one shard (no tensor parallelism): classifier_stats
+// and classifier in one kernel, one block per row. Pass 1 reads the row's first `valid`
+// logits PACK at a time (one 16-byte load where whole and aligned; each pack's max, then
+// its exponentials' sum, merged into the thread's), pass 2 (write_dlogits) rewrites the
+// whole row in place, 16-byte stores likewise. Launch: CLS_THREADS per block, N blocks.
+extern "C" __global__ void cross_entropy(floatX* logits, float* losses, const int* targets,
+                                         float dloss, int write_dlogits, int valid, int Vs) {
+    long long row = blockIdx.x;
+    floatX* x = logits + row * Vs;
+    float m = -INFINITY, s = 0.f, f[PACK];
+    for (int j = threadIdx.x * PACK; j < valid; j += blockDim.x * PACK) {
+        int n = min(PACK, valid - j);
+        load_pack(f, x + j, n, n == PACK && aligned16(x + j));
+        float pm = -INFINITY, ps = 0.f;
+        for (int k = 0; k < n; k++) pm = fmaxf(pm, f[k]);
+        for (int k = 0; k < n; k++) ps += expf(f[k] - pm);
+        merge_max_sum(m, s, pm, ps);
+    }
+    block_max_sum(m, s);
+    int tgt = targets[row];
+    bool held = tgt >= 0 && tgt < valid;
+    if (threadIdx.x == 0) losses[row] = logf(s) + m - (held ? load(x[tgt]) : 0.f);
+    if (!write_dlogits) return;
+    __syncthreads();  // (thread 0 has read the target's logit before it is overwritten)
+    for (int j = threadIdx.x * PACK; j < Vs; j += blockDim.x * PACK) {
+        int n = min(PACK, Vs - j);
+        bool vec = n == PACK && aligned16(x + j);
+        load_pack(f, x + j, n, vec);
+        for (int k = 0; k < PACK; k++)
+            f[k] = j + k < valid ? (expf(f[k] - m) / s - (j + k == tgt ? 1.f : 0.f)) * dloss : 0.f;
+        store_pack(x + j, f, n, vec);
+    }
+}
+
 // acc[0] += sum of n losses, in double, one block of CLS_THREADS threads (deterministic).
 extern "C" __global__ void loss_accumulate(double* acc, const float* losses, int n) {
     __shared__ double part[CLS_THREADS / WARP];

@@ -26,6 +26,13 @@ __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// v as stored: rounded to floatX (what the next kernel reading it back gets).
+__device__ __forceinline__ float stored(float v) {
+    floatX t;
+    store(&t, v);
+    return load(t);
+}
+
 // 128-bit access: PACK floatX in one 16-byte load or store (4 floats, 8 bf16). An
 // elementwise kernel's thread takes PACK consecutive elements, with one 16-byte access per
 // array where the run is whole and every pointer 16-byte aligned, else one at a time: the
@@ -37,6 +44,27 @@ struct alignas(16) Pack {
 
 __device__ __forceinline__ bool aligned16(const void* p) {
     return ((unsigned long long)p & 15) == 0;
+}
+
+// f[k] = p[k] for k < n, 0 after; one 16-byte load where vec (n is PACK, p aligned).
+__device__ __forceinline__ void load_pack(float* f, const floatX* p, int n, bool vec) {
+    if (vec) {
+        Pack v = *reinterpret_cast<const Pack*>(p);
+        for (int k = 0; k < PACK; k++) f[k] = load(v.v[k]);
+        return;
+    }
+    for (int k = 0; k < PACK; k++) f[k] = k < n ? load(p[k]) : 0.f;
+}
+
+// p[k] = f[k] rounded, for k < n; one 16-byte store where vec.
+__device__ __forceinline__ void store_pack(floatX* p, const float* f, int n, bool vec) {
+    if (vec) {
+        Pack v;
+        for (int k = 0; k < PACK; k++) store(&v.v[k], f[k]);
+        *reinterpret_cast<Pack*>(p) = v;
+        return;
+    }
+    for (int k = 0; k < n && k < PACK; k++) store(&p[k], f[k]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

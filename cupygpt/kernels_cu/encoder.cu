@@ -13,24 +13,58 @@ extern "C" __global__ void encoder_forward(floatX* out, const int* inp, const fl
     store(&out[i], add_wpe ? x + load(wpe[(long long)t * C + c]) : x);
 }
 
-// acc[inp[b,t]] += dout[b,t] for the tokens this shard holds: a repeated token makes several
-// threads add to one row, so this is the one atomic (and so order-nondeterministic) gradient
-// in the model. acc is float: dwte itself in an fp32 run; in a bf16 run a float buffer that
-// add_into then adds to dwte, rounding once.
-extern "C" __global__ void encoder_backward_wte(float* acc, const floatX* dout, const int* inp,
-                                                int B, int T, int C, int v0, int rows) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)B * T * C) return;
-    int c = i % C, bt = i / C, r = inp[bt] - v0;
-    if (r >= 0 && r < rows) atomicAdd(&acc[(long long)r * C + c], load(dout[i]));
+// The token embedding's gradient, deterministically and touching only the rows of the
+// tokens present: encoder_sort orders the n = B*T positions by (token, position), then
+// encoder_backward_wte gives each token present one thread per PACK columns, which adds its
+// positions' rows to the token's row in position order (NumPy's np.add.at order, rounded
+// once). Nothing depends on the vocabulary's size, and nothing waits on the host.
+
+// sorted[k]: the position k-th in (token, position) order; for the first position i of
+// each token first[i] = how many positions hold it and start[i] = where they begin in
+// sorted (0 for the others). Each thread counts, over all n tokens (EW_THREADS at a time
+// through shared memory), those below its own and those equal before it: O(n^2) integer
+// compares, no atomics. Launch: EW_THREADS per block over n positions.
+extern "C" __global__ void encoder_sort(int* sorted, int* first, int* start, const int* inp,
+                                        int n) {
+    __shared__ int tile[EW_THREADS];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = i < n ? inp[i] : 0, less = 0, before = 0, same = 0;
+    for (int j0 = 0; j0 < n; j0 += EW_THREADS) {
+        __syncthreads();  // (the last tile read by all)
+        if (j0 + threadIdx.x < n) tile[threadIdx.x] = inp[j0 + threadIdx.x];
+        __syncthreads();
+        for (int k = 0; k < EW_THREADS && j0 + k < n; k++) {
+            int u = tile[k];
+            less += u < t;
+            same += u == t;
+            before += u == t && j0 + k < i;
+        }
+    }
+    if (i >= n) return;
+    sorted[less + before] = i;
+    first[i] = before == 0 ? same : 0;
+    start[i] = less;
 }
 
-// dst += acc, rounded once; acc is zeroed for its next use.
-extern "C" __global__ void add_into(floatX* dst, float* acc, long long n) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    store(&dst[i], load(dst[i]) + acc[i]);
-    acc[i] = 0.f;
+// dwte[token] += its positions' dout rows, for the tokens this shard holds (rows
+// [v0, v0 + rows)). Launch: grid (n, column blocks), WARP threads of PACK columns each;
+// a block whose position is not its token's first returns at once.
+extern "C" __global__ void encoder_backward_wte(floatX* dwte, const floatX* dout, const int* inp,
+                                                const int* sorted, const int* first,
+                                                const int* start, int C, int v0, int rows) {
+    int i = blockIdx.x, count = first[i], r = inp[i] - v0;
+    int c = (blockIdx.y * blockDim.x + threadIdx.x) * PACK;
+    if (count == 0 || r < 0 || r >= rows || c >= C) return;
+    floatX* o = dwte + (long long)r * C + c;
+    bool vec = c + PACK <= C && C % PACK == 0 && aligned16(dwte) && aligned16(dout);
+    float s[PACK], f[PACK];
+    load_pack(s, o, C - c, vec);
+    const int* pos = sorted + start[i];
+    for (int k = 0; k < count; k++) {
+        load_pack(f, dout + (long long)pos[k] * C + c, C - c, vec);
+        for (int q = 0; q < PACK; q++) s[q] += f[q];
+    }
+    store_pack(o, s, C - c, vec);
 }
 
 // dwpe[t] += sum over b of dout[b,t]; one thread per (t, c), deterministic.

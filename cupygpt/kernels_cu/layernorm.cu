@@ -1,44 +1,143 @@
-// LayerNorm over C, eps 1e-5. Launch: ROW_WARPS warps per block, one warp per row.
+// LayerNorm over C, eps 1e-5. Launch: ROW_WARPS warps per block, one warp per row. A lane
+// takes PACK adjacent columns at a time (c = lane * PACK, then + WARP * PACK): one 16-byte
+// access per array where the run is whole and aligned, else element by element, the same
+// columns and float math either way.
 #include "common.cuh"
+
+// Whether the PACK columns from c of every pointer given are one aligned 16-byte run.
+__device__ __forceinline__ bool whole(int c, int C, const void* a, const void* b,
+                                      const void* d = nullptr, const void* e = nullptr) {
+    return c + PACK <= C && aligned16(a) && aligned16(b) && (!d || aligned16(d)) &&
+           (!e || aligned16(e));
+}
+
+// The warp's row x (C columns) normalized into o; mean and rstd of the row returned.
+__device__ void layernorm_row(floatX* o, float& m, float& r, const floatX* x, const floatX* w,
+                              const floatX* b, int C, int lane) {
+    float f[PACK], s = 0.f;
+    for (int c = lane * PACK; c < C; c += WARP * PACK) {
+        load_pack(f, x + c, C - c, whole(c, C, x + c, x + c));
+        for (int k = 0; k < PACK; k++) s += f[k];
+    }
+    m = warp_sum(s) / C;
+    float v = 0.f;
+    for (int c = lane * PACK; c < C; c += WARP * PACK) {
+        load_pack(f, x + c, C - c, whole(c, C, x + c, x + c));
+        for (int k = 0; k < PACK && c + k < C; k++) v += (f[k] - m) * (f[k] - m);
+    }
+    r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);  // not rsqrtf: keep it exact to the ulp
+    for (int c = lane * PACK; c < C; c += WARP * PACK) {
+        bool vec = whole(c, C, x + c, o + c, w + c, b + c);
+        float wf[PACK], bf[PACK];
+        load_pack(f, x + c, C - c, vec);
+        load_pack(wf, w + c, C - c, vec);
+        load_pack(bf, b + c, C - c, vec);
+        for (int k = 0; k < PACK; k++) f[k] = (f[k] - m) * r * wf[k] + bf[k];
+        store_pack(o + c, f, C - c, vec);
+    }
+}
 
 extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rstd,
                                              const floatX* inp, const floatX* w,
                                              const floatX* b, int N, int C) {
     int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= N) return;
-    const floatX* x = inp + (long long)row * C;
-    float s = 0.f;
-    for (int i = lane; i < C; i += WARP) s += load(x[i]);
-    float m = warp_sum(s) / C;
-    float v = 0.f;
-    for (int i = lane; i < C; i += WARP) { float d = load(x[i]) - m; v += d * d; }
-    float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);  // not rsqrtf: keep it exact to the ulp
-    floatX* o = out + (long long)row * C;
-    for (int i = lane; i < C; i += WARP)
-        store(&o[i], (load(x[i]) - m) * r * load(w[i]) + load(b[i]));
+    long long base = (long long)row * C;
+    float m, r;
+    layernorm_row(out + base, m, r, inp + base, w, b, C, lane);
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
-// dinp += d(layernorm)/dinp; dnorm_out (float) = dout * norm, which the column sum turns
-// into dw.
-extern "C" __global__ void layernorm_backward(floatX* dinp, float* dnorm_out,
-                                              const floatX* dout, const floatX* inp,
-                                              const floatX* w, const float* mean,
-                                              const float* rstd, int N, int C) {
+// The warp's row of res = a + (b + bias) (a row-parallel projection's output, its bias
+// added here, onto the residual stream), stored.
+__device__ __forceinline__ void residual_row(floatX* res, const floatX* a, const floatX* b,
+                                             const floatX* bias, int C, int lane) {
+    for (int c = lane * PACK; c < C; c += WARP * PACK) {
+        bool vec = whole(c, C, res + c, a + c, b + c, bias + c);
+        float x[PACK], y[PACK], z[PACK];
+        load_pack(x, a + c, C - c, vec);
+        load_pack(y, b + c, C - c, vec);
+        load_pack(z, bias + c, C - c, vec);
+        for (int k = 0; k < PACK; k++) x[k] += y[k] + z[k];
+        store_pack(res + c, x, C - c, vec);
+    }
+}
+
+extern "C" __global__ void residual_bias_forward(floatX* res, const floatX* a, const floatX* b,
+                                                 const floatX* bias, int N, int C) {
+    int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (row < N) residual_row(res + (long long)row * C, a + (long long)row * C,
+                              b + (long long)row * C, bias, C, lane);
+}
+
+// The residual row, then out = layernorm(res) from the stored values, as layernorm_forward
+// computes it (each lane reads back the columns it wrote itself: no barrier needed).
+extern "C" __global__ void residual_layernorm_forward(floatX* res, const floatX* a,
+                                                      const floatX* b, const floatX* bias,
+                                                      floatX* out, float* mean, float* rstd,
+                                                      const floatX* w, const floatX* lnb,
+                                                      int N, int C) {
     int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= N) return;
     long long base = (long long)row * C;
-    float m = mean[row], r = rstd[row], a = 0.f, bsum = 0.f;
-    for (int i = lane; i < C; i += WARP) {
-        float dn = load(w[i]) * load(dout[base + i]), n = (load(inp[base + i]) - m) * r;
-        a += dn;
-        bsum += dn * n;
+    residual_row(res + base, a + base, b + base, bias, C, lane);
+    float m, r;
+    layernorm_row(out + base, m, r, res + base, w, lnb, C, lane);
+    if (lane == 0) { mean[row] = m; rstd[row] = r; }
+}
+
+// dinp += d(layernorm)/dinp for the block's ROW_WARPS rows, and the block's partial
+// weight and bias gradients: partial[block, c] = sum over its rows of dout * norm,
+// partial[block, C + c] of dout, the rows added in row order (column_sum_f32 then sums the
+// blocks' partials in block order: deterministic). Columns go WARP * PACK at a time
+// through shared memory, where the warps' rows meet.
+extern "C" __global__ void layernorm_backward(floatX* dinp, float* partial, const floatX* dout,
+                                              const floatX* inp, const floatX* w,
+                                              const float* mean, const float* rstd, int N,
+                                              int C) {
+    __shared__ float rows[ROW_WARPS][2][WARP * PACK];
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, row = blockIdx.x * ROW_WARPS + warp;
+    bool live = row < N;
+    long long base = (long long)(live ? row : 0) * C;
+    const floatX *g = dout + base, *x = inp + base;
+    float m = mean[live ? row : 0], r = rstd[live ? row : 0], a = 0.f, bsum = 0.f;
+    float gf[PACK], xf[PACK], wf[PACK], df[PACK];
+    for (int c = lane * PACK; c < C; c += WARP * PACK) {
+        bool vec = whole(c, C, g + c, x + c, w + c);
+        load_pack(gf, g + c, C - c, vec);
+        load_pack(xf, x + c, C - c, vec);
+        load_pack(wf, w + c, C - c, vec);
+        for (int k = 0; k < PACK; k++) {
+            float dn = wf[k] * gf[k];
+            a += dn;
+            bsum += dn * ((xf[k] - m) * r);
+        }
     }
     float dnorm_mean = warp_sum(a) / C, dnorm_norm_mean = warp_sum(bsum) / C;
-    for (int i = lane; i < C; i += WARP) {
-        float n = (load(inp[base + i]) - m) * r, g = load(dout[base + i]);
-        store(&dinp[base + i],
-              load(dinp[base + i]) + (load(w[i]) * g - dnorm_mean - n * dnorm_norm_mean) * r);
-        dnorm_out[base + i] = g * n;
+    for (int c0 = 0; c0 < C; c0 += WARP * PACK) {
+        int c = c0 + lane * PACK;
+        for (int k = 0; k < PACK; k++) rows[warp][0][lane * PACK + k] = rows[warp][1][lane * PACK + k] = 0.f;
+        if (live && c < C) {
+            bool vec = whole(c, C, g + c, x + c, w + c, dinp + base + c);
+            load_pack(gf, g + c, C - c, vec);
+            load_pack(xf, x + c, C - c, vec);
+            load_pack(wf, w + c, C - c, vec);
+            load_pack(df, dinp + base + c, C - c, vec);
+            for (int k = 0; k < PACK; k++) {
+                float n = (xf[k] - m) * r;
+                df[k] += (wf[k] * gf[k] - dnorm_mean - n * dnorm_norm_mean) * r;
+                rows[warp][0][lane * PACK + k] = gf[k] * n;
+                rows[warp][1][lane * PACK + k] = gf[k];
+            }
+            store_pack(dinp + base + c, df, C - c, vec);
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < 2 * WARP * PACK; j += blockDim.x) {
+            int q = j / (WARP * PACK), k = j % (WARP * PACK);
+            float s = 0.f;
+            for (int v = 0; v < ROW_WARPS; v++) s += rows[v][q][k];
+            if (c0 + k < C) partial[(long long)blockIdx.x * 2 * C + q * C + c0 + k] = s;
+        }
+        __syncthreads();
     }
 }

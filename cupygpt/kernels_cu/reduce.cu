@@ -1,74 +1,137 @@
 // Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC);
-// and the gradient norm's sum of squares. Two deterministic stages each instead of atomics,
-// so a step's gradients (and its clipping) are reproducible.
+// and the gradient norm's sum of squares. Deterministic partial sums finished in a fixed
+// order instead of float atomics, so a step's gradients (and its clipping) are reproducible.
 #include "common.cuh"
 
-// Stage 1. Launch: grid (ceil(OC/COL_TILE), R), block (COL_TILE, ROW_LANES): a lane per
-// column, so each row is read coalesced; chunk r sums rows
-// [r*rows_per_chunk, (r+1)*rows_per_chunk) into partial[r, c]. in is floatX (a gradient),
-// or float (column_sum_partial_f32: layernorm's dnorm).
+// One launch. Grid (column tiles, R row chunks), block (COL_TILE, ROW_LANES): a thread
+// takes VEC(T) adjacent columns (one 16-byte load per row where aligned, else one at a
+// time) and every ROW_LANES-th row of its block's chunk; the lanes are summed in lane
+// order into partial[chunk, c]. The block of a tile that finishes last (counter
+// done[tile], left at 0 for the next launch) sums the tile's R partials in chunk order and
+// adds them to out, rounding once: columns [0, split) go to out_a, the rest to out_b (two
+// gradients from one pass). in is floatX (a gradient) or float (layernorm's partials).
+#define VEC(T) (16 / (int)sizeof(T))
 template <class T>
-__device__ void column_sum_rows(float* partial, const T* in, int N, int OC, int rows_per_chunk) {
-    __shared__ float acc[ROW_LANES][COL_TILE];
-    int c = blockIdx.x * COL_TILE + threadIdx.x;
-    int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float s = 0.f;
-    if (c < OC)
-        for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES)
-            s += load(in[(long long)r * OC + c]);
-    acc[threadIdx.y][threadIdx.x] = s;
+struct alignas(16) Vec {
+    T v[VEC(T)];
+};
+
+// Sums rows r0, r0 + ROW_LANES, ... < r1 of columns [c, c + P) of in (rows ld apart) into
+// s, with 16-byte loads where VECTOR (the first pass), P is VEC(T) and they are aligned,
+// else one __ldcg at a time (the finish reads partials other blocks wrote: from L2, never
+// a stale L1 line); then the block's lanes in lane order into y = 0's s.
+template <int P, bool VECTOR, class T>
+__device__ void lane_sums(float* s, const T* in, long long ld, int OC, int c, int r0, int r1,
+                          float (*lanes)[COL_TILE * 8]) {
+    for (int k = 0; k < P; k++) s[k] = 0.f;
+    for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES) {
+        const T* row = in + r * ld + c;
+        if (VECTOR && P == VEC(T) && c + P <= OC && aligned16(row)) {
+            Vec<T> v = *reinterpret_cast<const Vec<T>*>(row);
+            for (int k = 0; k < P; k++) s[k] += load(v.v[k]);
+        } else {
+            for (int k = 0; k < P && c + k < OC; k++) s[k] += load(__ldcg(row + k));
+        }
+    }
+    for (int k = 0; k < P; k++) lanes[threadIdx.y][threadIdx.x * P + k] = s[k];
     __syncthreads();
-    if (threadIdx.y == 0 && c < OC) {
-        float t = 0.f;
-        for (int k = 0; k < ROW_LANES; k++) t += acc[k][threadIdx.x];
-        partial[(long long)blockIdx.y * OC + c] = t;
+    if (threadIdx.y == 0)
+        for (int k = 0; k < P; k++)
+            for (int y = 1; y < ROW_LANES; y++) s[k] += lanes[y][threadIdx.x * P + k];
+}
+
+template <class T>
+__device__ void column_sum(floatX* out_a, floatX* out_b, int split, const T* in, int N, int OC,
+                           int rows_per_chunk, float* partial, int* done) {
+    constexpr int P = VEC(T);
+    __shared__ float lanes[ROW_LANES][COL_TILE * 8];
+    __shared__ int last;
+    int c = (blockIdx.x * COL_TILE + threadIdx.x) * P, R = gridDim.y;
+    int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float s[P];
+    lane_sums<P, true>(s, in, OC, OC, c, r0, r1, lanes);
+    if (threadIdx.y == 0)
+        for (int k = 0; k < P && c + k < OC; k++) partial[(long long)blockIdx.y * OC + c + k] = s[k];
+    __threadfence();  // (the partials visible to every block before the count says so)
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&done[blockIdx.x], 1) == R - 1;
+    __syncthreads();
+    if (!last) return;
+    lane_sums<P, false>(s, (const float*)partial, OC, OC, c, 0, R, lanes);
+    if (threadIdx.y != 0) return;
+    for (int k = 0; k < P && c + k < OC; k++) {
+        floatX* o = c + k < split ? &out_a[c + k] : &out_b[c + k - split];
+        store(o, load(*o) + s[k]);
     }
+    if (threadIdx.x == 0) done[blockIdx.x] = 0;
 }
 
-extern "C" __global__ void column_sum_partial(float* partial, const floatX* in, int N, int OC,
-                                              int rows_per_chunk) {
-    column_sum_rows(partial, in, N, OC, rows_per_chunk);
+extern "C" __global__ void column_sum_x(floatX* out_a, floatX* out_b, int split,
+                                        const floatX* in, int N, int OC, int rows_per_chunk,
+                                        float* partial, int* done) {
+    column_sum(out_a, out_b, split, in, N, OC, rows_per_chunk, partial, done);
 }
 
-extern "C" __global__ void column_sum_partial_f32(float* partial, const float* in, int N, int OC,
-                                                  int rows_per_chunk) {
-    column_sum_rows(partial, in, N, OC, rows_per_chunk);
+extern "C" __global__ void column_sum_f32(floatX* out_a, floatX* out_b, int split,
+                                          const float* in, int N, int OC, int rows_per_chunk,
+                                          float* partial, int* done) {
+    column_sum(out_a, out_b, split, in, N, OC, rows_per_chunk, partial, done);
 }
 
-// Stage 2. Launch: EW_THREADS per block over OC columns; sums the R partials in order and
-// adds them to out, rounding once.
-extern "C" __global__ void column_sum_finish(floatX* out, const float* partial, int R, int OC) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= OC) return;
+// The gradient norm's sum of squares: acc[0] += sum of x[i]^2, deterministically. The
+// squares are summed in float only within a group, the PACK elements of one 16-byte run
+// of the stage's flat buffer (x[0] is its element `offset`): every way of splitting the
+// buffer over ranks (ZeRO-1's slices, the norm's ranges) keeps the groups whole except
+// where a cut falls, so the groups' float sums are the same numbers whatever the split.
+// Across groups the sums are float64 (a thread's, then the block's, then the blocks'), whose
+// order changes the float norm only on a tie within 1e-16 of it. Stage 1. Launch: R blocks
+// of EW_THREADS; block b writes the sum of its grid-strided groups to partial[b].
+// (__fmul_rn: a square rounded before it is added, never fused into an FMA, as NumPy's.)
+__device__ __forceinline__ float group_squares(const floatX* x, long long n, long long i) {
     float s = 0.f;
-    for (int r = 0; r < R; r++) s += partial[(long long)r * OC + c];
-    store(&out[c], load(out[c]) + s);
+    if (i >= 0 && i + PACK <= n && aligned16(x + i)) {
+        Pack p = *reinterpret_cast<const Pack*>(x + i);
+        for (int k = 0; k < PACK; k++) s += __fmul_rn(load(p.v[k]), load(p.v[k]));
+        return s;
+    }
+    for (long long j = max(i, 0LL); j < i + PACK && j < n; j++) s += __fmul_rn(load(x[j]), load(x[j]));
+    return s;
 }
 
-// The sum of squares, in double (so how the gradient is split over ranks changes no bit of
-// the float norm): acc[0] += sum of x[i]^2. Stage 1. Launch: R blocks of EW_THREADS; block b
-// sums its grid-strided share into partial[b].
-extern "C" __global__ void sum_squares_partial(double* partial, const floatX* x, long long n) {
+// The block's threads' values summed in thread order, in double; thread 0 holds the sum.
+__device__ __forceinline__ double block_sum_d(double s) {
     __shared__ double part[EW_THREADS / WARP];
-    double s = 0.0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        double v = load(x[i]);
-        s += v * v;
-    }
     s = warp_sum_d(s);
     if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int k = 0; k < EW_THREADS / WARP; k++) t += part[k];
-        partial[blockIdx.x] = t;
-    }
+    s = threadIdx.x < EW_THREADS / WARP ? part[threadIdx.x] : 0.0;
+    if (threadIdx.x < WARP) s = warp_sum_d(s);
+    return s;
 }
 
-// Stage 2. Launch: one thread; adds the R partials in order.
+extern "C" __global__ void sum_squares_partial(double* partial, const floatX* x, long long n,
+                                               long long offset) {
+    long long lead = offset % PACK, groups = (lead + n + PACK - 1) / PACK;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    double s = 0.0;
+    long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (; g + 3 * stride < groups; g += 4 * stride) {  // four 16-byte loads in flight
+        float a = group_squares(x, n, g * PACK - lead);
+        float b = group_squares(x, n, (g + stride) * PACK - lead);
+        float c = group_squares(x, n, (g + 2 * stride) * PACK - lead);
+        float d = group_squares(x, n, (g + 3 * stride) * PACK - lead);
+        s += a; s += b; s += c; s += d;
+    }
+    for (; g < groups; g += stride) s += group_squares(x, n, g * PACK - lead);
+    s = block_sum_d(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// Stage 2. Launch: one block of EW_THREADS; sums the R partials (thread t takes t, t + 256,
+// ..., then the block in thread order) and adds them to acc[0].
 extern "C" __global__ void sum_squares_finish(double* acc, const double* partial, int R) {
     double t = 0.0;
-    for (int r = 0; r < R; r++) t += partial[r];
-    acc[0] += t;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) t += partial[r];
+    t = block_sum_d(t);
+    if (threadIdx.x == 0) acc[0] += t;
 }

@@ -62,6 +62,18 @@ inline float atomicAdd(float* p, float v) {  // fibers never run at once: a plai
     return old;
 }
 
+inline float __fmul_rn(float a, float b) { return a * b; }  // (g++ contracts no FMA here)
+
+inline int atomicAdd(int* p, int v) {
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+
+inline void __threadfence() {}  // one block at a time: every write is already visible
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
+
 // CUDA's bit casts between float and its 32 bits
 inline unsigned __float_as_uint(float f) {
     unsigned u;
