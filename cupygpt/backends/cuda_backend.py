@@ -383,19 +383,18 @@ def _qkv_split(qkv, NH):
 
 
 def _flash(kind, qkv, NH, *args):
-    """Launches flash_{kind}: a block per FR rows of each (b, h), the kernel built for the
-    smallest head size of FLASH_HEAD_SIZES that holds HS."""
+    """Launches flash_{kind}: a block per 16 * FLASH_WARPS rows of each (b, h), the kernel
+    built for the smallest head size of FLASH_HEAD_SIZES that holds HS."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
     hsp = next(n for n in FLASH_HEAD_SIZES if n >= HS)
-    x = qkv.dtype.itemsize
-    rows, smem = 16 * GEOMETRY["FLASH_WARPS"], flash_smem_bytes(kind, hsp, x, x == 4 and not tf32)
-    k = _k(f"flash_{kind}_{hsp}", "bf16" if qkv.dtype == BF16 else "fp32")
+    x, warps, name = qkv.dtype.itemsize, GEOMETRY["FLASH_WARPS"], f"flash_{kind}_{hsp}"
+    smem = flash_smem_bytes(kind, hsp, x, x == 4 and not tf32)
+    k = _k(name, "bf16" if qkv.dtype == BF16 else "fp32")
     if k.max_dynamic_shared_size_bytes < smem:  # above 48 KiB, CUDA asks for an opt-in
         k.max_dynamic_shared_size_bytes = smem
-    _launch(f"flash_{kind}_{hsp}", ((T + rows - 1) // rows, B * NH), (32 * GEOMETRY["FLASH_WARPS"],),
-            *args, np.float32(1.0 / math.sqrt(HS)), _i(T), _i(NH), _i(HS), _i(tf32),
-            shared_mem=smem)
+    _launch(name, (-(-T // (16 * warps)), B * NH), (32 * warps,), *args,
+            np.float32(1.0 / math.sqrt(HS)), _i(T), _i(NH), _i(HS), _i(tf32), shared_mem=smem)
 
 
 @_op

@@ -99,7 +99,8 @@ __device__ __forceinline__ void tile_nn(float (&acc)[N / 8][4], const float (&a)
         #pragma unroll
         for (int t = 0; t < K / 8; t++)
             #pragma unroll
-            for (int e = 0; e < 4; e++) pw[(g + 8 * (e / 2)) * LP + 8 * t + 2 * q + e % 2] = a[t][e];
+            for (int e = 0; e < 4; e++)
+                pw[(g + 8 * (e / 2)) * LP + 8 * t + 2 * q + e % 2] = a[t][e];
         __syncwarp();
         #pragma unroll
         for (int j = 0; j < N / 8; j++)
