@@ -8,10 +8,11 @@ import click
 
 from . import CupyGPTError
 from .backends import gpu_available
-from .cli_kit import DATA, TOKENIZER, entry, one_process, progress
+from .cli_kit import TOKENIZER, entry, one_process, progress
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
+from .paths import TEXT_CAP, check_outputs, read_bounded
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
@@ -37,16 +38,14 @@ def prepare(text, out, tokenizer, name, force):
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(name))
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
+    # through a link too (a clone's ./data is the package's): resolved paths are compared
+    check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, tokenizer])
     for path in paths.values():
-        if os.path.exists(path) and os.path.samefile(os.path.dirname(os.path.abspath(path)),
-                                                     DATA):
-            raise CupyGPTError(f"{path} is a shipped file of the package; give --out or "
-                               f"--name to write elsewhere", "out", out)
         if os.path.exists(path) and not force:
             raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another "
                                f"--out or --name", "out", out)
     try:
-        body = open(text, encoding="utf-8").read()
+        body = read_bounded(text, "text", TEXT_CAP).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tok = Tokenizer(tokenizer)
@@ -141,6 +140,7 @@ def gpucheck(out, quick, parts, mps):
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
     one_process("plot")
+    check_outputs([("out", out)], [log])
     out_file("out", out)
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
@@ -156,6 +156,7 @@ def timeline(trace, out, schedule):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     one_process("timeline")
+    check_outputs([("out", out)], [trace])
     out_file("out", out)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "

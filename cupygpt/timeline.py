@@ -7,6 +7,7 @@ import textwrap
 
 from . import CupyGPTError
 from .files import atomic_write
+from .paths import read_bounded
 from .parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from .parallel.pipeline.simulate import simulate
 
@@ -24,8 +25,7 @@ def read_trace(path):
     bench) is cut at each rank's step actions: the last training step is the one warm and
     undisturbed by the start."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_bounded(path, "trace").decode("utf-8"))
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the trace ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -2,7 +2,7 @@
 then K AdamW steps on its batch. Under mpiexec each rank checks its own slice."""
 import numpy as np
 
-from .files import read_model, read_state
+from .files import check_finite, read_model, read_state
 from .layout import copy_part, param_layout
 from .optim import AdamWConfig
 from .precision import DTYPES, numerics
@@ -26,6 +26,7 @@ def verify(sess):
     report on rank 0 (True elsewhere)."""
     c, tr = sess.config, sess.tr
     cfg, params = read_model(c.model)
+    check_finite(c.model, params)
     state = read_state(c.state, cfg)
     run = sess.runner(cfg, params, batch=state["B"], seq=state["T"],
                       dtype=DTYPES[c.dtype],

@@ -224,7 +224,7 @@ CASES += [
      "--name '../x': must be a plain file-name prefix"),
     ("prepare over the shipped data", lambda t: ["prepare", TEXT, "--out", DATA, "--name",
                                                  "tiny_shakespeare", "--force"],
-     "tiny_shakespeare_val.bin is a shipped file of the package"),
+     "lies in the installed package"),
     ("plot a string", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": "1.5"}\n'),
                                  "--out", t / "never.png"],
      "line 2's train_loss is \"1.5\", not a number"),
