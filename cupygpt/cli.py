@@ -54,7 +54,8 @@ def verify(as_json, **kw):
     if kw["expected"] is None:
         kw["expected"] = shipped_expected(kw)
     sess = session(VerifyConfig, kw, tf32_default=False)
-    report = run_verify(sess)
+    with progress(sess.config.steps - 1, "AdamW steps") as bar:
+        report = run_verify(sess, lambda: bar.update(1))
     if sess.mesh.rank == 0:
         click.echo(json.dumps(report) if as_json else format_report(report))
     ok = sess.tr.bcast(report["ok"] if sess.mesh.rank == 0 else None)

@@ -39,6 +39,10 @@ def entry(fn):
             return fn(**kw)
         except CupyGPTError as e:
             fail(f"error: {as_flag(e)}")
+        except MemoryError:  # past the check at start: another process took the room
+            fail("error: out of memory while running (there was room at the start: another "
+                 "process took it, or a temporary outgrew the plan); lower the batch size or "
+                 "sequence length")
         except Exception:
             fail(traceback.format_exc().rstrip())
     return wrapper

@@ -1,6 +1,7 @@
 """The commands that run in one process beside training: prepare (text to shards), convert
 (to and from transformers' GPT-2 directories), schedule (a schedule's lists and
 simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
+import math
 import os
 import sys
 
@@ -99,12 +100,15 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
         raise CupyGPTError("must be a positive number (a backward's time in forwards)",
                            "backward_cost", backward_cost)
     v = chunks_per_rank(schedule, virtual_stages)
+    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
+    if not (math.isfinite(sim["bubble"]) and math.isfinite(sim["makespan"])):
+        raise CupyGPTError("the simulated times overflow (not finite); give a smaller "
+                           "ratio", "backward_cost", backward_cost)
     fn = SCHEDULES[schedule]
     for r in range(stages):
         acts = fn(stages, micro_batches, r, v)
         text = " ".join(map(short, acts))
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
-    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)
     peak = " ".join(f"{x:g}" for x in sim["peak"])
     click.echo(f"bubble {sim['bubble']:.4f} (1F1B's with equal stages: (p-1)/(m+p-1) = "

@@ -100,6 +100,7 @@ def claim(opts, tr, need):
             replace_earlier(opts.out)
     why = tr.bcast(why)
     if why:
+        unmake(opts, tr, fd)
         if fd is not None:
             os.close(fd)
         raise CupyGPTError(why, "out", opts.out)

@@ -21,9 +21,9 @@ TOLERANCES = {
 }
 
 
-def verify(sess):
+def verify(sess, on_step=None):
     """The `verify` command over a Session holding its validated VerifyConfig; returns the
-    report on rank 0 (True elsewhere)."""
+    report on rank 0 (True elsewhere). on_step() is called after each AdamW step."""
     c, tr = sess.config, sess.tr
     cfg, params = read_model(c.model)
     check_finite(c.model, params)
@@ -40,6 +40,8 @@ def verify(sess):
     run.optimizer_step()
     for _ in range(1, c.steps):
         step_losses.append(run.step(state["x"], state["y"]))
+        if on_step:
+            on_step()
     if c.trace:
         run.write_trace(c.trace)
     if tr.rank != 0:
