@@ -11,6 +11,7 @@ import numpy as np
 
 from . import CupyGPTError
 from . import checkpoint, rundir
+from .comm.launch import Stopped
 from .data import DataLoader
 from .files import atomic_write, check_finite, write_model
 from .optim import AdamWConfig, lr_at
@@ -63,8 +64,9 @@ def open_log(path, start):
 class Interrupt:
     """Ctrl-C, or SIGTERM (what SLURM and Kubernetes send before a kill), sets a flag; the
     loop stops at the next step boundary on every rank (the ranks combine their flags each
-    step, so a signal to one rank stops all). A second signal stops at once: SystemExit
-    unwinds through atomic_write and checkpoint.save, which remove what they half wrote."""
+    step, so a signal to one rank stops all). A second signal stops at once: Stopped
+    unwinds through atomic_write and checkpoint.save, which remove what they half wrote,
+    and the CLI ends the job."""
 
     def __init__(self):
         self.hit = None
@@ -74,7 +76,7 @@ class Interrupt:
         if self.hit:
             os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
                         f"half-written is left\n".encode())
-            raise SystemExit(128 + signum)
+            raise Stopped(128 + signum)
         self.hit = signum
 
     def restore(self):
