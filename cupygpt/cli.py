@@ -17,6 +17,7 @@ from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
 from .config_parts import out_file
 from .files import atomic_write
 from .optim import LR_SCHEDULES
+from .paths import check_outputs
 from .sample import sample_text
 from .train import train as run_train
 from .verify import format_report, verify as run_verify
@@ -53,7 +54,8 @@ def verify(as_json, **kw):
     if kw["expected"] is None:
         kw["expected"] = shipped_expected(kw)
     sess = session(VerifyConfig, kw, tf32_default=False)
-    report = run_verify(sess)
+    with progress(sess.config.steps - 1, "AdamW steps") as bar:
+        report = run_verify(sess, lambda: bar.update(1))
     if sess.mesh.rank == 0:
         click.echo(json.dumps(report) if as_json else format_report(report))
     ok = sess.tr.bcast(report["ok"] if sess.mesh.rank == 0 else None)
@@ -114,6 +116,9 @@ def shipped_expected(kw):
 @click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
+@click.option("--overwrite", is_flag=True,
+              help="a fresh run may replace what an earlier run left in -o (its model.bin, "
+                   "log and checkpoints)")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="replay each step as a CUDA graph (a GPU alone, or over nvshmem without "
                    "the overlapped dp sum)")
@@ -156,6 +161,7 @@ def train(**kw):
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
+    check_outputs([("out", out)], [os.path.join(DATA, "tiny_shakespeare_train.bin")])
     out_file("out", out)
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)

@@ -9,7 +9,7 @@ import traceback
 import click
 
 from . import CupyGPTError
-from .comm.launch import fail, launched_ranks, start_mpi
+from .comm.launch import Stopped, fail, launched_ranks, start_mpi, stop_job
 from .config_parts import Device, Grid, Pipeline
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
@@ -39,6 +39,12 @@ def entry(fn):
             return fn(**kw)
         except CupyGPTError as e:
             fail(f"error: {as_flag(e)}")
+        except Stopped as e:
+            stop_job(e.code)
+        except MemoryError:  # past the check at start: another process took the room
+            fail("error: out of memory while running (there was room at the start: another "
+                 "process took it, or a temporary outgrew the plan); lower the batch size or "
+                 "sequence length")
         except Exception:
             fail(traceback.format_exc().rstrip())
     return wrapper

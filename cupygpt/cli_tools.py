@@ -1,6 +1,7 @@
 """The commands that run in one process beside training: prepare (text to shards), convert
 (to and from transformers' GPT-2 directories), schedule (a schedule's lists and
 simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
+import math
 import os
 import sys
 
@@ -8,10 +9,11 @@ import click
 
 from . import CupyGPTError
 from .backends import gpu_available
-from .cli_kit import DATA, TOKENIZER, entry, one_process, progress
+from .cli_kit import TOKENIZER, entry, one_process, progress
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
+from .paths import TEXT_CAP, check_outputs, read_bounded
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
@@ -37,16 +39,14 @@ def prepare(text, out, tokenizer, name, force):
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(name))
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
+    # through a link too (a clone's ./data is the package's): resolved paths are compared
+    check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, tokenizer])
     for path in paths.values():
-        if os.path.exists(path) and os.path.samefile(os.path.dirname(os.path.abspath(path)),
-                                                     DATA):
-            raise CupyGPTError(f"{path} is a shipped file of the package; give --out or "
-                               f"--name to write elsewhere", "out", out)
         if os.path.exists(path) and not force:
             raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another "
                                f"--out or --name", "out", out)
     try:
-        body = open(text, encoding="utf-8").read()
+        body = read_bounded(text, "text", TEXT_CAP).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tok = Tokenizer(tokenizer)
@@ -100,12 +100,15 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
         raise CupyGPTError("must be a positive number (a backward's time in forwards)",
                            "backward_cost", backward_cost)
     v = chunks_per_rank(schedule, virtual_stages)
+    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
+    if not (math.isfinite(sim["bubble"]) and math.isfinite(sim["makespan"])):
+        raise CupyGPTError("the simulated times overflow (not finite); give a smaller "
+                           "ratio", "backward_cost", backward_cost)
     fn = SCHEDULES[schedule]
     for r in range(stages):
         acts = fn(stages, micro_batches, r, v)
         text = " ".join(map(short, acts))
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
-    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
     ideal = (stages - 1) / (micro_batches + stages - 1)
     peak = " ".join(f"{x:g}" for x in sim["peak"])
     click.echo(f"bubble {sim['bubble']:.4f} (1F1B's with equal stages: (p-1)/(m+p-1) = "
@@ -141,6 +144,7 @@ def gpucheck(out, quick, parts, mps):
 def plot(log, out):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
     one_process("plot")
+    check_outputs([("out", out)], [log])
     out_file("out", out)
     n_train, n_val = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
@@ -156,6 +160,7 @@ def timeline(trace, out, schedule):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     one_process("timeline")
+    check_outputs([("out", out)], [trace])
     out_file("out", out)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "

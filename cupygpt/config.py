@@ -13,12 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import CupyGPTError
-from .checkpoint import check_resume, listed, resolve as resolve_checkpoint
+from .checkpoint import STATE, check_resume, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
                            out_file, positive, recompute_level, run_dtype, runs_on,
                            RUN_DTYPES, VERIFY_DTYPES)
 from .optim import LR_SCHEDULES
+from .paths import check_outputs, files_of
 from .shape import PRESETS, preset
 
 
@@ -52,6 +53,8 @@ class TrainConfig:
     log_file: Optional[str] = None
     graphs: bool = True
     trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
+    overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
+    made_out: bool = False          # validate made -o (a run failing before step 1 removes it)
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
     grid: Grid = field(default_factory=Grid)
@@ -113,18 +116,25 @@ class TrainConfig:
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows_per_replica(c.batch)))
-        if c.checkpoint_every and not c.resume and os.path.isdir(c.out) and listed(c.out):
-            raise CupyGPTError(f"holds an earlier run's checkpoints (the newest "
-                               f"{listed(c.out)[-1]}), which a resume from it would take for "
-                               f"this run's; add --resume {c.out} to continue that run, or give "
-                               f"another -o", "out", c.out)
+        log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
+        check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
+                       ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
         # last, as they make directories: nothing is left behind when a check above fails
         out_file("trace", c.trace)
         out_file("log_file", c.log_file)
+        c = replace(c, log_file=log_file, made_out=not os.path.isdir(c.out))
         make_dir("out", c.out)
-        c = replace(c, log_file=default(c.log_file, os.path.join(c.out, "log.jsonl")))
         out_file("log_file", c.log_file)  # (the default: only not a directory)
         return c, shape
+
+    @staticmethod
+    def _inputs(c):
+        """Every file the run reads: shards, the model or checkpoint, the tokenizer."""
+        model = c.init if is_model_file(c.init) or os.path.isdir(c.init) else None
+        resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
+        return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
+                                               else []),
+                *files_of(model), *resumed, *files_of(c.tokenizer)]
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,8 @@ class VerifyConfig:
         runs_on(be, shape, "model", self.model)
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
+        check_outputs([("trace", self.trace)],
+                      [*files_of(self.model), self.state, *files_of(self.expected)])
         out_file("trace", self.trace)
         pipeline = self.pipeline.validate(shape, T, grid.pp, grid.rows_per_replica(B))
         return replace(c, device=self.device.validate(be, world), grid=grid,
@@ -228,6 +240,7 @@ class BenchConfig:
                                    "it under mpiexec -n 2 or more")
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
         c = replace(c, grid=c.grid.validate(shape, world))
+        check_outputs([("trace", c.trace)], [c.data])
         out_file("trace", c.trace)
         return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                        c.grid.rows_per_replica(c.batch))), shape

@@ -9,6 +9,7 @@ from typing import Optional
 
 from . import CupyGPTError
 from .layout import RECOMPUTED
+from .paths import not_regular
 from .precision import dtype_name
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
@@ -104,9 +105,11 @@ class Pipeline:
         v = chunks_per_rank(self.schedule, self.virtual_stages)
         SCHEDULES[self.schedule](stages, self.micro_batches, 0, v)  # (refuses what it can't do)
         if v > 1 and stages * v > shape.L:  # (one chunk a rank: plan_split says it)
-            raise CupyGPTError(f"{stages * v} model chunks ({stages} stage(s) x {v}) but the "
-                               f"model has {shape.L} layers; a chunk needs one", "virtual_stages",
-                               v)
+            given = self.virtual_stages is not None  # (else the schedule's own count)
+            raise CupyGPTError(("" if given else f"{self.schedule} holds {v} model chunks per "
+                                f"rank: ") + f"{stages * v} model chunks ({stages} stage(s) x "
+                               f"{v}) but the model has {shape.L} layers; a chunk needs one",
+                               *(("virtual_stages", v) if given else ("schedule", self.schedule)))
         return replace(self, virtual_stages=v,
                        counts=tuple(plan_split(shape, seq, stages * v, self.split, stages)))
 
@@ -173,8 +176,12 @@ def out_file(name, path):
 
 
 def existing(name, path):
-    if not os.path.isfile(path):
-        raise CupyGPTError("no such file", name, path)
+    try:
+        what = not_regular(os.stat(path))
+    except OSError:
+        raise CupyGPTError("no such file", name, path) from None
+    if what:  # (a FIFO would block its reader)
+        raise CupyGPTError(f"is {what}, not a regular file; give a file", name, path)
 
 
 def recompute_level(cfg):

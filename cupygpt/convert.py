@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from . import CupyGPTError, hf
 from .files import model_shape, read_model, write_model
 from .hf_tokenizer import write_tokenizer
+from .paths import check_outputs, files_of
 from .tokenizer import Tokenizer
 
 
@@ -25,6 +26,7 @@ def convert(src, dst, bf16=False, tokenizer=None):
         raise CupyGPTError(f"{src}: no such file or directory (an llm.c .bin file or a "
                            f"transformers GPT-2 directory)")
     cfg = model_shape(src)
+    check_outputs([("dst", dst)], files_of(src))
     if to_llmc:
         if os.path.isdir(dst):
             raise CupyGPTError(f"{dst}: a directory; from a transformers directory convert "
@@ -35,6 +37,10 @@ def convert(src, dst, bf16=False, tokenizer=None):
     if bf16:
         raise CupyGPTError("is for the llm.c file written from a transformers directory; "
                            "model.safetensors is written in fp32", "dtype", "bf16")
+    if os.path.splitext(dst)[1] in (".bin", ".safetensors"):
+        raise CupyGPTError(f"{dst}: names a file, and from an llm.c file convert writes a "
+                           f"transformers directory (config.json, model.safetensors); name a "
+                           f"directory (an llm.c file is written from a directory SRC)")
     tok = Tokenizer(tokenizer) if tokenizer else None
     free_directory(dst)
     return write_hf(dst, cfg, read_model(src, mmap=True)[1], tok)

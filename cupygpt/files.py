@@ -14,6 +14,7 @@ import numpy as np
 
 from . import CupyGPTError, hf
 from .layout import param_layout
+from .paths import read_bounded, regular
 from .shape import GPT2Config, preset
 
 UMASK = os.umask(0)
@@ -50,6 +51,7 @@ def atomic_write(path):
 
 def read_header(path, magic, kind):
     """Returns (header int32[256], open file positioned after it)."""
+    regular(path, kind)
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -135,6 +137,17 @@ def read_model(path, out=None, mmap=False):
                 out[...] = params
                 params = out
     return cfg, params
+
+
+def check_finite(path, params):
+    """Refuses a model whose weights are not all finite (what a diverged run saved): its
+    losses and samples would be NaN. In chunks: no parameter-sized temporary."""
+    if not os.path.exists(path):
+        return  # (a preset: made here, finite)
+    for i in range(0, len(params), 1 << 22):
+        if not np.isfinite(params[i:i + (1 << 22)]).all():
+            raise CupyGPTError(f"{path}: holds non-finite weights (NaN or inf), as a run "
+                               f"that diverged leaves; give a model saved before that")
 
 
 def write_model(path, cfg, params, bf16=False):
@@ -230,8 +243,7 @@ def write_shard(path, tokens, f=None):
 def read_expected(path):
     """The step losses of a JSON file {"losses": [numbers]} (verify --expected)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_bounded(path, "JSON losses", 1 << 20).decode("utf-8"))
     except OSError as e:
         raise CupyGPTError(f"cannot read it ({e.strerror})", "expected", path) from None
     except (UnicodeDecodeError, json.JSONDecodeError):

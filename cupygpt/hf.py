@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from . import CupyGPTError
 from .layout import param_layout
+from .paths import read_bounded
 from .shape import GPT2_V, GPT2Config, padded_vocab
 from .torchbin import torch_weights
 
@@ -59,8 +60,7 @@ def read_config(path):
     llm.c's GPT-2 (one line naming the field)."""
     file = os.path.join(path, CONFIG)
     try:
-        with open(file) as f:
-            c = json.load(f)
+        c = json.loads(read_bounded(file, CONFIG, 1 << 20))
     except FileNotFoundError:
         raise CupyGPTError(f"{path}: a directory but no {CONFIG} in it; a model is an llm.c "
                            f".bin file or a transformers GPT-2 directory") from None

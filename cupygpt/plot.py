@@ -3,6 +3,7 @@ import json
 
 from . import CupyGPTError
 from .files import atomic_write
+from .paths import read_bounded
 
 
 def number(x):
@@ -13,8 +14,7 @@ def number(x):
 def read_log(path):
     """The log's records; a line that is not a step record is named by its number."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = read_bounded(path, "train log").decode("utf-8").splitlines()
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the log ({e.strerror})") from None
     except UnicodeDecodeError:

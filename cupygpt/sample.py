@@ -2,7 +2,7 @@
 import numpy as np
 
 from . import CupyGPTError
-from .files import read_model
+from .files import check_finite, read_model
 from .precision import DTYPES
 from .tokenizer import Tokenizer
 
@@ -53,6 +53,7 @@ def sample_text(sess, on_start=None, on_token=None):
     every rank; returns the generated text."""
     o = sess.config
     cfg, params = read_model(o.model, mmap=True)
+    check_finite(o.model, params)
     tok = Tokenizer(o.tokenizer)
     tok.check_vocab(cfg.V)
     prompt = [tok.eot] + tok.encode(o.prompt)

@@ -2,11 +2,13 @@
 as boxes coloured by micro-batch), with the simulator's prediction for the same schedule,
 from the measured mean op times, beneath it."""
 import json
+import math
 import os
 import textwrap
 
 from . import CupyGPTError
 from .files import atomic_write
+from .paths import read_bounded
 from .parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from .parallel.pipeline.simulate import simulate
 
@@ -24,8 +26,7 @@ def read_trace(path):
     bench) is cut at each rank's step actions: the last training step is the one warm and
     undisturbed by the start."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_bounded(path, "trace").decode("utf-8"))
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the trace ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -40,6 +41,10 @@ def read_trace(path):
     for n, e in enumerate(slices):
         try:
             rank, start, dur = int(e["tid"]), float(e["ts"]) / 1e6, float(e["dur"]) / 1e6
+            if not (math.isfinite(start) and 0 <= dur < math.inf):
+                raise CupyGPTError(f"{path}: slice {n} has ts {e['ts']} and dur {e['dur']}: "
+                                   f"not a finite time and duration; give the file that "
+                                   f"--trace wrote")
             args, cat = e.get("args") or {}, e.get("cat")
             rows.setdefault(rank, [])
             comm.setdefault(rank, [])
@@ -86,6 +91,10 @@ def predict(rows, transfers, pipe, schedule):
     when its message is already there (the lower quartile of its receives; the others
     waited). Returns (name, p, m, v, times, its result)."""
     name = schedule or pipe.get("schedule")
+    if schedule and pipe.get("schedule") not in (None, schedule):
+        raise CupyGPTError(f"the trace was recorded with {pipe['schedule']}, and its times "
+                           f"are that schedule's; leave it out, or give {pipe['schedule']}",
+                           "schedule", schedule)
     if name not in SCHEDULES:
         raise CupyGPTError(f"{'the trace names no schedule' if not name else f'unknown ({name})'}"
                            f"; give one of {', '.join(SCHEDULES)}", "schedule",
@@ -114,7 +123,11 @@ def predict(rows, transfers, pipe, schedule):
                  t_wgt=mean(Op.BWD_WEIGHT) if split else None,
                  t_send=cost("send", lambda d: sum(d) / len(d) if d else 0.0),
                  t_recv=cost("recv", lambda d: d[len(d) // 4] if d else 0.0))
-    return name, p, m, v, times, simulate(p, m, name, v, **times)
+    sim = simulate(p, m, name, v, **times)
+    if not math.isfinite(sim["bubble"]):
+        raise CupyGPTError("the simulation from the trace's times is not finite (huge or "
+                           "broken times); give the file that --trace wrote")
+    return name, p, m, v, times, sim
 
 
 def _draw(ax, rows, title, colours):

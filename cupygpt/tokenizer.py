@@ -29,6 +29,9 @@ class Tokenizer:
             length = body[pos]
             self.tokens.append(body[pos + 1: pos + 1 + length])
             pos += 1 + length
+        if not 0 <= self.eot < n:  # (its row would be read past the embedding, or as zeros)
+            raise CupyGPTError(f"{path}: its end-of-text id {self.eot} is outside its {n} "
+                               f"tokens; the file is damaged or not llm.c's")
         self.path, self._encoding = path, None
 
     @property

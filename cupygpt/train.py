@@ -10,9 +10,10 @@ import time
 import numpy as np
 
 from . import CupyGPTError
-from . import checkpoint
+from . import checkpoint, rundir
+from .comm.launch import Stopped
 from .data import DataLoader
-from .files import atomic_write, write_model
+from .files import atomic_write, check_finite, write_model
 from .optim import AdamWConfig, lr_at
 from .parallel.pipeline.plan import stage_shares
 from .precision import DTYPES, is_narrow
@@ -61,24 +62,36 @@ def open_log(path, start):
 
 
 class Interrupt:
-    """Ctrl-C sets a flag; the loop stops at the next step boundary, on every rank."""
+    """Ctrl-C, or SIGTERM (what SLURM and Kubernetes send before a kill), sets a flag; the
+    loop stops at the next step boundary on every rank (the ranks combine their flags each
+    step, so a signal to one rank stops all). A second signal stops at once: Stopped
+    unwinds through atomic_write and checkpoint.save, which remove what they half wrote,
+    and the CLI ends the job."""
 
     def __init__(self):
-        self.hit = False
-        self.old = signal.signal(signal.SIGINT, self.handle)
+        self.hit = None
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    def handle(self, *_):
-        self.hit = True
+    def handle(self, signum, _):
+        if self.hit:
+            os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
+                        f"half-written is left\n".encode())
+            raise Stopped(128 + signum)
+        self.hit = signum
 
     def restore(self):
-        signal.signal(signal.SIGINT, self.old)
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
 
 
 def train(sess):
     """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
-    t = Trainer(sess)
+    opts, t = sess.config, None
+    lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
+        sess.shape, is_narrow(DTYPES[opts.dtype]), bool(opts.checkpoint_every)))
     try:
+        t = Trainer(sess)
         for step in range(t.start, t.opts.steps + 1):
             last = step == t.opts.steps
             t.evaluate(step, last)
@@ -86,9 +99,14 @@ def train(sess):
             if last:
                 break
             t.train_step(step)
+        t.finish()
+    except BaseException:
+        if t is None or t.logf is None:  # failed before its first step: no empty -o left
+            rundir.unmake(opts, sess.tr, lock)
+        raise
     finally:
-        t.close()
-    t.finish()
+        if t:
+            t.close()
 
 
 class Trainer:
@@ -115,21 +133,45 @@ class Trainer:
         self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
         self.rng, self.start = np.random.default_rng(opts.seed), 0
         if opts.resume:  # the parameters and optimizer state from the checkpoint
-            meta = checkpoint.restore(self.run, opts.resume)
-            self.start = meta["step"]
-            self.train_data.set_state(meta["train_loader"])
-            self.rng.bit_generator.state = meta["rng"]
+            self.resume(checkpoint.restore(self.run, opts.resume))
         else:  # after the runner's memory check; a mapped file is unmapped once loaded
-            self.run.load_state_dict(load_model(opts.init, opts.seed)[1])
+            params = load_model(opts.init, opts.seed)[1]
+            check_finite(opts.init, params)
+            self.run.load_state_dict(params)
         self.describe()
         if self.tr.rank == 0:
             checkpoint.clean_litter(opts.out)
-        self.logf = open_log(opts.log_file, self.start) if self.tr.rank == 0 else None
+        # the log is opened by its first line: a run failing before it leaves none
+        self.logf, self.broken = None, []
         self.sampling = opts.gen_tokens and opts.sample_every
         if self.sampling and opts.seq < 2:
             self.log(f"note: -t {opts.seq} leaves no room after the start token: no samples")
             self.sampling = False
+        elif self.sampling and opts.gen_tokens > opts.seq - 1:
+            self.log(f"note: -g {opts.gen_tokens}: -t {opts.seq} leaves room for "
+                     f"{opts.seq - 1} tokens after the start token; generating {opts.seq - 1}")
         self.ckpt, self.stop, self.fault = opts.resume, Interrupt(), injected_fault()
+
+    def resume(self, meta):
+        """The checkpoint's step, data position and RNG; refused (and renamed .nan, as the
+        NaN rule does) when its weights are not finite."""
+        opts = self.opts
+        if self.tr.any(not self.run.params_finite()):
+            out, name = os.path.split(os.path.normpath(opts.resume))
+            good = (checkpoint.demote(self.tr, out, opts.resume)
+                    if checkpoint.NAME.match(name) else None)
+            raise CupyGPTError(
+                f"{os.path.join(opts.resume, 'model.bin')}: holds non-finite weights (NaN "
+                f"or inf)" + (f"; renamed {opts.resume}.nan. Last good checkpoint: "
+                              f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
+        self.start = meta["step"]
+        self.train_data.set_state(meta["train_loader"])
+        self.rng.bit_generator.state = meta["rng"]
+        was = meta.get("train_files")
+        if was and was != [os.path.realpath(f) for f in self.train_data.files]:
+            self.log(f"note: the checkpoint's run read other train shards (-i: "
+                     f"{', '.join(was)}); its data position is taken in these, so this run "
+                     f"does not continue that one's data")
 
     def describe(self):
         opts, counts = self.opts, self.run.plan.counts
@@ -151,15 +193,22 @@ class Trainer:
             ("train shards", len(self.train_data.files)), ("start step", self.start)])
 
     def record(self, rec):
-        """A line of the log (rank 0's), on disk at once."""
-        if self.logf:
-            try:
-                self.logf.write(json.dumps(rec) + "\n")
-                self.logf.flush()
-            except OSError as e:
-                raise CupyGPTError(f"{self.opts.log_file}: cannot write the log "
-                                   f"({e.strerror}); free some space, or give --log-file "
-                                   f"elsewhere") from None
+        """A line of the log (rank 0's), on disk at once. A log that cannot be written is
+        reported and dropped; the run goes on (finish says so after writing the model)."""
+        if self.tr.rank != 0 or self.logf is False:
+            return
+        try:
+            if self.logf is None:
+                self.logf = open_log(self.opts.log_file, self.start)
+            self.logf.write(json.dumps(rec) + "\n")
+            self.logf.flush()
+        except (OSError, CupyGPTError) as e:
+            why = f"the log {self.opts.log_file} ({getattr(e, 'strerror', None) or e})"
+            self.log(f"warning: cannot write {why}; training goes on without it")
+            self.broken.append(why)
+            with contextlib.suppress(OSError):
+                self.logf and self.logf.close()
+            self.logf = False
 
     def evaluate(self, step, last):
         opts = self.opts
@@ -197,12 +246,14 @@ class Trainer:
         self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} norm {norm:.4f} "
                  f"lr {lr:.2e} ({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
         self.record(rec)
-        interrupted = tr.any(self.stop.hit)
+        interrupted = tr.any(self.stop.hit is not None)
         if opts.checkpoint_every and ((step + 1) % opts.checkpoint_every == 0 or interrupted):
             self.save(step + 1)
         if interrupted:
-            self.log(f"interrupted after step {step + 1}" +
-                     (f"; resume from {opts.out}" if self.ckpt else ""))
+            self.log(f"interrupted after step {step + 1}" + (
+                f"; resume from {opts.out}" if self.ckpt else
+                f"; wrote {self.write_model()} of step {step + 1} (no checkpoints: "
+                f"--checkpoint-every 0, so it cannot be resumed exactly)"))
             raise SystemExit(130)
 
     def stop_on_nan(self, step, loss):
@@ -223,6 +274,8 @@ class Trainer:
                                f"lower the learning rate")
         self.ckpt = checkpoint.save(self.run, self.tr, self.opts.out, step,
                                     {"train_loader": self.train_data.state(),
+                                     "train_files": [os.path.realpath(f)
+                                                     for f in self.train_data.files],
                                      "rng": self.rng.bit_generator.state,
                                      "total_batch": self.opts.total_batch}, self.opts.keep)
         self.log(f"checkpoint {self.ckpt}")
@@ -233,17 +286,30 @@ class Trainer:
             with contextlib.suppress(OSError):  # (a failed write has said why)
                 self.logf.close()
 
+    def write_model(self):
+        """Collective: the whole model to OUT/model.bin (rank 0 writes); returns its path."""
+        full = self.run.state_dict(optimizer=False)
+        path = os.path.join(self.opts.out, "model.bin")
+        if self.tr.rank == 0:
+            write_model(path, self.sess.shape, full["params"], bf16=is_narrow(self.run.dtype))
+        return path
+
     def finish(self):
-        """The last checkpoint (unless the loop wrote it), the trace, the model."""
+        """The last checkpoint (unless the loop wrote it), the model, then the trace: a
+        debug output that cannot be written never costs the model, and is named."""
         opts = self.opts
         if opts.checkpoint_every and (self.ckpt is None
                                       or not self.ckpt.endswith(f"{opts.steps:08d}")):
             self.save(opts.steps)
+        path = self.write_model()
+        self.log(f"wrote {path}")
         if opts.trace:
-            self.run.write_trace(opts.trace)
-            self.log(f"wrote trace {opts.trace}")
-        full = self.run.state_dict(optimizer=False)
-        if self.tr.rank == 0:
-            path = os.path.join(opts.out, "model.bin")
-            write_model(path, self.sess.shape, full["params"], bf16=is_narrow(self.run.dtype))
-            self.log(f"wrote {path}")
+            try:
+                self.run.write_trace(opts.trace)
+                self.log(f"wrote trace {opts.trace}")
+            except (OSError, CupyGPTError) as e:  # (rank 0's write; the gather is done)
+                self.broken.append(f"the trace {opts.trace} ({getattr(e, 'strerror', None) or e})")
+        broken = self.tr.bcast(self.broken if self.tr.rank == 0 else None)
+        if broken:
+            raise CupyGPTError(f"could not write {' and '.join(broken)}; the model was "
+                               f"written: {path}")

@@ -2,7 +2,7 @@
 then K AdamW steps on its batch. Under mpiexec each rank checks its own slice."""
 import numpy as np
 
-from .files import read_model, read_state
+from .files import check_finite, read_model, read_state
 from .layout import copy_part, param_layout
 from .optim import AdamWConfig
 from .precision import DTYPES, numerics
@@ -21,11 +21,12 @@ TOLERANCES = {
 }
 
 
-def verify(sess):
+def verify(sess, on_step=None):
     """The `verify` command over a Session holding its validated VerifyConfig; returns the
-    report on rank 0 (True elsewhere)."""
+    report on rank 0 (True elsewhere). on_step() is called after each AdamW step."""
     c, tr = sess.config, sess.tr
     cfg, params = read_model(c.model)
+    check_finite(c.model, params)
     state = read_state(c.state, cfg)
     run = sess.runner(cfg, params, batch=state["B"], seq=state["T"],
                       dtype=DTYPES[c.dtype],
@@ -39,6 +40,8 @@ def verify(sess):
     run.optimizer_step()
     for _ in range(1, c.steps):
         step_losses.append(run.step(state["x"], state["y"]))
+        if on_step:
+            on_step()
     if c.trace:
         run.write_trace(c.trace)
     if tr.rank != 0:

@@ -224,7 +224,7 @@ CASES += [
      "--name '../x': must be a plain file-name prefix"),
     ("prepare over the shipped data", lambda t: ["prepare", TEXT, "--out", DATA, "--name",
                                                  "tiny_shakespeare", "--force"],
-     "tiny_shakespeare_val.bin is a shipped file of the package"),
+     "lies in the installed package"),
     ("plot a string", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": "1.5"}\n'),
                                  "--out", t / "never.png"],
      "line 2's train_loss is \"1.5\", not a number"),
@@ -237,6 +237,24 @@ CASES += [
                                "--out", t / "never.png"], "line 2's val_loss is null"),
 ]
 
+# Issue 30: results and files that are not what they claim.
+TOK = os.path.join(DATA, "gpt2_tokenizer.bin")
+CASES += [
+    *[(f"tokenizer eot {eot}", lambda t, eot=eot: [
+        "sample", "--model", fixture("gpt2v_model.bin"), "--tokenizer",
+        corrupt(t, TOK, "tok.bin", lambda r: set_int(3, eot)(set_int(1, 2)(r)))],
+       f"its end-of-text id {eot} is outside its 50257 tokens") for eot in (10 ** 9, -1)],
+    ("backward cost overflows", lambda t: ["schedule", "--backward-cost", "1e308"],
+     "--backward-cost 1e+308: the simulated times overflow (not finite)"),
+    *[(f"trace dur {dur}", lambda t, dur=dur: ["timeline", a_trace(t, {}, dur=dur), "--out",
+                                               t / "never.png"],
+       "slice 0 has ts 0 and dur") for dur in (float("nan"), -5, float("inf"))],
+    ("timeline another schedule", lambda t: [
+        "timeline", a_trace(t, {"schedule": "1f1b", "stages": 1, "micro_batches": 1}),
+        "--schedule", "zbv", "--out", t / "never.png"],
+     "--schedule zbv: the trace was recorded with 1f1b"),
+]
+
 
 def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
@@ -244,11 +262,11 @@ def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     return str(p)
 
 
-def a_trace(tmp_path, pipeline):
+def a_trace(tmp_path, pipeline, dur=5):
     """A --trace file with one forward slice and the given "pipeline" object."""
     p = tmp_path / "trace.json"
     p.write_text(json.dumps({"traceEvents": [
-        {"name": "F0", "cat": "fwd", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 5,
+        {"name": "F0", "cat": "fwd", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": dur,
          "args": {"micro_batch": 0, "chunk": 0}}], "pipeline": pipeline}))
     return str(p)
 

@@ -191,6 +191,6 @@ def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path
 
 def test_sample_every_zero_means_never(tmp_path):
     never = cli(*TRAIN, "-n", "2", "-g", "4", "-s", "0", "-o", tmp_path)
-    at_end = cli(*TRAIN, "-n", "2", "-g", "4", "-o", tmp_path)
+    at_end = cli(*TRAIN, "-n", "2", "-g", "4", "-o", tmp_path, "--overwrite")
     assert never.returncode == 0 and at_end.returncode == 0, (never.stderr, at_end.stderr)
     assert "generating" not in never.stdout and at_end.stdout.count("generating:") == 1

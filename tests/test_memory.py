@@ -77,15 +77,32 @@ def test_estimate_is_what_is_allocated_on_every_grid(pp, dp, tp, zero, schedule,
         assert abs(run.memory["optimizer"] // 4 - want) <= 3 * len(run.stages), rank
 
 
-def test_host_memory_reads_the_cgroup_limit(tmp_path):
-    """A container's limit, less what it uses (droppable page cache not counted)."""
-    (tmp_path / "memory.max").write_text("3221225472\n")
-    (tmp_path / "memory.current").write_text(str(2 ** 30 + 2 ** 28))
-    (tmp_path / "memory.stat").write_text(f"anon 1\ninactive_file {2 ** 28}\n")
-    assert host_memory._cgroup_left(str(tmp_path)) == 2 * 2 ** 30
-    (tmp_path / "memory.max").write_text("max\n")
-    assert host_memory._cgroup_left(str(tmp_path)) is None
-    assert 0 < host_memory.available() <= host_memory._meminfo("MemAvailable")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_host_memory_reads_its_own_cgroup_and_those_above(tmp_path, version):
+    """The process's cgroup (from /proc/self/cgroup under its mount), and the tightest of it
+    and its parents, less what each uses (droppable page cache not counted); not the
+    mount root's, which has no limit here."""
+    names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+             if version == "v1" else ("memory.max", "memory.current", "inactive_file"))
+    mount = tmp_path / "cg"
+    job, me = mount / "job", mount / "job" / "step"
+    me.mkdir(parents=True)
+    for d, limit in ((mount, "max" if version == "v2" else str(2 ** 63 - 4096)),
+                     (job, str(3 * 2 ** 30)), (me, "max" if version == "v2" else str(2 ** 62))):
+        (d / names[0]).write_text(limit + "\n")
+        (d / names[1]).write_text(str(2 ** 30 + 2 ** 28))
+        (d / "memory.stat").write_text(f"anon 1\n{names[2]} {2 ** 28}\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("4:memory:/job/step\n1:cpu:/\n" if version == "v1"
+                                 else "0::/job/step\n")
+    fs = "cgroup rw,memory" if version == "v1" else "cgroup2 rw"
+    (proc / "mountinfo").write_text(f"30 25 0:26 / {mount} rw - {fs.split()[0]} "
+                                    f"{fs.split()[0]} {fs.split()[1]}\n")
+    assert host_memory.cgroup_left(str(proc)) == 2 * 2 ** 30
+    (job / names[0]).write_text("max\n" if version == "v2" else str(2 ** 63 - 4096))
+    assert host_memory.cgroup_left(str(proc)) is None
+    assert 0 < host_memory.available()
 
 
 @pytest.mark.parametrize("command", ["train", "bench"])

@@ -67,10 +67,10 @@ def steps_logged(out):
 
 
 def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
-    """Two fresh runs into one -o: one run's log. A resume from step 2 of a run that went on
+    """Two fresh runs into one -o (the second with --overwrite): one run's log. A resume from step 2 of a run that went on
     to step 4, re-run with the same -e preset: steps 3 and 4 logged once each. A fresh
     checkpointing run is not mixed into the checkpoints of an earlier one."""
-    for ck in ([], ["--checkpoint-every", "2", "--keep", "2"]):
+    for ck in ([], ["--checkpoint-every", "2", "--keep", "2", "--overwrite"]):
         rc, lines = run(*TRAIN, "-n", "4", "-v", "2", *ck, "-o", tmp_path)
         assert rc == 0, lines
     once = [(0, "val"), (1, "train"), (2, "train"), (2, "val"), (3, "train"), (4, "train"),
@@ -81,10 +81,11 @@ def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
     assert rc == 0, lines
     assert steps_logged(tmp_path) == once
     rc, lines = run(*TRAIN, "-n", "2", "--checkpoint-every", "1", "-o", tmp_path)
-    assert rc == 1 and lines == [f"error: -o {tmp_path}: holds an earlier run's checkpoints (the "
-                                 f"newest ckpt_00000004), which a resume from it would take "
-                                 f"for this run's; add --resume {tmp_path} to continue that "
-                                 f"run, or give another -o"]
+    assert rc == 1 and lines == [f"error: -o {tmp_path}: holds an earlier run's output "
+                                 f"(model.bin; log.jsonl; 2 checkpoint(s), the newest "
+                                 f"ckpt_00000004, which a resume from it would take for this "
+                                 f"run's); add --resume {tmp_path} to continue that run, add "
+                                 f"--overwrite to replace it, or give another -o"]
     assert steps_logged(tmp_path) == once
 
 

@@ -1,6 +1,9 @@
 """The host's free memory as this process may use it: the kernel's MemAvailable, lowered
-to what the cgroup (a container's limit) has left, where one is set."""
+to what this process's own memory cgroup and each cgroup above it have left (a container's
+or a job's limit; v1 and v2), and to what RLIMIT_AS (`ulimit -v`) leaves of the address
+space."""
 import os
+import resource
 
 
 def _read(path):
@@ -11,37 +14,81 @@ def _read(path):
         return None
 
 
-def _meminfo(key):
-    text = _read("/proc/meminfo") or ""
-    for line in text.splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+def _field(text, key):
+    """The number after `key` in a "key value" listing (/proc/meminfo, memory.stat)."""
+    for line in (text or "").splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0].rstrip(":") == key:
+            return int(words[1])
     return None
 
 
-def _cgroup_left(root="/sys/fs/cgroup"):
-    """Bytes the cgroup may still allocate (its limit less what it uses, page cache it can
-    drop not counted as used); None without a limit. cgroup v2, else v1."""
-    for limit_f, usage_f, stat_f, cache_key in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-             "memory/memory.stat", "total_inactive_file")):
-        limit, usage = _read(os.path.join(root, limit_f)), _read(os.path.join(root, usage_f))
-        if limit is None or usage is None:
+def _mounts(mountinfo):
+    """{"v2": mount point, "v1": memory controller's mount point} from /proc/self/mountinfo
+    (root: the cgroup path the mount shows, "/" outside a cgroup namespace)."""
+    found = {}
+    for line in (mountinfo or "").splitlines():
+        left, _, right = line.partition(" - ")
+        parts, (fstype, _, options) = left.split(), (right.split() + ["", "", ""])[:3]
+        if fstype == "cgroup2":
+            found.setdefault("v2", (parts[4], parts[3]))
+        elif fstype == "cgroup" and "memory" in options.split(","):
+            found.setdefault("v1", (parts[4], parts[3]))
+    return found
+
+
+V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+V2 = ("memory.max", "memory.current", "inactive_file")
+
+
+def _left(d, files):
+    """Bytes the cgroup at directory d may still allocate (its limit less its use, page
+    cache it can drop not counted), None without a limit there."""
+    limit_f, usage_f, cache_key = files
+    limit, usage = _read(os.path.join(d, limit_f)), _read(os.path.join(d, usage_f))
+    if limit is None or usage is None or limit.strip() == "max" or int(limit) >= 2 ** 60:
+        return None  # (v1 writes "no limit" as a huge number)
+    cache = _field(_read(os.path.join(d, "memory.stat")), cache_key) or 0
+    return max(0, int(limit) - (int(usage) - cache))
+
+
+def cgroup_left(proc="/proc/self"):
+    """The tightest of this process's memory cgroup and those above it, from
+    /proc/self/cgroup's path under the mounted hierarchy (v1's memory controller, else
+    v2's unified one); None without a limit."""
+    mounts = _mounts(_read(os.path.join(proc, "mountinfo")))
+    figures = []
+    for line in (_read(os.path.join(proc, "cgroup")) or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") \
+            else None
+        if version not in mounts:
             continue
-        limit = limit.strip()
-        if limit == "max" or int(limit) >= 2 ** 60:  # v1 writes "no limit" as a huge number
-            return None
-        cache = 0
-        for line in (_read(os.path.join(root, stat_f)) or "").splitlines():
-            k, _, v = line.partition(" ")
-            if k == cache_key:
-                cache = int(v)
-        return max(0, int(limit) - (int(usage) - cache))
-    return None
+        point, root = mounts[version]
+        rel = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
+        d = os.path.normpath(os.path.join(point, rel))
+        while True:  # up to the mount point: a parent's limit binds its children too
+            figures.append(_left(d, V1 if version == "v1" else V2))
+            if d == point or not d.startswith(point):
+                break
+            d = os.path.dirname(d)
+    figures = [x for x in figures if x is not None]
+    return min(figures) if figures else None
+
+
+def address_space_left(proc="/proc/self"):
+    """What RLIMIT_AS (`ulimit -v`) leaves of the address space beyond what is mapped
+    now; None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    size = _field(_read(os.path.join(proc, "status")), "VmSize")
+    return max(0, soft - (size or 0) * 1024)
 
 
 def available():
     """Free host memory, bytes (None when the kernel does not say)."""
-    figures = [x for x in (_meminfo("MemAvailable"), _cgroup_left()) if x is not None]
+    meminfo = _field(_read("/proc/meminfo"), "MemAvailable")
+    figures = [x for x in (meminfo and meminfo * 1024, cgroup_left(), address_space_left())
+               if x is not None]
     return min(figures) if figures else None

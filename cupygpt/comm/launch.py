@@ -29,6 +29,19 @@ def start_mpi():
     _FAILURES = MPI.COMM_WORLD.Dup()
 
 
+class Stopped(SystemExit):
+    """Stops this process at once (a second signal); what it unwinds removes what was half
+    written, then stop_job ends the job."""
+
+
+def stop_job(code):
+    """Under mpiexec the other ranks may be waiting on this one: the job is aborted."""
+    if _FAILURES is not None:
+        sys.stdout.flush()
+        _FAILURES.Abort(code)
+    sys.exit(code)
+
+
 def fail(message, window=2.0):
     """Ends this process for an error. Under mpiexec: if every rank fails within `window`
     seconds (bad input, a NaN loss) rank 0 prints the one line and all exit 1; a rank that

@@ -1,0 +1,92 @@
+"""What a command reads and writes, checked before anything is opened for writing: no
+output is one of the command's inputs (a log written over a train shard destroys it) nor
+lies in the installed package; an input is a regular file (a FIFO blocks its reader
+forever, /dev/zero never ends) and text or JSON is read up to a cap."""
+import os
+import stat
+
+from . import CupyGPTError
+
+PKG = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+JSON_CAP = 256 << 20   # a trace of a long run, a log, a config: far below this
+TEXT_CAP = 1 << 30     # prepare's text (tinyshakespeare is 1 MiB)
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+         (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_regular(st):
+    """What a stat result is when it is not a regular file, else None."""
+    return None if stat.S_ISREG(st.st_mode) else next(
+        (what for test, what in KINDS if test(st.st_mode)), "not a regular file")
+
+
+def regular(path, kind):
+    """Refuses an existing path that is not a regular file, before a reader opens it.
+    (A missing one is left to the reader, whose message says it cannot open it.)"""
+    try:
+        what = not_regular(os.stat(path))
+    except OSError:
+        return
+    if what:
+        raise CupyGPTError(f"{path}: is {what}, not a regular file; give a {kind} file")
+
+
+def read_bounded(path, kind, cap=JSON_CAP):
+    """A text or JSON input's bytes: a regular file of at most cap bytes (OSError for the
+    caller to word)."""
+    regular(path, kind)
+    with open(path, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise CupyGPTError(f"{path}: larger than {cap >> 20} MiB, more than any {kind} "
+                           f"cupygpt reads; is this the right file?")
+    return data
+
+
+def files_of(path):
+    """The files a path argument is read from: a directory's entries (a transformers
+    model), else the path itself."""
+    if not path:
+        return []
+    if os.path.isdir(path):
+        return [os.path.join(path, f) for f in sorted(os.listdir(path))]
+    return [path]
+
+
+def _same(a, b):
+    """One file: equal resolved paths, or one inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def in_package(path):
+    real = os.path.realpath(path)
+    return real == PKG or real.startswith(PKG + os.sep)
+
+
+def check_outputs(outputs, inputs):
+    """outputs: (config field, path written, or a directory written into) pairs; inputs:
+    the paths the command reads. Refuses an output in the installed package, an output
+    that is an input, and an existing output that is no regular file (replacing /dev/null
+    as root would replace the device)."""
+    for name, path in outputs:
+        if path is None:
+            continue
+        if in_package(path):
+            raise CupyGPTError(f"lies in the installed package ({PKG}), whose files are "
+                               f"cupygpt's own; write elsewhere", name, path)
+        for src in inputs:
+            if _same(path, src):
+                raise CupyGPTError(f"is also an input of this command ({src}); writing it "
+                                   f"would destroy that: give another path", name, path)
+        try:
+            what = not_regular(os.stat(path))
+        except OSError:
+            continue
+        if what and what != "a directory":  # (a directory: out_file says so)
+            raise CupyGPTError(f"is {what}; give a regular file's path", name, path)

@@ -1,0 +1,117 @@
+"""A training run's output directory (-o): one run at a time, holding an advisory lock
+for its life; a fresh run does not replace another run's output unless asked; the disk
+holds what the run will write before step 1; a run that fails before its first step
+leaves no directory it made."""
+import fcntl
+import os
+import shutil
+
+from . import CupyGPTError
+from .checkpoint import LATEST, listed
+from .files import HEADER_BYTES
+from .layout import param_layout
+
+MODEL = "model.bin"
+
+
+def holder(path):
+    """The PID holding a flock on path, from /proc/locks (None where it does not say)."""
+    st = os.stat(path)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's row has "->" after 1:
+    return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident),
+                None)
+
+
+def lock(out):
+    """An fd of out holding its exclusive lock (closed when the process ends, however it
+    ends), or the refusal."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = holder(out)
+        return None, (f"another run ({f'pid {pid}' if pid else 'another process'}) is "
+                      f"writing into this directory; wait for it to end, or give another -o")
+    return fd, None
+
+
+def earlier_output(out, log_file):
+    """What a fresh run would replace in out: an earlier run's model, log, checkpoints."""
+    found = [os.path.basename(p) for p in (os.path.join(out, MODEL), log_file)
+             if os.path.exists(p)]
+    done = listed(out)
+    if done:
+        found.append(f"{len(done)} checkpoint(s), the newest {done[-1]}, which a resume "
+                     f"from it would take for this run's")
+    return found
+
+
+def replace_earlier(out):
+    """--overwrite: the earlier run's checkpoints go (a resume would take them for this
+    run's); its model and log are replaced as this run writes its own."""
+    for name in listed(out):
+        shutil.rmtree(os.path.join(out, name))
+    if os.path.exists(os.path.join(out, LATEST)):
+        os.unlink(os.path.join(out, LATEST))
+
+
+def need_bytes(shape, bf16, checkpointing):
+    """What a run writes at most at once: its model file, and a checkpoint (the model
+    again, AdamW's m and v, a bf16 run's fp32 master weights) with a little for its state."""
+    n = param_layout(shape).size
+    model = HEADER_BYTES + n * (2 if bf16 else 4)
+    return model + (model + 4 * n * (3 if bf16 else 2) + (1 << 20) if checkpointing else 0)
+
+
+def room(out, need):
+    """Refuses a run whose files will not fit on out's filesystem."""
+    st = os.statvfs(out)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return (f"its filesystem has {free / 2**20:.1f} MiB free and this run writes "
+                f"{need / 2**20:.1f} MiB (the final model and one checkpoint); free some "
+                f"space or give another -o")
+    return None
+
+
+def claim(opts, tr, need):
+    """Collective, before anything is allocated: rank 0 locks -o for the run's life and
+    checks what it holds and its room; every rank raises the same refusal. Returns the
+    lock's fd on rank 0 (None elsewhere)."""
+    fd, why = None, None
+    if tr.rank == 0:
+        fd, why = lock(opts.out)
+        real = os.path.realpath(opts.out)  # a resume continues its own directory:
+        own = opts.resume and os.path.commonpath([os.path.realpath(opts.resume), real]) == real
+        found = [] if why or own else earlier_output(opts.out, opts.log_file)
+        if found and not opts.overwrite:
+            why = (f"holds an earlier run's output ({'; '.join(found)}); " +
+                   (f"add --resume {opts.out} to continue that run, " if listed(opts.out)
+                    else "") + "add --overwrite to replace it, or give another -o")
+        why = why or room(opts.out, need)
+        if found and not why:
+            replace_earlier(opts.out)
+    why = tr.bcast(why)
+    if why:
+        unmake(opts, tr, fd)
+        if fd is not None:
+            os.close(fd)
+        raise CupyGPTError(why, "out", opts.out)
+    return fd
+
+
+def unmake(opts, tr, fd):
+    """A run that failed before its first step: the -o it made goes, when empty (its lock
+    held, so no other run's)."""
+    if tr.rank == 0 and fd is not None and opts.made_out:
+        try:
+            os.rmdir(opts.out)
+        except OSError:
+            pass  # (not empty: something of the run's is worth keeping)
