@@ -26,8 +26,8 @@ GEOMETRY = {
     "EW_THREADS": 256,    # elementwise kernels: threads per block, one element each
     "ROW_WARPS": 8,       # row kernels (layernorm, softmax): warps per block, a row each
     "CLS_THREADS": 1024,  # classifier kernels and loss_accumulate: threads per block
-    "COL_TILE": 32,       # column sums, stage 1: columns per block (one per lane)
-    "ROW_LANES": 8,       # column sums, stage 1: threads down the rows of each column
+    "COL_TILE": 32,       # column sums: threads across a block's columns (16 bytes each)
+    "ROW_LANES": 8,       # column sums: threads down the rows of each column
     "FLASH_WARPS": 4,     # flash attention: warps per block, 16 rows (queries or keys) each
     "FLASH_COLS": 32,     # flash attention: columns (keys or queries) per tile walked
 }

@@ -50,7 +50,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| tiny_no_tf32 | True |" in md
     profile = f"| tiny_T{PLANS['quick']['t_long']}_B4_profile |"  # the profiled bench's ops
-    assert "result: PASS" in md and profile in md and "| classifier |" in md
+    assert "result: PASS" in md and profile in md and "| cross_entropy |" in md
     assert "nvshmem_2" in md
 
 

@@ -497,7 +497,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     rows, C = dwte.shape
     n, warp = B * T, GEOMETRY["WARP"]
     order = [_ws(key, n, np.int32) for key in ("emb_sorted", "emb_first", "emb_start")]
-    _ew("encoder_sort", n, *order, inp, _i(n))
+    _launch("encoder_sort", (-(-n // warp),), (warp,), *order, inp, _i(n))
     _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
             dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
     _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))

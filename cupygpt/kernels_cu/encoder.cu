@@ -21,19 +21,20 @@ extern "C" __global__ void encoder_forward(floatX* out, const int* inp, const fl
 
 // sorted[k]: the position k-th in (token, position) order; for the first position i of
 // each token first[i] = how many positions hold it and start[i] = where they begin in
-// sorted (0 for the others). Each thread counts, over all n tokens (EW_THREADS at a time
-// through shared memory), those below its own and those equal before it: O(n^2) integer
-// compares, no atomics. Launch: EW_THREADS per block over n positions.
+// sorted (0 for the others). Each thread counts, over all n tokens (a block's worth at a
+// time through shared memory), those below its own and those equal before it: O(n^2)
+// integer compares, no atomics. Launch: WARP threads per block over n positions (compute
+// bound: small blocks spread it over every SM).
 extern "C" __global__ void encoder_sort(int* sorted, int* first, int* start, const int* inp,
                                         int n) {
-    __shared__ int tile[EW_THREADS];
+    __shared__ int tile[WARP];
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int t = i < n ? inp[i] : 0, less = 0, before = 0, same = 0;
-    for (int j0 = 0; j0 < n; j0 += EW_THREADS) {
+    for (int j0 = 0; j0 < n; j0 += WARP) {
         __syncthreads();  // (the last tile read by all)
         if (j0 + threadIdx.x < n) tile[threadIdx.x] = inp[j0 + threadIdx.x];
         __syncthreads();
-        for (int k = 0; k < EW_THREADS && j0 + k < n; k++) {
+        for (int k = 0; k < WARP && j0 + k < n; k++) {
             int u = tile[k];
             less += u < t;
             same += u == t;
