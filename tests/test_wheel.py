@@ -138,7 +138,7 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
                   if f.endswith(".cu"))
     assert compiled == [os.path.join(venv.pkg, "kernels_cu", f) for f in repo], compiled
     passed = set(re.findall(r"^PASSED \S+::test_nvrtc_compiles\[(\S+)\]", res.stdout, re.M))
-    assert passed == {f"{f}-{arch}-{dtype}" for f in repo for arch in ("compute_80", "compute_90")
+    assert passed == {f"{f}-{arch}-{dtype}" for f in repo for arch in ("sm_80", "sm_90")
                       for dtype in ("fp32", "bf16")}, res.stdout
     assert re.search(r"PASSED \S+::test_a_broken_kernel_is_caught", res.stdout)
     assert re.search(r"PASSED \S+::test_every_backend_kernel_exists", res.stdout)
