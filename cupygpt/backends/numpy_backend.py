@@ -261,13 +261,19 @@ def _qkv(qkv, NH):
     return (_heads(qkv.reshape(B, T, 3, C3 // 3)[:, :, i], B, T, NH) for i in range(3))
 
 
-def _probs(q, k, lse, t0, t1, scale):
-    """The probabilities of queries [t0, t1) over keys [0, t1) (B, NH, t1 - t0, t1), each
-    row's exp(score - lse); causal: 0 after the query's own position."""
+def _scores(q, k, t0, t1, scale):
+    """The scaled scores of queries [t0, t1) over keys [0, t1) (B, NH, t1 - t0, t1);
+    causal: -inf after the query's own position."""
     s = q[:, :, t0:t1] @ k[:, :, :t1].transpose(0, 1, 3, 2)
     s *= scale
-    s -= lse[:, :, t0:t1, None]
     s[..., np.triu(np.ones((t1 - t0, t1), bool), t0 + 1)] = -np.inf
+    return s
+
+
+def _probs(q, k, lse, t0, t1, scale):
+    """Backward's probabilities of those queries made again: exp(score - lse)."""
+    s = _scores(q, k, t0, t1, scale)
+    s -= lse[:, :, t0:t1, None]
     return np.exp(s, out=s)
 
 
@@ -281,9 +287,7 @@ def attention_forward(out, lse, qkv, NH):
     y = _heads(out, B, T, NH)
     for t0 in range(0, T, ATT_ROWS):
         t1 = min(T, t0 + ATT_ROWS)
-        s = q[:, :, t0:t1] @ k[:, :, :t1].transpose(0, 1, 3, 2)
-        s *= scale
-        s[..., np.triu(np.ones((t1 - t0, t1), bool), t0 + 1)] = -np.inf
+        s = _scores(q, k, t0, t1, scale)
         m = s.max(-1, keepdims=True)
         p = np.exp(s - m, out=s)
         total = p.sum(-1, keepdims=True)
