@@ -127,7 +127,7 @@ class Trainer:
         if opts.trace:
             self.run.start_trace()
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
-                                     "train_pattern")
+                                     "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
         self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
                                     "val_pattern") if opts.val_pattern else None)
         self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
@@ -166,6 +166,10 @@ class Trainer:
                               f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
         self.start = meta["step"]
         self.train_data.set_state(meta["train_loader"])
+        if self.train_data.shuffle != opts.shuffle:
+            self.log(f"note: the checkpoint's run read its batches "
+                     f"{'shuffled' if self.train_data.shuffle else 'in order'}; this run "
+                     f"continues that order")
         self.rng.bit_generator.state = meta["rng"]
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
@@ -190,7 +194,9 @@ class Trainer:
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
-            ("train shards", len(self.train_data.files)), ("start step", self.start)])
+            ("train shards", f"{len(self.train_data.files)}" + (
+                f" (shuffled, seed {self.train_data.seed})" if self.train_data.shuffle
+                else " (in order)")), ("start step", self.start)])
 
     def record(self, rec):
         """A line of the log (rank 0's), on disk at once. A log that cannot be written is
