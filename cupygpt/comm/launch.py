@@ -1,5 +1,6 @@
 """The processes of a job: how many the launcher started, and how one of them fails."""
 import os
+import socket
 import sys
 import time
 
@@ -20,6 +21,16 @@ def world_rank():
         return 0
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_rank()
+
+
+def host_names():
+    """Every rank's host name, rank 0's first (collective under mpiexec): which ranks
+    share a host, its GPUs and its memory."""
+    here = socket.gethostname()
+    if launched_ranks() == 1:
+        return (here,)
+    from mpi4py import MPI
+    return tuple(MPI.COMM_WORLD.allgather(here))
 
 
 def start_mpi():
