@@ -167,9 +167,7 @@ class Trainer:
         self.start = meta["step"]
         self.train_data.set_state(meta["train_loader"])
         if self.train_data.shuffle != opts.shuffle:
-            self.log(f"note: the checkpoint's run read its batches "
-                     f"{'shuffled' if self.train_data.shuffle else 'in order'}; this run "
-                     f"continues that order")
+            self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
         self.rng.bit_generator.state = meta["rng"]
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
@@ -178,7 +176,8 @@ class Trainer:
                      f"does not continue that one's data")
 
     def describe(self):
-        opts, counts = self.opts, self.run.plan.counts
+        opts, counts, d = self.opts, self.run.plan.counts, self.train_data
+        order = f"(shuffled, seed {d.seed})" if d.shuffle else "(in order)"
         shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, opts.seq,
                                                                   counts))
         self.sess.describe(self.sess.shape, self.run, [
@@ -194,9 +193,7 @@ class Trainer:
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
-            ("train shards", f"{len(self.train_data.files)}" + (
-                f" (shuffled, seed {self.train_data.seed})" if self.train_data.shuffle
-                else " (in order)")), ("start step", self.start)])
+            ("train shards", f"{len(self.train_data.files)} " + order), ("start step", self.start)])
 
     def record(self, rec):
         """A line of the log (rank 0's), on disk at once. A log that cannot be written is

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,6 +24,8 @@ LAUNCHER = """#!/bin/sh
 # network namespace under HOST's name, as ssh's remote shell would run it
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
+# a host without a namespace does not answer: ssh would wait, then give up
+[ -f %s/$host ] || { sleep 25; exit 255; }
 exec ip netns exec "$(cat %s/$host)" unshare --uts sh -c "hostname $host; exec $*"
 """
 
@@ -73,21 +76,25 @@ def two_hosts(tmp_path):
             os.rmdir("/etc/netns")
 
 
-def launch(tmp_path, ns, slots, *args):
+def launch(tmp_path, ns, slots, *args, hosts=None, wait=True):
     """mpiexec on the first host (in its namespaces), its hostfile giving each host
-    `slots` ranks at a time; returns the finished process."""
+    `slots` ranks at a time (hosts: the hostfile's, if not the namespaces'); returns the
+    finished process (wait=False: the running one)."""
     script = tmp_path / "enter"
-    script.write_text(LAUNCHER % tmp_path)
+    script.write_text(LAUNCHER % (tmp_path, tmp_path))
     script.chmod(0o755)
-    (tmp_path / "hostfile").write_text("".join(f"{h}:{slots}\n" for h in ns))
+    (tmp_path / "hostfile").write_text("".join(f"{h}:{slots}\n" for h in hosts or ns))
     first, n = next(iter(ns.items()))
     job = [mpiexec(), "-f", str(tmp_path / "hostfile"), "-launcher", "ssh",
            "-launcher-exec", str(script), "-n", "4", sys.executable,
            os.path.join(ROOT, "cli.py"), *map(str, args)]
-    return subprocess.run(["ip", "netns", "exec", n, "unshare", "--uts", "sh", "-c",
-                           f'hostname {first}; exec "$@"', "sh", *job], cwd=ROOT,
-                          capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = subprocess.Popen(["ip", "netns", "exec", n, "unshare", "--uts", "sh", "-c",
+                          f'hostname {first}; exec "$@"', "sh", *job], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if wait:
+        p.stdout, p.stderr = p.communicate(timeout=400)
+    return p
 
 
 @pytest.mark.parametrize("slots,where", [
@@ -109,3 +116,27 @@ def test_a_grid_across_two_hosts_is_the_one_host_run(tmp_path, two_hosts, slots,
         assert f"rank {rank} = " in two.stdout
         line = next(ln for ln in two.stdout.splitlines() if f"rank {rank} = " in ln)
         assert f") on {host} as its rank {hosts[:rank].count(host)}, the CPU" in line, line
+
+
+def test_a_host_that_does_not_answer_is_one_line_within_the_peer_timeout(tmp_path, two_hosts):
+    """The hostfile's second host never starts its ranks (its launcher waits, as ssh on a
+    dead host does): the first host's ranks give up after --peer-timeout, the first of them
+    saying so in one line, long before the launcher gives up."""
+    first = next(iter(two_hosts))
+    p = launch(tmp_path, two_hosts, 2, "train", "-e", "tiny", "-n", "1", "--peer-timeout",
+               "3", "-o", tmp_path / "o", hosts=[first, "nowhere"], wait=False)
+    t0 = time.monotonic()
+    try:
+        lines = []  # (seconds since the launch, line)
+        while not any(ln.startswith("error:") for _, ln in lines):
+            line = p.stderr.readline()
+            assert line, lines
+            lines.append((time.monotonic() - t0, line))
+    finally:
+        p.kill()  # (mpiexec waits on the launcher; the dead host's would wait 25 s)
+        p.communicate()
+    ours = [(t, ln.strip()) for t, ln in lines if ln.startswith("error:")]
+    assert [ln for _, ln in ours] == [
+        f"error: --peer-timeout 3: the job's ranks did not all start within 3 s; does every "
+        f"host in mpiexec's hostfile answer (and reach this one, {first})?"]
+    assert 3 <= ours[0][0] < 15, lines
