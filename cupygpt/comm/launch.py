@@ -41,7 +41,8 @@ def start_mpi(timeout):
     every rank: when one never starts (a host in the hostfile that does not answer), the
     ranks that did give up after timeout seconds, the first of each host saying why."""
     global _FAILURES
-    with _watchdog(timeout):
+    # (a timeout not above 0 is refused by the command's checks, once MPI has started)
+    with _watchdog(timeout) if timeout > 0 else contextlib.nullcontext():
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
 
@@ -63,9 +64,10 @@ def _watchdog(timeout):
                       f"(and reach this one, {socket.gethostname()})?", file=sys.stderr,
                       flush=True)
                 time.sleep(0.5)  # the launcher forwards the line before it tears down
-            else:  # the launcher ends the job when one rank dies: the one saying why first
-                time.sleep(2)
-            os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getppid(), signal.SIGKILL)
+            # the launcher ends the job when one rank dies: the one saying why dies first
+            elif not select.select([done], [], [], 2)[0]:
+                os.kill(os.getppid(), signal.SIGKILL)
         os._exit(0)
     os.close(done)
     try:
