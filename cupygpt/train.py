@@ -127,7 +127,7 @@ class Trainer:
         if opts.trace:
             self.run.start_trace()
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
-                                     "train_pattern")
+                                     "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
         self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
                                     "val_pattern") if opts.val_pattern else None)
         self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
@@ -166,6 +166,8 @@ class Trainer:
                               f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
         self.start = meta["step"]
         self.train_data.set_state(meta["train_loader"])
+        if self.train_data.shuffle != opts.shuffle:
+            self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
         self.rng.bit_generator.state = meta["rng"]
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
@@ -174,7 +176,8 @@ class Trainer:
                      f"does not continue that one's data")
 
     def describe(self):
-        opts, counts = self.opts, self.run.plan.counts
+        opts, counts, d = self.opts, self.run.plan.counts, self.train_data
+        order = f"(shuffled, seed {d.seed})" if d.shuffle else "(in order)"
         shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, opts.seq,
                                                                   counts))
         self.sess.describe(self.sess.shape, self.run, [
@@ -190,7 +193,7 @@ class Trainer:
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
-            ("train shards", len(self.train_data.files)), ("start step", self.start)])
+            ("train shards", f"{len(self.train_data.files)} " + order), ("start step", self.start)])
 
     def record(self, rec):
         """A line of the log (rank 0's), on disk at once. A log that cannot be written is

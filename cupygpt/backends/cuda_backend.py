@@ -50,6 +50,11 @@ _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], 
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
+def device_name():
+    """The run table's name of the GPU this rank computes on."""
+    return f"GPU {cp.cuda.Device().id} ({cp.cuda.Device().pci_bus_id})"
+
+
 def configure(tf32=False, device_of=None, ranks_here=1):
     """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
     (training) or off (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking

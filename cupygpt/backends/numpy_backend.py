@@ -88,6 +88,11 @@ def memory_domain():
     return socket.gethostname()
 
 
+def device_name():
+    """The run table's name of the device this rank computes on."""
+    return "the CPU"
+
+
 def configure(tf32=False, device_of=None, ranks_here=1):
     """BLAS threads: this rank's share of the machine's cores (ranks_here processes share
     them), at least one. More threads than cores in total is ruinous: a small matmul on two
