@@ -13,9 +13,10 @@ from .config_parts import RUN_DTYPES, VERIFY_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
-from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
+from .config import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
 from .config_parts import out_file
 from .files import atomic_write
+from .hellaswag import eval_command
 from .optim import LR_SCHEDULES
 from .paths import check_outputs
 from .sample import sample_text
@@ -116,6 +117,11 @@ def shipped_expected(kw):
 @click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
+@click.option("-h", "hellaswag", default=0, show_default=True,
+              help="1: HellaSwag accuracy at every val step and at the end (needs -b 4 or "
+                   "more)")
+@click.option("--hellaswag-file", default=os.path.join("data", "hellaswag_val.bin"),
+              show_default=True, help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
 @click.option("--overwrite", is_flag=True,
               help="a fresh run may replace what an earlier run left in -o (its model.bin, "
                    "log and checkpoints)")
@@ -249,6 +255,34 @@ def sample(**kw):
         dt = time.perf_counter() - began["t"]
         click.echo(f"{began['n']} tokens in {dt:.2f} s ({began['n'] / dt:.1f} tok/s, "
                    f"{'KV cache' if sess.config.kv_cache else 'whole passes'})", err=True)
+
+
+@cli.command("eval")
+@click.argument("model")
+@click.option("--hellaswag", required=True, metavar="FILE",
+              help="llm.c's eval file (hellaswag_val.bin; `prepare --hellaswag` makes it)")
+@click.option("-b", "batch", default=16, show_default=True,
+              help="rows per forward: B // 4 examples")
+@click.option("-t", "seq", default=None, type=int,
+              help="sequence length  [default: the file's longest context + completion]")
+@click.option("--dtype", default=None, type=click.Choice(VERIFY_DTYPES),
+              help="fp64: the exact reference  [default: the backend's]")
+@click.option("--json", "as_json", is_flag=True,
+              help="print one JSON object (with every example's 4 completion losses)")
+@device_options
+@grid_options
+@pipeline_options
+@entry
+def evaluate(as_json, **kw):
+    """HellaSwag accuracy of an llm.c model file, scored as llm.c does (each completion's
+    mean loss over its tokens; the lowest is the model's choice)."""
+    sess = session(EvalConfig, kw, tf32_default=True)
+    r = eval_command(sess)
+    if sess.mesh.rank == 0:
+        click.echo(json.dumps(r) if as_json else
+                   f"hellaswag: {r['correct']}/{r['examples']} = {r['accuracy']:.4f} "
+                   f"({r['dtype']}, B={r['B']} T={r['T']}, {r['ranks']} rank(s), "
+                   f"{r['seconds']:.2f} s)")
 
 
 for command in TOOLS:

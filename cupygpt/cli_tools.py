@@ -14,6 +14,7 @@ from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .paths import TEXT_CAP, check_outputs, read_bounded
+from .hellaswag import from_jsonl, write_eval
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
@@ -29,8 +30,11 @@ from .tokenizer import Tokenizer, tokenize_tinyshakespeare
 @click.option("--name", default=None, help="shard name prefix  [default: the text's file name "
                                            "without its extension]")
 @click.option("--force", is_flag=True, help="overwrite shards already there")
+@click.option("--hellaswag", is_flag=True,
+              help="TEXT is HellaSwag's jsonl (ctx, endings, label): write llm.c's eval file "
+                   "OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's script")
 @entry
-def prepare(text, out, tokenizer, name, force):
+def prepare(text, out, tokenizer, name, force, hellaswag):
     """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
     tinyshakespeare script does."""
     one_process("prepare")
@@ -38,6 +42,8 @@ def prepare(text, out, tokenizer, name, force):
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(name))
+    if hellaswag:
+        return prepare_hellaswag(text, os.path.join(out, f"{name}.bin"), tokenizer, force)
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
     # through a link too (a clone's ./data is the package's): resolved paths are compared
     check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, tokenizer])
@@ -62,6 +68,23 @@ def prepare(text, out, tokenizer, name, force):
         write_shard(paths["train"], train_tokens, ft)
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
         click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
+
+
+def prepare_hellaswag(jsonl, path, tokenizer, force):
+    """prepare --hellaswag: the jsonl's examples to llm.c's eval file at path."""
+    check_outputs([("out", path)], [jsonl, tokenizer])
+    if os.path.exists(path) and not force:
+        raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another --out "
+                           f"or --name", "out", os.path.dirname(path))
+    try:
+        body = read_bounded(jsonl, "jsonl", TEXT_CAP).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{jsonl}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    examples = from_jsonl(body, Tokenizer(tokenizer).encode, jsonl)
+    make_dir("out", os.path.dirname(path) or ".")
+    with atomic_write(path) as f:
+        write_eval(f, examples)
+    click.echo(f"wrote {len(examples):,} examples to {path}")
 
 
 @click.command()

@@ -15,6 +15,7 @@ from typing import Optional
 from . import CupyGPTError
 from .checkpoint import STATE, check_resume, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
+from .hellaswag import check_fits, longest_row, read_eval
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
                            out_file, positive, recompute_level, run_dtype, runs_on,
                            RUN_DTYPES, VERIFY_DTYPES)
@@ -54,6 +55,9 @@ class TrainConfig:
     graphs: bool = True
     trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
     overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
+    hellaswag: int = 0              # llm.c's -h 1: HellaSwag accuracy at every val step
+    hellaswag_file: str = os.path.join("data", "hellaswag_val.bin")
+    hellaswag_examples: tuple = ()  # validate reads them from hellaswag_file
     made_out: bool = False          # validate made -o (a run failing before step 1 removes it)
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
@@ -116,6 +120,12 @@ class TrainConfig:
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows_per_replica(c.batch)))
+        if c.hellaswag not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (HellaSwag at every val step)", "hellaswag",
+                               c.hellaswag)
+        if c.hellaswag:
+            c = replace(c, hellaswag_examples=hellaswag_examples(c.hellaswag_file, c.batch,
+                                                                 c.seq, shape)[0])
         log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
         check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
                        ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
@@ -134,7 +144,50 @@ class TrainConfig:
         resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
         return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
                                                else []),
-                *files_of(model), *resumed, *files_of(c.tokenizer)]
+                *files_of(model), *resumed, *files_of(c.tokenizer),
+                *(files_of(c.hellaswag_file) if c.hellaswag else [])]
+
+
+def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
+    """(the eval file's examples, T): checked to fit a batch (4 rows each), T (None: the
+    longest row) and the vocab."""
+    if batch < 4:
+        raise CupyGPTError("HellaSwag puts an example's 4 completions in 4 rows of a batch: "
+                           "give -b 4 or more", "batch", batch)
+    existing(option, path)
+    examples = tuple(read_eval(path))
+    seq = default(seq, longest_row(examples))
+    fits(seq, shape)
+    check_fits(path, examples, seq, shape.V, option)
+    return examples, seq
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str
+    hellaswag: str
+    batch: int = 16                 # rows per forward: B // 4 examples
+    seq: Optional[int] = None       # None: the eval file's longest row
+    dtype: Optional[str] = None     # fp32 | bf16 | fp64; None: the backend's DEFAULT_DTYPE
+    examples: tuple = ()            # validate reads them from `hellaswag`
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    grid: Grid = field(default_factory=Grid)
+
+    def validate(self, be, world):
+        positive(self, "batch")
+        if self.seq is not None:
+            positive(self, "seq")
+        c = run_dtype(self, be, VERIFY_DTYPES)
+        existing("model", c.model)
+        shape = model_shape(c.model)
+        runs_on(be, shape, "model", c.model)
+        examples, seq = hellaswag_examples(c.hellaswag, c.batch, c.seq, shape, "hellaswag")
+        c = replace(c, seq=seq, examples=examples)
+        grid = c.grid.validate(shape, world)
+        return replace(c, device=c.device.validate(be, world), grid=grid,
+                       pipeline=c.pipeline.validate(shape, seq, grid.pp,
+                                                    grid.rows_per_replica(c.batch))), shape
 
 
 @dataclass(frozen=True)

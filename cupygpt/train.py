@@ -13,7 +13,9 @@ from . import CupyGPTError
 from . import checkpoint, rundir
 from .comm.launch import Stopped
 from .data import DataLoader
-from .files import atomic_write, check_finite, write_model
+from .files import check_finite, write_model
+from .hellaswag import evaluate as hellaswag
+from .log import open_log
 from .optim import AdamWConfig, lr_at
 from .parallel.pipeline.plan import stage_shares
 from .precision import DTYPES, is_narrow
@@ -37,28 +39,6 @@ def injected_fault():
     """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK."""
     spec = os.environ.get("CUPYGPT_FAULT", "")
     return tuple(int(x) for x in spec.split(":")[1:]) if spec.startswith("raise:") else None
-
-
-def open_log(path, start):
-    """The log, open to append: a fresh run starts it; a resume keeps what came before its
-    first step (a run that went on past its checkpoint logged steps the resume repeats:
-    train records up to `start`, val records before it, since step `start` validates)."""
-    if not start:
-        return open(path, "w")
-    keep = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    step = rec["step"] + ("val_loss" in rec)
-                except (ValueError, TypeError, KeyError):
-                    continue  # (a line cut short by a kill)
-                if isinstance(step, int) and step <= start:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-    with atomic_write(path) as f:
-        f.write("".join(keep).encode())
-    return open(path, "a")
 
 
 class Interrupt:
@@ -211,13 +191,22 @@ class Trainer:
             self.logf = False
 
     def evaluate(self, step, last):
-        opts = self.opts
-        if self.val_data and opts.val_every and (step % opts.val_every == 0 or last):
+        """Val loss and (-h 1) HellaSwag accuracy, in one line and one log record."""
+        opts, rec, said = self.opts, {"step": step}, []
+        if not (opts.val_every and (step % opts.val_every == 0 or last)):
+            return
+        if self.val_data:
             self.val_data.reset()
-            vl = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
-                                for _ in range(opts.val_batches)]))
-            self.log(f"val loss {vl:.6f}")
-            self.record({"step": step, "val_loss": vl})
+            rec["val_loss"] = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
+                                             for _ in range(opts.val_batches)]))
+            said.append(f"val loss {rec['val_loss']:.6f}")
+        if opts.hellaswag:
+            rec["hellaswag_acc"] = hellaswag(self.run, opts.hellaswag_examples, opts.batch,
+                                             opts.seq)[0]
+            said.append(f"hellaswag acc {rec['hellaswag_acc']:.4f}")
+        if said:
+            self.log(", ".join(said))
+            self.record(rec)
 
     def sample(self, step, last):
         if self.sampling and ((step > 0 and step % self.opts.sample_every == 0) or last):

@@ -256,6 +256,39 @@ CASES += [
 ]
 
 
+def an_eval(tmp_path, edit=lambda raw: raw, name="hs.bin"):
+    """A 2-example HellaSwag eval file (llm.c's layout), edited."""
+    from test_hellaswag import write_llmc_eval
+    write_llmc_eval(tmp_path / "ok.bin", [(1, [5, 6, 7], [[8], [9, 10], [11], [12]]),
+                                          (3, [1] * 20, [[2], [3], [4], [5]])])
+    return corrupt(tmp_path, tmp_path / "ok.bin", name, edit)
+
+
+def eval_args(t, *extra, edit=lambda raw: raw):
+    return ["eval", MODEL, "--hellaswag", an_eval(t, edit), "--backend", "numpy", *extra]
+
+
+# Issue 29: HellaSwag's eval file and flags.
+CASES += [
+    ("eval truncated", lambda t: eval_args(t, edit=lambda r: r[:1024 + 30]),
+     "hs.bin: ends inside example 0"),
+    ("eval bad magic", lambda t: eval_args(t, edit=set_int(0, 20240520)),
+     "hs.bin: bad magic 20240520 (an eval file has 20240522)"),
+    ("eval bad label", lambda t: eval_args(t, edit=lambda r: r[:1030] + b"\x07\x00" + r[1032:]),
+     "example 0 (uint16 0 after the header): label 7, 4 completions"),
+    ("eval trailing", lambda t: eval_args(t, edit=lambda r: r + b"\x01\x00"),
+     "1 uint16 after the last of its 2 examples"),
+    ("eval empty field", lambda t: eval_args(t, edit=lambda r: r[:1034] + b"\x00\x00" + r[1036:]),
+     "a field of 0 tokens"),
+    ("eval row past T", lambda t: eval_args(t, "-t", "16"),
+     "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
+    ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),
+    ("train -h 2", lambda t: ["train", "-h", "2", "-o", t / "never"], "-h 2: 0 (off) or 1"),
+    ("train -h 1 no file", lambda t: ["train", "-h", "1", "--hellaswag-file", t / "nope.bin",
+                                      "-o", t / "never"], "--hellaswag-file"),
+]
+
+
 def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
     p.write_text(text)

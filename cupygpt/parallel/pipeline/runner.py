@@ -165,6 +165,26 @@ class Runner:
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
 
+    def position_losses(self, x, y):
+        """Collective: the loss at every position of x, y (host, (B, T)) as float64 host
+        (B, T), the same on every rank: each replica's head (its first tensor-parallel
+        shard: the others hold the same losses) sends its rows to rank 0, which shares
+        them."""
+        mine = []
+
+        def grab(mb, losses):  # a copy: the next micro-batch may reuse the slot
+            if self.head.part.shard == 0:
+                mine.append((self.plan.global_rows(mb),
+                             self.be.to_host(losses).astype(np.float64)))
+        self._pass(self.plan.evaluate, x, y, Pass(targets=True, on_losses=grab))
+        rows = self.transport.gather(mine)
+        out = None
+        if rows is not None:
+            out = np.zeros(x.shape, np.float64)
+            for r, losses in (p for rank in rows for p in rank):
+                out[r] = losses
+        return self.transport.bcast(out, root=0)
+
     def next_token(self, tokens, t, choose, cached=True):
         """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns
         choose(the logits at t over the whole vocabulary), the same on every rank. cached:
