@@ -80,8 +80,9 @@ def shipped_expected(kw):
 @click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
               show_default=True, help="val shards (glob)")
 @click.option("-e", "init", default=None,
-              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48  [default: d12 on "
-                   "a GPU, tiny on the CPU]")
+              help="llm.c model file, or one of llm.c's descriptors for a fresh model: d6, "
+                   "d12 .. d84 (GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), "
+                   "or tiny  [default: d12 on a GPU, tiny on the CPU]")
 @click.option("-o", "out", default="out", show_default=True, help="output directory")
 @click.option("-b", "batch", default=4, show_default=True, help="batch size B")
 @click.option("-t", "seq", default=None, type=int,
@@ -114,7 +115,17 @@ def shipped_expected(kw):
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--checkpoint-every", default=0, show_default=True,
               help="write OUT/ckpt_STEP every K steps and at the end (0: never)")
-@click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
+@click.option("--keep", default=2, show_default=True,
+              help="checkpoints to keep (besides --checkpoint-major's)")
+@click.option("-nm", "--checkpoint-major", "checkpoint_major", default=0, show_default=True,
+              help="checkpoints at multiples of K steps are never removed by --keep (0: none)")
+@click.option("-sl", "--skip-loss-z", "skip_loss", default=0.0, show_default=True,
+              help="skip the update when the step's loss is more than Z standard deviations "
+                   "above its last 128 steps' (llm.c's outlier detector; 0: off)")
+@click.option("-sg", "--skip-norm-z", "skip_norm", default=0.0, show_default=True,
+              help="the same for the gradient's global norm (0: off)")
+@click.option("-a", "--overfit-single-batch", "overfit", default=0, show_default=True,
+              help="1: every step trains on the first batch (llm.c's debugging check)")
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
 @click.option("-h", "hellaswag", default=0, show_default=True,
@@ -140,7 +151,8 @@ def train(**kw):
 
 @cli.command()
 @click.option("-e", "init", default=None,
-              help="preset to benchmark  [default: d12 on a GPU, tiny on the CPU]")
+              help="descriptor to benchmark (as train's -e)  [default: d12 on a GPU, tiny on "
+                   "the CPU]")
 @click.option("-b", "batch", default=4, show_default=True)
 @click.option("-t", "seq", default=None, type=int,
               help="sequence length  [default: 1024 on a GPU, 64 on the CPU]")

@@ -55,6 +55,10 @@ class TrainConfig:
     graphs: bool = True
     trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
     overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
+    skip_loss: float = 0.0          # llm.c's -sl: skip the update at a loss z-score above; 0 off
+    skip_norm: float = 0.0          # llm.c's -sg: the same for the gradient norm
+    overfit: int = 0                # llm.c's -a 1: every step trains on the first batch
+    checkpoint_major: int = 0       # llm.c's -nm: checkpoints at multiples never removed
     hellaswag: int = 0              # llm.c's -h 1: HellaSwag accuracy at every val step
     hellaswag_file: str = os.path.join("data", "hellaswag_val.bin")
     hellaswag_examples: tuple = ()  # validate reads them from hellaswag_file
@@ -101,7 +105,11 @@ class TrainConfig:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", zero_ok=True)
+                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", "skip_loss",
+                 "skip_norm", "checkpoint_major", zero_ok=True)
+        if c.overfit not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (every step trains on the first batch)", "overfit",
+                               c.overfit)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)

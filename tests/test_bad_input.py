@@ -232,7 +232,7 @@ CASES += [
      "--log-file '': is empty; give a file name"),
     ("expected empty", lambda t: ["verify", "--expected", ""], "--expected : cannot read it"),
     ("bench a model file", lambda t: ["bench", "-e", MODEL, "--out", t / "never.json"],
-     "bench times a preset's shape (tiny, d12, d24, d36, d48), not a model file's"),
+     "bench times a preset's shape (tiny, d6, d12, d24, d36, d48, d60, d72, d84, gpt3:c384"),
     ("plot a null", lambda t: ["plot", a_log(t, '{"step": 2, "val_loss": null}\n'),
                                "--out", t / "never.png"], "line 2's val_loss is null"),
 ]
@@ -284,6 +284,16 @@ CASES += [
      "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
     ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),
     ("train -h 2", lambda t: ["train", "-h", "2", "-o", t / "never"], "-h 2: 0 (off) or 1"),
+    ("train -sl negative", lambda t: ["train", "-sl", "-1", "-o", t / "never"],
+     "-sl -1.0: must not be negative"),
+    ("train -sg nan", lambda t: ["train", "-sg", "nan", "-o", t / "never"],
+     "-sg nan: must be a finite number"),
+    ("train -nm negative", lambda t: ["train", "-nm", "-2", "-o", t / "never"],
+     "-nm -2: must not be negative"),
+    ("train -a 2", lambda t: ["train", "-a", "2", "-o", t / "never"], "-a 2: 0 (off) or 1"),
+    *[(f"train -e {d}", lambda t, d=d: ["train", "-e", d, "-o", t / "never"],
+       f"-e {d}: not a model file and not one of llm.c's descriptors: tiny, d6, d12, d24, d36, "
+       f"d48, d60, d72, d84, gpt3:c384, gpt3:c768") for d in ("d13", "gpt3:c5140", "gpt3:768")],
     ("train -h 1 no file", lambda t: ["train", "-h", "1", "--hellaswag-file", t / "nope.bin",
                                       "-o", t / "never"], "--hellaswag-file"),
 ]

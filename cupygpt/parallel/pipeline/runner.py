@@ -75,9 +75,15 @@ class Runner:
 
     # --- training ----------------------------------------------------------------------
 
-    def step(self, x, y, lr=None):
+    def step(self, x, y, lr=None, keep=None):
         """One training step on the host batch x, y (B, T); returns the mean loss on every
-        rank."""
+        rank. keep(loss, norm), when given, decides whether the update happens (outlier
+        skipping; the step is eager) and must answer alike on every rank."""
+        if keep is not None:
+            self.steps_done += 1
+            loss = self.gradients(x, y)
+            self.optimizer_step(lr, lambda norm: keep(loss, norm))
+            return loss
         loss = self.launch(x, y, lr)
         if loss is None:
             self.transport.finish_sends()
@@ -125,10 +131,10 @@ class Runner:
                               y[i * rows:(i + 1) * rows], self._train_pass(n, i == n - 1))
                    for i in range(n)) / n
 
-    def optimizer_step(self, lr=None):
+    def optimizer_step(self, lr=None, keep=None):
         """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
-        unless the overlapped sum did."""
-        self.opt.step(lr, self.sync.summed)
+        unless the overlapped sum did. keep: as AdamW.apply's."""
+        return self.opt.step(lr, self.sync.summed, keep)
 
     def recompute_saves(self):
         """Bytes of activations and scratch this rank keeps fewer than it would without
