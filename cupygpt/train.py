@@ -10,10 +10,10 @@ import numpy as np
 
 from . import CupyGPTError
 from . import checkpoint, rundir
+from .bench import mfu
 from .comm.launch import Interrupt
 from .data import DataLoader
 from .files import check_finite, write_model
-from .bench import mfu
 from .hellaswag import evaluate as hellaswag
 from .log import open_log
 from .optim import AdamWConfig, lr_at

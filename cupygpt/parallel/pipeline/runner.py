@@ -79,26 +79,21 @@ class Runner:
         """One training step on the host batch x, y (B, T); returns the mean loss on every
         rank. keep(loss, norm), when given, decides whether the update happens (outlier
         skipping; the step is eager) and must answer alike on every rank."""
-        if keep is not None:
-            self.steps_done += 1
-            loss = self.gradients(x, y)
-            self.optimizer_step(lr, lambda norm: keep(loss, norm))
-            return loss
-        loss = self.launch(x, y, lr)
+        loss = self.launch(x, y, lr, keep)
         if loss is None:
             self.transport.finish_sends()
             loss = self._mean_loss()
         return loss
 
-    def launch(self, x, y, lr=None):
+    def launch(self, x, y, lr=None, keep=None):
         """One training step, returning once launched: an eager step's mean loss, or None
         for a replayed CUDA graph (captured on the second step: the first allocates the
         workspaces), which does not wait for the device. x, y may hold several batches
-        (gradient accumulation: see gradients); such a step is eager."""
+        (gradient accumulation: see gradients); such a step is eager, as one with keep."""
         self.steps_done += 1
-        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch:
+        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch or keep:
             loss = self.gradients(x, y)
-            self.optimizer_step(lr)
+            self.optimizer_step(lr, keep and (lambda norm: keep(loss, norm)))
             return loss
         self.exec.feed(x, y)
         sched = self.opt.advance(lr)
