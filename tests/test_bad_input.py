@@ -283,6 +283,11 @@ CASES += [
     ("eval row past T", lambda t: eval_args(t, "-t", "16"),
      "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
     ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),
+    ("prepare hellaswag 1 ending", lambda t: [
+        "prepare", a_file(t, '{"ctx": "A", "endings": ["b", "c", "d", "e"], "label": 1}\n'
+                             '{"ctx": "A", "endings": ["b"], "label": 0}\n'), "--hellaswag",
+        "--out", t / "never"], "plain.txt:2: not a HellaSwag example (a JSON object with a "
+                               "non-empty ctx, 4 non-empty endings, a label 0..3)"),
     ("train -h 2", lambda t: ["train", "-h", "2", "-o", t / "never"], "-h 2: 0 (off) or 1"),
     ("train -sl negative", lambda t: ["train", "-sl", "-1", "-o", t / "never"],
      "-sl -1.0: must not be negative"),
