@@ -283,6 +283,9 @@ CASES += [
     ("eval row past T", lambda t: eval_args(t, "-t", "16"),
      "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
     ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),
+    ("eval -t 0", lambda t: eval_args(t, "-t", "0"), "-t 0: must be positive"),
+    ("eval no file", lambda t: ["eval", MODEL, "--hellaswag", t / "nope.bin"],
+     "nope.bin: no such file"),
     ("prepare hellaswag 1 ending", lambda t: [
         "prepare", a_file(t, '{"ctx": "A", "endings": ["b", "c", "d", "e"], "label": 1}\n'
                              '{"ctx": "A", "endings": ["b"], "label": 0}\n'), "--hellaswag",
