@@ -46,7 +46,7 @@ def read_eval(path):
     if n < 1:
         raise bad(f"header says {n} examples")
     s = np.frombuffer(raw[HEADER_BYTES:], np.uint16)
-    out, p = [], 0
+    out, p, longest = [], 0, 0
     for i in range(n):
         where = f"example {i} (uint16 {p} after the header)"
         if p + 6 > len(s):
@@ -72,9 +72,11 @@ def read_eval(path):
         if q != end:
             raise bad(f"{where}: its fields end at uint16 {q}, its byte count says {end}")
         out.append(Example(i, label, fields[0], fields[1:]))
-        p = end
+        p, longest = end, max(longest, nbytes)
     if p != len(s):
         raise bad(f"{len(s) - p} uint16 after the last of its {n} examples")
+    if header[3] != longest:  # (llm.c sizes its read buffer by it)
+        raise bad(f"header says the longest example is {header[3]} bytes, it is {longest}")
     return out
 
 

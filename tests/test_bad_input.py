@@ -280,6 +280,8 @@ CASES += [
      "1 uint16 after the last of its 2 examples"),
     ("eval empty field", lambda t: eval_args(t, edit=lambda r: r[:1034] + b"\x00\x00" + r[1036:]),
      "a field of 0 tokens"),
+    ("eval longest field", lambda t: eval_args(t, edit=set_int(3, 36)),
+     "header says the longest example is 36 bytes, it is 68"),
     ("eval row past T", lambda t: eval_args(t, "-t", "16"),
      "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
     ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),

@@ -15,15 +15,16 @@ HEADER = 256
 
 def write_llmc_eval(path, examples):
     """examples: (label, context ids, [4 completion ids]) -> llm.c's eval file."""
-    stream = []
+    stream, longest = [], 0
     for i, (label, ctx, ends) in enumerate(examples):
         ex = [65535, 0, i, label, len(ends), len(ctx), *ctx]
         for e in ends:
             ex += [len(e), *e]
         ex[1] = 2 * len(ex)
+        longest = max(longest, ex[1])
         stream += ex
     header = np.zeros(HEADER, np.int32)
-    header[:4] = 20240522, 1, len(examples), 0
+    header[:4] = 20240522, 1, len(examples), longest
     with open(path, "wb") as f:
         f.write(header.tobytes() + np.array(stream, np.uint16).tobytes())
 
