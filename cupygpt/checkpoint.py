@@ -15,6 +15,7 @@ import zipfile
 import numpy as np
 
 from . import CupyGPTError
+from .data import shard_order
 from .files import atomic_write, read_model, read_shard, write_model
 from .layout import param_layout
 from .precision import dtype_name, is_narrow
@@ -190,13 +191,15 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
                                f"float32 arrays of the model's {n:,} parameters")
     try:
         np.random.default_rng().bit_generator.state = meta["rng"]
-        step, t, (shard, pos) = meta["step"], meta["adam_t"], meta["train_loader"]
+        step, t, loader = meta["step"], meta["adam_t"], meta["train_loader"]
+        (shard, pos, epoch, seed, shuffle) = loader if len(loader) == 5 else (*loader, 0, 0, 0)
     except (KeyError, TypeError, ValueError):
         raise damaged(f, path, "its step, RNG or data position is missing or malformed") \
             from None
-    if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos)):
+    if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos, epoch, seed)):
         raise damaged(f, path, "its step or data position is not a count")
-    if shard >= len(train_files) or pos + B * T + 1 > read_shard(train_files[shard]).size:
+    if shard >= len(train_files) or pos + B * T + 1 > read_shard(
+            train_files[shard_order(len(train_files), seed, epoch, shuffle)[shard]]).size:
         raise CupyGPTError(f"{f}: its data position (shard {shard}, token {pos:,}) lies "
                            f"outside this run's train shards (-i); resume with the run's "
                            f"own -i", "resume", path)

@@ -79,6 +79,9 @@ def shipped_expected(kw):
               show_default=True, help="train shards (glob)")
 @click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
               show_default=True, help="val shards (glob)")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+              help="train shards and the batches in each in a seeded random order per epoch "
+                   "(llm.c's); --no-shuffle: in file order")
 @click.option("-e", "init", default=None,
               help="llm.c model file, or one of llm.c's descriptors for a fresh model: d6, "
                    "d12 .. d84 (GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), "

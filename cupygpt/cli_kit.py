@@ -34,7 +34,7 @@ def entry(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         if launched_ranks() > 1:
-            start_mpi()
+            start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
             return fn(**kw)
         except CupyGPTError as e:

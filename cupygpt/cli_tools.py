@@ -1,9 +1,12 @@
 """The commands that run in one process beside training: prepare (text to shards), convert
 (to and from transformers' GPT-2 directories), schedule (a schedule's lists and
 simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
+import contextlib
+import glob
 import math
 import os
 import sys
+import time
 
 import click
 
@@ -19,31 +22,46 @@ from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
 from .plot import plot as run_plot
+from .shards import check_inputs, write_shards
 from .timeline import timeline as draw
 from .tokenizer import Tokenizer, tokenize_tinyshakespeare
 
 
 @click.command()
-@click.argument("text", type=click.Path(exists=True, dir_okay=False))
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="data", show_default=True, help="output directory")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
-@click.option("--name", default=None, help="shard name prefix  [default: the text's file name "
-                                           "without its extension]")
+@click.option("--name", default=None, help="shard name prefix  [default: the first input's "
+                                           "file name without its extension]")
+@click.option("--shard-size", type=int, default=None,
+              help="tokens per shard: the corpus mode, llm.c's FineWeb script (its default "
+                   "with several inputs or jsonl/parquet: 100,000,000)")
 @click.option("--force", is_flag=True, help="overwrite shards already there")
 @click.option("--hellaswag", is_flag=True,
-              help="TEXT is HellaSwag's jsonl (ctx, endings, label): write llm.c's eval file "
-                   "OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's script")
+              help="the one input is HellaSwag's jsonl (ctx, endings, label): write llm.c's "
+                   "eval file OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's "
+                   "script")
 @entry
-def prepare(text, out, tokenizer, name, force, hellaswag):
-    """Tokenize a text file into llm.c shards (NAME_val.bin, NAME_train.bin), as llm.c's
-    tinyshakespeare script does."""
+def prepare(inputs, out, tokenizer, name, shard_size, force, hellaswag):
+    """Tokenize text into llm.c shards. One text file: NAME_val.bin and NAME_train.bin, as
+    llm.c's tinyshakespeare script does. Several inputs (text files, each a document; jsonl
+    or parquet, each record's `text`) or --shard-size: shards of that many tokens,
+    NAME_val_000000.bin then NAME_train_000001.bin..., an EOT before each document,
+    tokenized on every core. --hellaswag: HellaSwag's jsonl to llm.c's eval file."""
     one_process("prepare")
-    name = os.path.splitext(os.path.basename(text))[0] if name is None else name
+    name = os.path.splitext(os.path.basename(inputs[0]))[0] if name is None else name
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(name))
-    if hellaswag:
-        return prepare_hellaswag(text, os.path.join(out, f"{name}.bin"), tokenizer, force)
+    if hellaswag:  # (before the corpus mode, which takes a .jsonl too)
+        if len(inputs) != 1:
+            raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
+                               f"not {len(inputs)}")
+        return prepare_hellaswag(inputs[0], os.path.join(out, f"{name}.bin"), tokenizer, force)
+    if shard_size is not None or len(inputs) > 1 or inputs[0].endswith((".jsonl", ".parquet")):
+        return prepare_corpus(inputs, out, tokenizer, name,
+                              10 ** 8 if shard_size is None else shard_size, force)
+    text = inputs[0]
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
     # through a link too (a clone's ./data is the package's): resolved paths are compared
     check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, tokenizer])
@@ -85,6 +103,44 @@ def prepare_hellaswag(jsonl, path, tokenizer, force):
     with atomic_write(path) as f:
         write_eval(f, examples)
     click.echo(f"wrote {len(examples):,} examples to {path}")
+
+
+def prepare_corpus(inputs, out, tokenizer, name, shard_size, force):
+    if shard_size < 1:
+        raise CupyGPTError("must be a positive number of tokens per shard (llm.c's FineWeb "
+                           "script: 100000000)", "shard_size", shard_size)
+    check_outputs([("out", out)], [*inputs, tokenizer])
+    check_inputs(inputs)
+    Tokenizer(tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
+    before = sorted(glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
+                    + glob.glob(os.path.join(glob.escape(out),
+                                             f"{glob.escape(name)}_train_*.bin")))
+    if before and not force:
+        raise CupyGPTError(f"{before[0]} exists; give --force to overwrite that shard set, "
+                           f"or another --out or --name", "out", out)
+    made = not os.path.isdir(out)
+    make_dir("out", out)
+    t0 = time.perf_counter()
+    try:
+        with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
+            paths, total = write_shards(inputs, out, name, shard_size, tokenizer, bar.update)
+        if not paths:
+            raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
+                               f"documents in the input(s); nothing written")
+    except BaseException as e:
+        if made:  # an --out this run made goes when nothing was written into it
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        if isinstance(e, KeyboardInterrupt):
+            click.echo("interrupted: the shards written so far are whole; no shard is half "
+                       "written", err=True)
+            raise SystemExit(130) from None
+        raise
+    for stale in sorted(set(before) - set(paths)):  # --force: an earlier, longer set's rest
+        os.unlink(stale)
+    dt = time.perf_counter() - t0
+    click.echo(f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to "
+               f"{out} in {dt:.1f} s ({total / dt:,.0f} tokens/s on {os.cpu_count()} cores)")
 
 
 @click.command()

@@ -29,6 +29,7 @@ class TrainConfig:
     train_pattern: str
     val_pattern: str
     tokenizer: str
+    shuffle: bool = True            # train batches in a seeded random order (llm.c's)
     init: Optional[str] = None      # None: the backend's DEFAULT_RUN
     out: str = "out"
     batch: int = 4

@@ -1,4 +1,13 @@
-"""llm.c's sequential data loader over a glob of token shards: B*T+1 tokens per batch."""
+"""llm.c's data loader over a glob of token shards (memory-mapped: only the batch is held
+in memory). A sample is one step's batch, B*T+1 tokens starting at a multiple of
+B*T; a shard of n tokens holds (n - 1) // (B*T) of them. Every rank reads the whole batch
+and its replica computes its own rows of it (the executor's split), so each row of an
+epoch goes to exactly one replica and every grid sees the one-rank run's data.
+
+Shuffled (llm.c's training default), each epoch visits the shards in a seeded random order
+and each shard's samples in a seeded random order; sequential, both are the identity.
+The permutations follow from (seed, epoch, shard), so the state is four numbers and a
+resume continues the exact order."""
 import glob as globlib
 
 import numpy as np
@@ -7,13 +16,24 @@ from . import CupyGPTError
 from .files import read_shard
 
 
+def shard_order(n, seed, epoch, shuffle):
+    """The order in which an epoch visits n shards."""
+    return np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+
+
+def sample_order(n, seed, epoch, shard, shuffle):
+    """The order in which an epoch visits shard's n samples (shard: its index in the glob)."""
+    return (np.random.default_rng([seed, epoch, 1 + shard]).permutation(n) if shuffle
+            else np.arange(n))
+
+
 class DataLoader:
-    def __init__(self, pattern, B, T, V, option="train_pattern"):
+    def __init__(self, pattern, B, T, V, option="train_pattern", shuffle=False, seed=0):
         self.files = sorted(globlib.glob(pattern))
         if not self.files:
             raise CupyGPTError("no token shard matches this pattern; run `prepare` or fix "
                                "the path", option, pattern)
-        self.B, self.T = B, T
+        self.B, self.T, self.shuffle, self.seed = B, T, shuffle, seed
         self.shards = []
         for path in self.files:
             tokens = read_shard(path)
@@ -27,19 +47,47 @@ class DataLoader:
         self.reset()
 
     def reset(self):
-        self.shard, self.pos = 0, 0
+        self.epoch, self.shard, self.sample = 0, 0, 0
+        self._orders()
+
+    def _orders(self):
+        self.order = shard_order(len(self.files), self.seed, self.epoch, self.shuffle)
+        self._enter()
+
+    def _enter(self):
+        """The samples of the shard the epoch is at, in this epoch's order."""
+        f = int(self.order[self.shard])
+        n = (self.shards[f].size - 1) // (self.B * self.T)
+        self.samples = sample_order(n, self.seed, self.epoch, f, self.shuffle)
 
     def state(self):
-        return [self.shard, self.pos]
+        """[shard, pos, epoch, seed, shuffle]: the next sample is at token pos (B*T times
+        its index in the shard's order) of the epoch's shard-th shard."""
+        return [self.shard, self.sample * self.B * self.T, self.epoch, self.seed,
+                self.shuffle]
 
     def set_state(self, state):
-        self.shard, self.pos = int(state[0]), int(state[1])
+        """A checkpoint's state (llm.c-style [shard, pos] from before shuffling: sequential,
+        epoch 0); its seed and order rule replace this loader's."""
+        shard, pos, *rest = state
+        self.epoch, self.seed, self.shuffle = ((int(rest[0]), int(rest[1]), bool(rest[2]))
+                                               if rest else (0, self.seed, False))
+        self.shard, self.sample = int(shard), int(pos) // (self.B * self.T)
+        self._orders()
 
     def next_batch(self):
-        """(x, y) int32 (B, T); advances like llm.c, moving to the next shard when one runs out."""
+        """(x, y) int32 (B, T); moves to the next shard when one runs out, and to the next
+        epoch (new orders) after the last."""
         n = self.B * self.T
-        buf = np.asarray(self.shards[self.shard][self.pos: self.pos + n + 1], dtype=np.int32)
-        self.pos += n
-        if self.pos + n + 1 > self.shards[self.shard].size:
-            self.shard, self.pos = (self.shard + 1) % len(self.shards), 0
+        at = int(self.samples[self.sample]) * n
+        buf = np.asarray(self.shards[int(self.order[self.shard])][at: at + n + 1],
+                         dtype=np.int32)
+        self.sample += 1
+        if self.sample == len(self.samples):
+            self.shard, self.sample = self.shard + 1, 0
+            if self.shard == len(self.files):
+                self.epoch, self.shard = self.epoch + 1, 0
+                self._orders()
+            else:
+                self._enter()
         return buf[:-1].reshape(self.B, self.T), buf[1:].reshape(self.B, self.T)

@@ -134,6 +134,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
 
     encoded is the stage input: the embedding's output on stage 0, the received
     activation elsewhere. The head's logits are overwritten in place by dlogits.
+    qkv is its GEMM's product without the bias (attention adds it as it reads q, k, v).
     Attention keeps its output (atty) and each query's log-sum-exp (att_lse): backward
     makes the probabilities again (flash attention), so nothing is (T, T).
     split (a schedule that splits backward): the output gradients of the four matmuls

@@ -116,7 +116,7 @@ class Stage:
             return self._act(a, name, l)
 
         def attend(out, l):
-            be.attention_forward(out, a["att_lse"][l], a["qkv"][l], NH)
+            be.attention_forward(out, a["att_lse"][l], a["qkv"][l], self.p["qkvb"][l], NH)
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._head(whole, x)
@@ -153,7 +153,7 @@ class Stage:
             return self._act(a, name, l)[0:1, t:t + 1]
 
         def attend(out, l):
-            be.attention_decode(out, a["qkv"][l][0:1, :t + 1], NH)
+            be.attention_decode(out, a["qkv"][l][0:1, :t + 1], self.p["qkvb"][l], NH)
         if self.embed:
             self._embed(row("encoded"), tokens, self.p["wpe"][t:])
         x = self._blocks(row, attend, row("encoded"))
@@ -189,22 +189,23 @@ class Stage:
         """The transformer blocks on x, writing activations act(name, layer) (whole tensors
         for a pass, one row's views for a decode step); returns the last block's output. A
         projection's product (scratch: backward never reads it), summed over the tp shards,
-        takes its bias once in the residual add, which runs the next layernorm too."""
+        takes its bias once in the residual add, which runs the next layernorm too; qkv's
+        product is kept without its bias, which attention adds as it reads q, k, v."""
         be, p, proj = self.be, self.p, act("proj")
         if self.nl:
             be.layernorm_forward(act("ln1", 0), act("ln1_mean", 0), act("ln1_rstd", 0), x,
                                  p["ln1w"][0], p["ln1b"][0])
         for l in range(self.nl):
-            be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
+            be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l])
             attend(act("atty", l), l)
-            be.matmul_forward(proj, act("atty", l), p["attprojw"][l], None)
+            be.matmul_forward(proj, act("atty", l), p["attprojw"][l])
             self.tp_sum(proj)
             be.residual_layernorm_forward(act("residual2", l), x, proj, p["attprojb"][l],
                                           act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
                                           p["ln2w"][l], p["ln2b"][l])
-            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], None)
+            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l])
             be.gelu_forward(act("fch_gelu", l), act("fch", l), p["fcb"][l])
-            be.matmul_forward(proj, act("fch_gelu", l), p["fcprojw"][l], None)
+            be.matmul_forward(proj, act("fch_gelu", l), p["fcprojw"][l])
             self.tp_sum(proj)
             x = self._residual3(act, l, act("residual2", l), proj)
         return x
@@ -227,7 +228,7 @@ class Stage:
         if not self.nl:
             be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"],
                                  p["lnfb"])
-        be.matmul_forward(act("logits"), act("lnf"), p["wte"], None)
+        be.matmul_forward(act("logits"), act("lnf"), p["wte"])
 
     def backward(self, slot=0, tokens=None, layer_done=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
@@ -304,7 +305,7 @@ class Stage:
                                   a["ln2_rstd"][l])
             matmul(s["datty"], "attproj", l, kept(dres, "dattproj", l), "atty")
             dqkv = out("dqkv", l, "dbt_3c")
-            be.attention_backward(dqkv, s["datty"], a["qkv"][l], a["atty"][l],
+            be.attention_backward(dqkv, s["datty"], a["qkv"][l], p["qkvb"][l], a["atty"][l],
                                   a["att_lse"][l], self.NH)
             matmul(s["dbt_c"], "qkv", l, dqkv, "ln1")
             self.tp_sum(s["dbt_c"])

@@ -7,7 +7,7 @@ import numpy as np
 
 from .backends import get_backend
 from .comm import make_transport
-from .comm.launch import launched_ranks, world_rank
+from .comm.launch import host_names, launched_ranks, world_rank
 from .files import is_model_file, read_model
 from .log import Log
 from .initialize import init_params
@@ -34,11 +34,11 @@ class Session:
         self.config, self.shape = config.validate(self.be, world)
         dev = self.config.device
         g = self.config.grid
-        self.mesh = Mesh(rank=world_rank(), pp=g.pp, dp=g.dp, tp=g.tp)
+        self.mesh = Mesh(rank=world_rank(), pp=g.pp, dp=g.dp, tp=g.tp, hosts=host_names())
         self.tr = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
         # after the transport, which may pick the GPU first: both ask the mesh
         self.be.configure(tf32=tf32_default if dev.tf32 is None else dev.tf32,
-                          device_of=self.mesh.device, ranks_here=world)
+                          device_of=self.mesh.device, ranks_here=self.mesh.local_size)
         self.log = Log(self.mesh.rank, self.mesh.size)
 
     def runner(self, shape, params, *, batch, seq, dtype=np.float32, adamw=None,
@@ -71,4 +71,5 @@ class Session:
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))
         mem = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in run.memory.items() if v)
         self.log(f"rank {m.rank} = stage {m.stage} replica {m.replica} shard {m.shard} "
-                 f"(pid {os.getpid()}): layers {run.layers()}: {mem}", every_rank=True)
+                 f"(pid {os.getpid()}) on {m.host} as its rank {m.local_rank}, "
+                 f"{self.be.device_name()}: layers {run.layers()}: {mem}", every_rank=True)

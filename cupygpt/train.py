@@ -90,7 +90,7 @@ class Trainer:
         if opts.trace:
             self.run.start_trace()
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
-                                     "train_pattern")
+                                     "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
         self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
                                     "val_pattern") if opts.val_pattern else None)
         self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
@@ -129,6 +129,8 @@ class Trainer:
                               f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
         self.start = meta["step"]
         self.train_data.set_state(meta["train_loader"])
+        if self.train_data.shuffle != opts.shuffle:
+            self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
         self.rng.bit_generator.state = meta["rng"]
         self.gate = UpdateGate(self.tr, opts.skip_loss, opts.skip_norm, meta.get("outliers"))
         was = meta.get("train_files")
@@ -138,7 +140,8 @@ class Trainer:
                      f"does not continue that one's data")
 
     def describe(self):
-        opts, counts = self.opts, self.run.plan.counts
+        opts, counts, d = self.opts, self.run.plan.counts, self.train_data
+        order = f"(shuffled, seed {d.seed})" if d.shuffle else "(in order)"
         shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, opts.seq,
                                                                   counts))
         self.sess.describe(self.sess.shape, self.run, [
@@ -154,7 +157,7 @@ class Trainer:
             ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
             ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
-            ("train shards", len(self.train_data.files)), ("start step", self.start)])
+            ("train shards", f"{len(self.train_data.files)} " + order), ("start step", self.start)])
 
     def record(self, rec):
         """A line of the log (rank 0's), on disk at once. A log that cannot be written is

@@ -32,7 +32,7 @@ def test_lr_schedules_are_llmcs():
 
 def train(out, *flags, ranks=None):
     res = cli("train", "-e", "tiny", "-t", "32", "-n", "3", "-v", "0", "-g", "0", "-u", "1",
-              "-l", "3e-3", "-o", out, *flags, ranks=ranks)
+              "-l", "3e-3", "--no-shuffle", "-o", out, *flags, ranks=ranks)
     assert res.returncode == 0, res.stderr
     return losses(res.stdout)
 
@@ -56,8 +56,9 @@ def test_four_micro_steps_give_the_gradient_of_four_times_the_batch():
 @pytest.mark.parametrize("ranks,grid", [(None, []), (2, ["--dp", "2"]),
                                         (2, ["--pp", "2", "--micro-batches", "2"])])
 def test_accumulating_runs_track_the_big_batch(tmp_path, ranks, grid):
-    """-d 4 B T: the same rows as one batch of 4 B (the loader reads them in the same
-    order), so the same losses up to the order of the sums, alone and on grids."""
+    """-d 4 B T: the same rows as one batch of 4 B (the sequential loader reads them in
+    the same order; the shuffled one moves B x T batches), so the same losses up to the
+    order of the sums, alone and on grids."""
     rows = 4 if grid[:1] == ["--dp"] else 2  # (dp 2: 2 rows a replica)
     big_losses = train(tmp_path / "big", "-b", str(4 * rows))
     acc_losses = train(tmp_path / "acc", "-b", str(rows), "-d", str(4 * rows * 32), *grid,

@@ -19,7 +19,7 @@ CAPABILITIES = {"name": str, "DTYPES": tuple, "TRANSPORTS": tuple, "DEFAULT_RUN"
                 "DEFAULT_DTYPE": str,
                 "supports_graphs": bool, "asynchronous": bool, "memory_name": str}
 CAPABILITY_FUNCTIONS = {"configure", "device_memory", "memory_domain", "memory_in_use",
-                        "numerics", "peak_flops", "device_info", "kernel_profile",
+                        "numerics", "peak_flops", "device_info", "device_name", "kernel_profile",
                         "workspace_bytes"}
 
 

@@ -93,6 +93,11 @@ CASES = [
      "--split 1,1,1: 3 stages but 1 ranks"),
     ("plot missing log", lambda t: ["plot", t / "none.jsonl"], "cannot read the log"),
     ("prepare not utf-8", lambda t: ["prepare", MODEL, "--out", t], "not UTF-8 text"),
+    ("prepare shard size 0", lambda t: ["prepare", TEXT, "--shard-size", "0", "--out", t],
+     "--shard-size 0: must be a positive number of tokens per shard"),
+    ("prepare jsonl without text", lambda t: ["prepare", a_jsonl(t, '{"t": 1}\n'),
+                                              "--out", t / "o"],
+     "r.jsonl:1: not a JSON object with a string `text`"),
     ("micro-batches", lambda t: ["train", "-b", "4", "--micro-batches", "3", "-n", "1"],
      "--micro-batches 3: must divide"),
     ("chunks without interleaved", lambda t: ["train", "--virtual-stages", "2", "-n", "1"],
@@ -311,6 +316,12 @@ CASES += [
 
 def a_file(tmp_path, text="a short text\n\nin two sections\n"):
     p = tmp_path / "plain.txt"
+    p.write_text(text)
+    return str(p)
+
+
+def a_jsonl(tmp_path, text):
+    p = tmp_path / "r.jsonl"
     p.write_text(text)
     return str(p)
 

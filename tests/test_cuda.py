@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+from cupygpt.precision import BF16
 from conftest import DEVICES, cli, device_env, load_cudasim, losses, run_verify, simulated
 from test_verify import FILES
 
@@ -94,43 +95,43 @@ def test_kernels_match_numpy(dev, shape):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h in ((di_d, di), (dw_d, dw), (db_d, db)):
         close(d, h)
-    # matmul with and without bias
+    # matmul; its bias gradient with and without a bias
     wm, wm_d = pair(rng, (OC, C), 0.1)
-    bias, bias_d = pair(rng, (OC,))
-    for bb, bb_d in ((bias, bias_d), (None, None)):
-        o, o_d = np.empty((B, T, OC), np.float32), cp.empty((B, T, OC), np.float32)
-        npb.matmul_forward(o, x, wm, bb)
-        cu.matmul_forward(o_d, x_d, wm_d, bb_d)
-        close(o_d, o)
+    o, o_d = np.empty((B, T, OC), np.float32), cp.empty((B, T, OC), np.float32)
+    npb.matmul_forward(o, x, wm)
+    cu.matmul_forward(o_d, x_d, wm_d)
+    close(o_d, o)
+    for with_bias in (True, False):
         do, do_d = pair(rng, (B, T, OC))
         dx, dwm = np.empty_like(x), np.ones_like(wm)
         dx_d, dwm_d = cp.empty_like(x_d), cp.ones_like(wm_d)
-        dbb = np.zeros(OC, np.float32) if bb is not None else None
-        dbb_d = cp.zeros(OC, np.float32) if bb is not None else None
+        dbb = np.zeros(OC, np.float32) if with_bias else None
+        dbb_d = cp.zeros(OC, np.float32) if with_bias else None
         npb.matmul_backward_input(dx, do, wm)
         npb.matmul_backward_weight(dwm, dbb, do, x)
         cu.matmul_backward_input(dx_d, do_d, wm_d)
         cu.matmul_backward_weight(dwm_d, dbb_d, do_d, x_d)
         close(dx_d, dx)
         close(dwm_d, dwm)
-        if bb is not None:
+        if with_bias:
             close(dbb_d, dbb)
-    # attention (flash: each query's log-sum-exp kept)
+    # attention (flash: each query's log-sum-exp kept; qkv's bias added as q, k, v are read)
     qkv, qkv_d = pair(rng, (B, T, 3 * C))
+    qb, qb_d = pair(rng, (3 * C,))
     lse, lse_d = np.empty((B, NH, T), np.float32), cp.empty((B, NH, T), np.float32)
-    npb.attention_forward(out, lse, qkv, NH)
-    cu.attention_forward(out_d, lse_d, qkv_d, NH)
+    npb.attention_forward(out, lse, qkv, qb, NH)
+    cu.attention_forward(out_d, lse_d, qkv_d, qb_d, NH)
     close(out_d, out)
     close(lse_d, lse)
     dq, dq_d = np.empty_like(qkv), cp.empty_like(qkv_d)
-    npb.attention_backward(dq, dout, qkv, out, lse, NH)
-    cu.attention_backward(dq_d, dout_d, qkv_d, out_d, lse_d, NH)
+    npb.attention_backward(dq, dout, qkv, qb, out, lse, NH)
+    cu.attention_backward(dq_d, dout_d, qkv_d, qb_d, out_d, lse_d, NH)
     close(dq_d, dq)
     # generation's step: the last position over the first n (KV cache), against the whole pass
     for n in (1, T):
         one, one_d = np.empty((1, 1, C), np.float32), cp.empty((1, 1, C), np.float32)
-        npb.attention_decode(one, qkv[0:1, :n], NH)
-        cu.attention_decode(one_d, qkv_d[0:1, :n], NH)
+        npb.attention_decode(one, qkv[0:1, :n], qb, NH)
+        cu.attention_decode(one_d, qkv_d[0:1, :n], qb_d, NH)
         close(one_d, one)
         np.testing.assert_allclose(one[0, 0], out[0, n - 1], rtol=RTOL, atol=ATOL)
     # gelu, residual
@@ -148,8 +149,10 @@ def test_kernels_match_numpy(dev, shape):
     tgt = rng.integers(0, V, (B, T)).astype(np.int32)
     ls, ls_d = np.empty((B, T), np.float32), cp.empty((B, T), np.float32)
     tgt_d = cp.asarray(tgt)
-    # the whole vocab, and three vocab shards (the last with 84 real tokens and padding)
-    for shards in (((0, Vp),), ((0, 128), (128, 128), (256, 128))):
+    # the whole vocab, three vocab shards (the last with 44 real tokens and padding), and
+    # three of odd widths (rows not 16-byte aligned: the scalar path)
+    for shards in (((0, Vp),), ((0, 128), (128, 128), (256, 128)),
+                   ((0, 130), (130, 125), (255, 129))):
         for dloss in (None, 1.0 / (B * T)):
             h = lg.copy()
             st, st_d = np.empty((len(shards), B, T, 3), np.float32), cp.empty(
@@ -311,6 +314,8 @@ def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
     assert kernels["attention_backward", f"flash_dkdv_{C // NH}"]["calls_per_step"] == L
     assert not any("permute" in k for _, k in kernels), "a permute left in a training step"
     assert kernels["matmul_forward", f"{gemm}_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
+    assert all(k.startswith(gemm) for op, k in kernels if op == "matmul_forward"), \
+        "a forward product launches more than its GEMM (a bias broadcast before it)"
     assert kernels["cross_entropy", "cross_entropy"]["calls_per_step"] == 1
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
@@ -319,6 +324,58 @@ def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
     launches = sum(k["calls_per_step"] for k in r["per_kernel"])
     attention = sum(k["calls_per_step"] for k in r["per_kernel"] if k["op"].startswith("attention"))
     assert attention == 3 * L and launches <= 30 * L + 20, launches
+
+
+def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):
+    """Each op of a d12 training step (B=4, T=1024, bf16; the head whole and in two vocab
+    shards) launches at least 2 blocks per SM of an H100 (132 SMs) for every kernel whose
+    arrays hold more than 1 MB. Nothing runs: the launches are recorded, the GEMMs skipped,
+    the arrays never written (so never touched on cudasim)."""
+    import math
+    cp, cu = dev.cp, dev.cu
+    launches = []
+
+    def record(fn, grid, block, *args, shared_mem=0):
+        size = sum(a.nbytes for a in args if isinstance(a, cp.ndarray))
+        launches.append((fn, math.prod(grid), size))
+    monkeypatch.setattr(cu, "_launch", record)
+    monkeypatch.setattr(cu, "_gemm", lambda *a, **kw: None)
+    monkeypatch.setattr(cu, "_k", lambda *a: types.SimpleNamespace(
+        max_dynamic_shared_size_bytes=1 << 20))
+    B, T, C, NH, V, Vp, L = 4, 1024, 768, 12, 50257, 50304, 12
+    x = lambda *shape, dtype=BF16: cp.empty(shape, dtype)  # noqa: E731
+    f = lambda *shape: cp.empty(shape, np.float32)  # noqa: E731
+    tokens = cp.zeros((B, T), np.int32)
+    cu.encoder_forward(x(B, T, C), tokens, x(Vp, C), x(T, C))
+    cu.layernorm_forward(x(B, T, C), f(B, T), f(B, T), x(B, T, C), x(C), x(C))
+    cu.attention_forward(x(B, T, C), f(B, NH, T), x(B, T, 3 * C), x(3 * C), NH)
+    cu.residual_layernorm_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(C), x(B, T, C),
+                                  f(B, T), f(B, T), x(C), x(C))
+    cu.gelu_forward(x(B, T, 4 * C), x(B, T, 4 * C), x(4 * C))
+    cu.residual_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(C))
+    cu.cross_entropy(x(B, T, Vp), f(B, T), tokens, V, 1.0 / (B * T))
+    stats = f(2, B, T, 3)
+    cu.classifier_stats(stats[0], x(B, T, Vp // 2), tokens, 0, Vp // 2)
+    cu.classifier(x(B, T, Vp // 2), f(B, T), stats, tokens, 0, Vp // 2, 1.0 / (B * T))
+    cu.loss_accumulate(cp.zeros(1, np.float64), f(B, T))
+    for OC in (3 * C, C, 4 * C):
+        cu.matmul_backward_weight(x(OC, C), x(OC), x(B, T, OC), x(B, T, C))
+    cu.attention_backward(x(B, T, 3 * C), x(B, T, C), x(B, T, 3 * C), x(3 * C), x(B, T, C),
+                          f(B, NH, T), NH)
+    cu.gelu_backward(x(B, T, 4 * C), x(B, T, 4 * C), x(B, T, 4 * C))
+    cu.layernorm_backward(x(B, T, C), x(C), x(C), x(B, T, C), x(B, T, C), x(C), f(B, T),
+                          f(B, T))
+    cu.encoder_backward(x(Vp, C), x(T, C), x(B, T, C), tokens)
+    n = 124475904  # d12's parameters (llm.c's count)
+    cu.sum_squares(cp.zeros(1, np.float64), x(n))
+    cu.adamw(x(n), x(n), f(n), f(n), (6e-4, 0.1, 0.05, 1), 0.9, 0.95, 1e-8, 0.0, cp.zeros(1, np.float64),
+             1.0, master=f(n))
+    names = {fn for fn, _, _ in launches}
+    assert {"flash_forward_64", "flash_dq_64", "flash_dkdv_64", "cross_entropy", "classifier",
+            "layernorm_backward", "column_sum_x", "sum_squares_partial", "adamw",
+            "encoder_backward_wte"} <= names, names
+    few = {fn: blocks for fn, blocks, size in launches if size > 2 ** 20 and blocks < 2 * 132}
+    assert not few, f"kernels moving > 1 MB on fewer than 264 blocks: {few}"
 
 
 def test_sampling_on_the_kv_cache_gives_the_text_of_whole_passes(device, tmp_path):
@@ -353,7 +410,6 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     library functions (tanh, exp) run in another order; GEMM outputs within 1 step, or
     2 at the rms where sums cancel."""
     from cupygpt.backends import numpy_backend as npb
-    from cupygpt.precision import BF16
     cp, cu = dev.cp, dev.cu
     B, T, C, NH = shape
     rng = np.random.default_rng(1)
@@ -408,12 +464,11 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h, n in ((di_d, di, "dinp"), (dw_d, dw, "dlnw"), (db_d, db, "dlnb")):
         check(d, h, 1, n)
-    # matmul: GEMMs with float sums, the bias in the GEMM's one rounding
+    # matmul: GEMMs with float sums
     wm, wm_d = pair((OC, C), 0.1)
-    bias, bias_d = pair((OC,))
     o, o_d = out((B, T, OC))
-    npb.matmul_forward(o, x, wm, bias)  # (each op gets the same inputs on both sides)
-    cu.matmul_forward(o_d, x_d, wm_d, bias_d)
+    npb.matmul_forward(o, x, wm)  # (each op gets the same inputs on both sides)
+    cu.matmul_forward(o_d, x_d, wm_d)
     check(o_d, o, 1, "matmul_forward")
     do, do_d = pair((B, T, OC))
     (dx, dx_d), (dwm, dwm_d), (dbb, dbb_d) = out((B, T, C)), pair((OC, C)), pair((OC,))
@@ -427,19 +482,19 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     # products, the kernel's forward relative to its running maximum (online softmax), the
     # reference's to the row's sum, so they round apart: within 2^-4 of the rms here (the
     # same inputs on both sides); test_flash.py bounds both against float64
-    qkv, qkv_d = pair((B, T, 3 * C))
+    (qkv, qkv_d), (qb, qb_d) = pair((B, T, 3 * C)), pair((3 * C,))
     (y, y_d), (lse, lse_d) = out((B, T, C)), out((B, NH, T), np.float32)
-    npb.attention_forward(y, lse, qkv, NH)
-    cu.attention_forward(y_d, lse_d, qkv_d, NH)
+    npb.attention_forward(y, lse, qkv, qb, NH)
+    cu.attention_forward(y_d, lse_d, qkv_d, qb_d, NH)
     check(y_d, y, 2, "attention out", cancel=2 ** -4)
     check(lse_d, lse, what="lse")
     dq, dq_d = out((B, T, 3 * C))
-    npb.attention_backward(dq, dout, qkv, y, lse, NH)
-    cu.attention_backward(dq_d, dout_d, qkv_d, cp.asarray(y), cp.asarray(lse), NH)
+    npb.attention_backward(dq, dout, qkv, qb, y, lse, NH)
+    cu.attention_backward(dq_d, dout_d, qkv_d, qb_d, cp.asarray(y), cp.asarray(lse), NH)
     check(dq_d, dq, 2, "dqkv", cancel=2 ** -4)
     one, one_d = out((1, 1, C))
-    npb.attention_decode(one, qkv[0:1], NH)
-    cu.attention_decode(one_d, qkv_d[0:1], NH)
+    npb.attention_decode(one, qkv[0:1], qb, NH)
+    cu.attention_decode(one_d, qkv_d[0:1], qb_d, NH)
     check(one_d, one, 1, "attention_decode")
     # elementwise
     for fn, args, args_d in (("gelu_forward", (x,), (x_d,)),
@@ -498,7 +553,6 @@ def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
     """sum_squares against the NumPy reference (the same float group sums, float64 across):
     whole, from an unaligned offset, and on a misaligned view (the element-wise path)."""
     from cupygpt.backends import numpy_backend as npb
-    from cupygpt.precision import BF16
     cp, cu = dev.cp, dev.cu
     g = np.random.default_rng(2).normal(size=70_001).astype(BF16 if dtype == "bf16" else np.float32)
     g_d = cp.asarray(g)
@@ -517,7 +571,6 @@ def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
     from cupygpt.backends import numpy_backend as npb
-    from cupygpt.precision import BF16
     cp, cu = dev.cp, dev.cu
     dt = BF16 if dtype == "bf16" else np.float32
     rng = np.random.default_rng(4)

@@ -122,3 +122,42 @@ def test_uninitialized_memory_is_poisoned(sim):
     cp, _ = sim
     assert np.isnan(cp.asnumpy(cp.empty(8, np.float32))).all()
     assert (cp.asnumpy(cp.empty(8, np.int32)) == -1).all()
+
+
+LDMATRIX = r'''
+extern "C" __global__ void ldsm(unsigned* out, const unsigned short* in, int trans, int skew) {
+    alignas(16) __shared__ unsigned short tile[16 * 16 + 8];
+    for (int i = threadIdx.x; i < 256; i += 32) tile[i + skew] = in[i];
+    __syncthreads();
+    int l = threadIdx.x, m = l / 8, r = l % 8;  // matrix m: rows 8 (m % 2).., columns 8 (m / 2)..
+    const unsigned short* row = tile + skew + (8 * (m % 2) + r) * 16 + 8 * (m / 2);
+    unsigned v[4];
+    if (trans) ldmatrix_x4_trans(v, row);
+    else ldmatrix_x4(v, row);
+    for (int k = 0; k < 4; k++) out[4 * l + k] = v[k];
+}
+'''
+
+
+def test_ldmatrix_gives_the_ptx_fragment_layout(sim):
+    """ldmatrix .x4 (and .trans) on a 16 x 16 matrix of its own indices, each 8x8 quarter a
+    matrix: lane l's register m holds matrix m's (row l/4, columns 2(l%4), +1), or
+    transposed (rows 2(l%4), +1, column l/4), the lower index in the low half (the PTX
+    ISA's figures for ldmatrix); a row address off 16 bytes is a fault, as on the GPU."""
+    cp, _ = sim
+    fn = cp.RawModule(code=LDMATRIX).get_function("ldsm")
+    M = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    for trans in (0, 1):
+        out = cp.zeros(128, np.uint32)
+        fn((1,), (32,), (out, cp.asarray(M.ravel()), np.int32(trans), np.int32(0)))
+        got = cp.asnumpy(out).reshape(32, 4)
+        for lane in range(32):
+            for m in range(4):
+                r0, c0 = 8 * (m % 2), 8 * (m // 2)
+                if trans:
+                    lo, hi = (M[r0 + 2 * (lane % 4) + h, c0 + lane // 4] for h in (0, 1))
+                else:
+                    lo, hi = (M[r0 + lane // 4, c0 + 2 * (lane % 4) + h] for h in (0, 1))
+                assert got[lane, m] == int(lo) | int(hi) << 16, (trans, lane, m)
+    with pytest.raises(RuntimeError, match="not 16-byte aligned"):
+        fn((1,), (32,), (out, cp.asarray(M.ravel()), np.int32(0), np.int32(1)))

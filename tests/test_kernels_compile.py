@@ -47,7 +47,8 @@ def test_nvrtc_compiles(tmp_path, path, arch, dtype):
     """To the GPU's code, with no register spills; flash attention's kernels leave room for
     two blocks per SM (registers, and the dynamic shared memory the backend launches them
     with; an fp32 head above 64 only on the H100); on sm_90 the WIDE_ACCESSES kernels'
-    SASS holds LDG.E.128 (and STG.E.128)."""
+    SASS holds LDG.E.128 (and STG.E.128), and bf16 flash attention reads its tensor-core
+    operands from shared memory with ldmatrix (LDSM), no 2-byte loads."""
     log, cubin = nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",), cubin=True)
     report = ptxas_report(log)
     assert report, "ptxas reported no kernel"
@@ -63,10 +64,13 @@ def test_nvrtc_compiles(tmp_path, path, arch, dtype):
         if arch == "sm_90" or dtype == "bf16" or int(hs) <= 64:
             assert 2 * (smem + 1024) <= SM[arch], (name, smem)  # (1 KiB reserved per block)
     if arch == "sm_90" and cuobjdump():
-        wide = sass_wide_accesses(cubin, tmp_path)
+        marks = sass_marks(cubin, tmp_path)
         for fn, wanted in WIDE_ACCESSES.items():
             if fn in report:
-                assert all(c in wide[fn] for c in wanted), (fn, wide[fn])
+                assert all(c in marks[fn] for c in wanted), (fn, marks[fn])
+        for fn in report:  # bf16 tensor-core operands come through ldmatrix, never 2 bytes
+            if fn.startswith("flash_") and dtype == "bf16":
+                assert "M" in marks[fn] and "H" not in marks[fn], (fn, marks[fn])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -116,7 +120,8 @@ def test_every_backend_kernel_exists():
 WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f32": "L",
                  "layernorm_forward": "LS", "residual_layernorm_forward": "LS",
                  "residual_bias_forward": "LS", "layernorm_backward": "LS",
-                 "cross_entropy": "LS", "gelu_forward": "LS", "gelu_bias_forward": "LS",
+                 "cross_entropy": "LS", "classifier_stats": "L", "classifier": "LS",
+                 "gelu_forward": "LS", "gelu_bias_forward": "LS",
                  "gelu_backward": "LS", "residual_forward": "LS",
                  "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS"}
 
@@ -134,13 +139,15 @@ def cuobjdump():
     return found[0] if found else None
 
 
-def sass_wide_accesses(cubin, tmp_path):
-    """{kernel: "L" if its SASS has a 16-byte global load, + "S" for a store}."""
+def sass_marks(cubin, tmp_path):
+    """{kernel: "L" if its SASS has a 16-byte global load, + "S" for a store, + "M" for a
+    shared-memory matrix load (LDSM), + "H" for a 2-byte shared load}."""
     tool = cuobjdump()
     env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ["PATH"])
     (tmp_path / "k.cubin").write_bytes(cubin)
     sass = subprocess.run([tool, "-sass", str(tmp_path / "k.cubin")], capture_output=True,
                           text=True, env=env, check=True).stdout
-    return {fn: "L" * ("LDG.E.128" in body) + "S" * ("STG.E.128" in body)
+    return {fn: "L" * ("LDG.E.128" in body) + "S" * ("STG.E.128" in body) +
+            "M" * ("LDSM" in body) + "H" * ("LDS.U16" in body)
             for fn, body in re.findall(r"Function : (\w+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
                                        re.S)}

@@ -56,6 +56,18 @@ def test_device_round_robin():
     assert [Mesh(r, 4).device(2) for r in range(4)] == [0, 1, 0, 1]
 
 
+def test_a_ranks_gpu_is_its_index_on_its_host():
+    """Two nodes of 4 GPUs, 8 ranks (--dp 2 --pp 2 --tp 2): ranks 4..7 on the second node
+    take its GPUs 0..3, not 4..7 (which it lacks); hosts in any order of ranks."""
+    hosts = ("a",) * 4 + ("b",) * 4
+    grid = [Mesh(r, 2, 2, 2, hosts) for r in range(8)]
+    assert [m.device(4) for m in grid] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [m.local_size for m in grid] == [4] * 8 and grid[5].host == "b"
+    mixed = ("b", "a", "b", "a")  # a launcher placing ranks round-robin over the hosts
+    assert [Mesh(r, 2, 2, 1, mixed).device(8) for r in range(4)] == [0, 0, 1, 1]
+    assert [Mesh(r, 1, 3, 1, ("a", "a", "b")).local_size for r in range(3)] == [2, 2, 1]
+
+
 def test_runner_refuses_an_unknown_action():
     cfg = GPT2Config(maxT=8, V=16, Vp=16, L=1, NH=2, C=8)
     run = Runner(shape=cfg, backend=numpy_backend, transport=Local(), mesh=Mesh(), batch=2,

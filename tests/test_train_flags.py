@@ -15,7 +15,7 @@ B, T = 4, 16
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A small model; shard A: text tokens; shard P: A's first B*T tokens over and over, so
-    the sequential loader serves A's first batch every step."""
+    the sequential loader (--no-shuffle) serves A's first batch every step."""
     from cupygpt.shape import GPT2Config
     from cupygpt.files import read_shard, write_model, write_shard
     from cupygpt.initialize import init_params
@@ -31,7 +31,8 @@ def made(tmp_path_factory):
 
 def train(made, out, shard, *extra):
     res = cli("train", "-e", made / "model.bin", "-i", made / shard, "-j", "", "-b", B, "-t", T,
-              "-g", "0", "-l", "1e-2", "-u", "0", "-o", out, "--backend", "numpy", *extra)
+              "-g", "0", "-l", "1e-2", "-u", "0", "--no-shuffle", "-o", out, "--backend", "numpy",
+              *extra)
     assert res.returncode == 0, res.stdout + res.stderr
     return [r["train_loss"] for r in map(json.loads, open(out / "log.jsonl"))
             if "train_loss" in r], res

@@ -22,7 +22,7 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   kept workspaces reach for such a stage),
   memory_in_use(), numerics() (verify's tolerance row in fp32), peak_flops(dtype) (a run
   dtype's dense peak; None: no MFU),
-  device_info(), kernel_profile(step, steps) (per-op and per-kernel time, None: none),
+  device_info(), device_name() (the run table's name of this rank's device), kernel_profile(step, steps) (per-op and per-kernel time, None: none),
   attention_refuses(head_size) (why it cannot run such attention heads, or None).
 """
 import importlib

@@ -50,6 +50,11 @@ _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], 
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 
+def device_name():
+    """The run table's name of the GPU this rank computes on."""
+    return f"GPU {cp.cuda.Device().id} ({cp.cuda.Device().pci_bus_id})"
+
+
 def configure(tf32=False, device_of=None, ranks_here=1):
     """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
     (training) or off (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking
@@ -365,20 +370,17 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op
-def matmul_forward(out, inp, w, bias):
+def matmul_forward(out, inp, w):
     OC, C = w.shape
-    N = inp.size // C
-    if bias is not None:  # the bias first, the product added onto it: one rounding
-        _ew("broadcast_bias", N * OC, out, bias, np.int64(N * OC), _i(OC))
-    _gemm(N_, T_, N, OC, C, inp, C, w, C, out, OC, beta=float(bias is not None))
+    _gemm(N_, T_, inp.size // C, OC, C, inp, C, w, C, out, OC)
 
 
-def _qkv_split(qkv, NH):
+def _qkv_split(qkv, bias, NH):
     B, T, C3 = qkv.shape
     C = C3 // 3
     n = B * T * C
     q, k, v = (_ws(key, n, qkv.dtype) for key in ("q", "k", "v"))
-    _ew("permute_qkv", n, q, k, v, qkv, _i(B), _i(T), _i(NH), _i(C // NH))
+    _ew("permute_qkv", n, q, k, v, qkv, bias, _i(B), _i(T), _i(NH), _i(C // NH))
     return B, T, C, C // NH, q, k, v
 
 
@@ -398,15 +400,15 @@ def _flash(kind, qkv, NH, *args):
 
 
 @_op
-def attention_forward(out, lse, qkv, NH):
-    _flash("forward", qkv, NH, out, lse, qkv)
+def attention_forward(out, lse, qkv, bias, NH):
+    _flash("forward", qkv, NH, out, lse, qkv, bias)
 
 
 @_op
-def attention_decode(out, qkv, NH):
+def attention_decode(out, qkv, bias, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
-    _, n, C, HS, q, k, v = _qkv_split(qkv, NH)
+    _, n, C, HS, q, k, v = _qkv_split(qkv, bias, NH)
     scores, att = _ws("dec_scores", NH * n), _ws("dec_att", NH * n, qkv.dtype)
     # per head: the last query row (1, HS) @ k^T (HS, n); heads are n*HS apart in q, k, v
     _gemm(N_, T_, 1, n, HS, q[(n - 1) * HS:], HS, k, HS, scores, n, batch=NH, sA=n * HS,
@@ -529,10 +531,10 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op
-def attention_backward(dqkv, dout, qkv, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, bias, out, lse, NH):
     D = _ws("flash_D", lse.size)  # rowsum(dout * out): flash_dq writes it, flash_dkdv reads
-    _flash("dq", qkv, NH, dqkv, D, dout, qkv, out, lse)
-    _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, lse)
+    _flash("dq", qkv, NH, dqkv, D, dout, qkv, bias, out, lse)
+    _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, bias, lse)
 
 
 @_op

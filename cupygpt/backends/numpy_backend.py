@@ -88,6 +88,11 @@ def memory_domain():
     return socket.gethostname()
 
 
+def device_name():
+    """The run table's name of the device this rank computes on."""
+    return "the CPU"
+
+
 def configure(tf32=False, device_of=None, ranks_here=1):
     """BLAS threads: this rank's share of the machine's cores (ranks_here processes share
     them), at least one. More threads than cores in total is ruinous: a small matmul on two
@@ -238,11 +243,10 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op("out")
-def matmul_forward(out, inp, w, bias):
-    """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T + bias (OC) or no bias."""
+def matmul_forward(out, inp, w):
+    """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T. The biases are added by the ops that read
+    the products next (attention, the residual add, GELU)."""
     np.matmul(_rows(inp), w.T, out=_rows(out))
-    if bias is not None:
-        out += bias
 
 
 # Attention goes by blocks of ATT_ROWS queries, as flash attention does (no (T, T) tensor
@@ -259,6 +263,15 @@ def _heads(x, B, T, NH):
 def _qkv(qkv, NH):
     B, T, C3 = qkv.shape
     return (_heads(qkv.reshape(B, T, 3, C3 // 3)[:, :, i], B, T, NH) for i in range(3))
+
+
+def _biased(qkv, bias):
+    """qkv + qkv's bias (3C), in scratch: the GEMM leaves the bias out, attention adds it as
+    it reads q, k, v (stored: the kernels round the sum as they load it)."""
+    x = _ws("qkv_biased", qkv.shape, qkv.dtype)
+    np.add(qkv, bias, out=x)
+    _stored(x)
+    return x
 
 
 def _scores(q, k, t0, t1, scale):
@@ -278,11 +291,11 @@ def _probs(q, k, lse, t0, t1, scale):
 
 
 @_op("out", "lse")
-def attention_forward(out, lse, qkv, NH):
-    """Causal self-attention. qkv (B,T,3C) -> out (B,T,C); lse (B,NH,T) float: each query
-    row's log of its sum of exp(scores), all backward keeps."""
+def attention_forward(out, lse, qkv, bias, NH):
+    """Causal self-attention. qkv (B,T,3C) and its bias (3C) -> out (B,T,C); lse (B,NH,T)
+    float: each query row's log of its sum of exp(scores), all backward keeps."""
     B, T, C3 = qkv.shape
-    q, k, v = _qkv(qkv, NH)
+    q, k, v = _qkv(_biased(qkv, bias), NH)
     scale = 1.0 / math.sqrt(q.shape[-1])
     y = _heads(out, B, T, NH)
     for t0 in range(0, T, ATT_ROWS):
@@ -298,12 +311,12 @@ def attention_forward(out, lse, qkv, NH):
 
 
 @_op("out")
-def attention_decode(out, qkv, NH):
+def attention_decode(out, qkv, bias, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
     _, n, C3 = qkv.shape
     HS = C3 // 3 // NH
-    x = qkv.reshape(n, 3, NH, HS)
+    x = _biased(qkv, bias).reshape(n, 3, NH, HS)
     q, k, v = x[-1, 0][:, None, :], x[:, 1].transpose(1, 2, 0), x[:, 2].transpose(1, 0, 2)
     s = (q @ k) * (1.0 / math.sqrt(HS))       # (NH, 1, n)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -454,11 +467,11 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op("dqkv")
-def attention_backward(dqkv, dout, qkv, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, bias, out, lse, NH):
     """dqkv (B,T,3C) from dout (B,T,C), with forward's out and lse: each block's
     probabilities made again, D = rowsum(dout * out) in place of the sum over keys."""
     B, T, C3 = qkv.shape
-    q, k, v = _qkv(qkv, NH)
+    q, k, v = _qkv(_biased(qkv, bias), NH)
     dq, dk, dv = _qkv(dqkv, NH)
     scale = 1.0 / math.sqrt(q.shape[-1])
     do = _heads(dout, B, T, NH)

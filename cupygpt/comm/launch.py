@@ -1,7 +1,10 @@
 """The processes of a job: how many the launcher started, how one of them fails, and how
 a signal stops them all (train's Interrupt)."""
+import contextlib
 import os
+import select
 import signal
+import socket
 import sys
 import time
 
@@ -24,11 +27,55 @@ def world_rank():
     return MPI.COMM_WORLD.Get_rank()
 
 
-def start_mpi():
-    """Collective, at the start of every command under mpiexec."""
-    global _FAILURES
+def host_names():
+    """Every rank's host name, rank 0's first (collective under mpiexec): which ranks
+    share a host, its GPUs and its memory."""
+    here = socket.gethostname()
+    if launched_ranks() == 1:
+        return (here,)
     from mpi4py import MPI
-    _FAILURES = MPI.COMM_WORLD.Dup()
+    return tuple(MPI.COMM_WORLD.allgather(here))
+
+
+def start_mpi(timeout):
+    """Collective, at the start of every command under mpiexec. MPI's start waits for
+    every rank: when one never starts (a host in the hostfile that does not answer), the
+    ranks that did give up after timeout seconds, the first of each host saying why."""
+    global _FAILURES
+    # (a timeout not above 0 is refused by the command's checks, once MPI has started)
+    with _watchdog(timeout) if timeout > 0 else contextlib.nullcontext():
+        from mpi4py import MPI
+        _FAILURES = MPI.COMM_WORLD.Dup()
+
+
+@contextlib.contextmanager
+def _watchdog(timeout):
+    """Ends this process after timeout seconds inside the block. A forked child keeps the
+    time: MPI's start holds the interpreter's lock, so no thread or signal handler here
+    would run."""
+    done, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(told)
+        if not select.select([done], [], [], timeout)[0]:
+            if os.environ.get("MPI_LOCALRANKID",  # (hydra's; Open MPI's)
+                              os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")) == "0":
+                print(f"error: --peer-timeout {timeout:g}: the job's ranks did not all start "
+                      f"within {timeout:g} s; does every host in mpiexec's hostfile answer "
+                      f"(and reach this one, {socket.gethostname()})?", file=sys.stderr,
+                      flush=True)
+                time.sleep(0.5)  # the launcher forwards the line before it tears down
+                os.kill(os.getppid(), signal.SIGKILL)
+            # the launcher ends the job when one rank dies: the one saying why dies first
+            elif not select.select([done], [], [], 2)[0]:
+                os.kill(os.getppid(), signal.SIGKILL)
+        os._exit(0)
+    os.close(done)
+    try:
+        yield
+    finally:
+        os.close(told)  # the child sees the pipe closed and goes
+        os.waitpid(pid, 0)
 
 
 class Stopped(SystemExit):

@@ -96,7 +96,7 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 
 // --- tensor cores and dynamic shared memory --------------------------------------------
 // The warp-wide matrix instructions are inline PTX (sm_80+). cudasim (g++, no PTX) defines
-// CUDASIM and brings its own versions of these five, emulating the PTX ISA's fragment
+// CUDASIM and brings its own versions of these seven, emulating the PTX ISA's fragment
 // layouts (tests/cudasim/sim_mma.h); a kernel uses only these names.
 #ifndef CUDASIM
 // d += a b on one warp: m16n8k16, A 16x16 row-major bf16 (4 registers of 2), B 16x8
@@ -121,6 +121,23 @@ __device__ __forceinline__ void mma_tf32_1688(float d[4], const unsigned a[4],
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, one instruction for the warp:
+// lane l gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte
+// aligned) and gets in r[m] matrix m's row l / 4, columns 2 (l % 4) and + 1 (an mma
+// fragment's pair); _trans: rows 2 (l % 4) and + 1 of column l / 4. Lower index low.
+// volatile: the same address reads new data after each __syncthreads.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
 }
 
 // x rounded to TF32 (10 mantissa bits, to nearest, ties away), as the matmuls' TF32 mode.

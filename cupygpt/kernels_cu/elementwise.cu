@@ -68,11 +68,3 @@ extern "C" __global__ void gelu_bias_forward(floatX* out, floatX* inp, const flo
         store(&out[j], gelu(x));
     }
 }
-
-// out (N,OC) = bias (OC) in every row, before cuBLAS adds inp @ w^T to it (beta 1): the sum
-// is rounded once, in the GEMM's epilogue (qkv's bias, until attention reads it). Launch:
-// one element per thread.
-extern "C" __global__ void broadcast_bias(floatX* out, const floatX* bias, long long n, int OC) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < n) out[i] = bias[i % OC];
-}

@@ -1,6 +1,7 @@
 // Causal self-attention for training, FlashAttention-2's way: no (T, T) tensor anywhere.
-// q, k, v are read straight from qkv (B, T, 3, NH, HS), y written straight as (B, T, NH, HS)
-// and dq, dk, dv straight into dqkv: no permutes. Forward keeps each query's log-sum-exp
+// q, k, v are read straight from qkv (B, T, 3, NH, HS), qkv's bias added as they are read
+// (the GEMM leaves it out), y written straight as (B, T, NH, HS) and dq, dk, dv straight
+// into dqkv: no permutes. Forward keeps each query's log-sum-exp
 // (lse, (B, NH, T) float); backward makes the probabilities again from it, tile by tile,
 // with D = rowsum(dy * y) in place of the sum over keys.
 //
@@ -34,10 +35,6 @@ __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {  // rounded,
            ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
 
-__device__ __forceinline__ unsigned bits_pair(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-    return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
-}
-
 // acc (16 x N) = A (16 x K) B^T, B (N x K): both row-major in shared memory, ld apart.
 template <int M, int K, int N, class X>
 __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, const X* B, int ld) {
@@ -58,12 +55,11 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
                 acc[j][e] = s;
             }
     } else if constexpr (M == TF32) {
-#pragma unroll
+        #pragma unroll
         for (int k0 = 0; k0 < K; k0 += 8) {
             const X *a = A + g * ld + k0 + q;
             unsigned x[4] = {to_tf32(a[0]), to_tf32(a[8 * ld]), to_tf32(a[4]),
                              to_tf32(a[8 * ld + 4])};
-#pragma unroll
             #pragma unroll
             for (int j = 0; j < N / 8; j++) {
                 const X* b = B + (8 * j + g) * ld + k0 + q;
@@ -72,17 +68,19 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
             }
         }
     } else {
-#pragma unroll
+        // ldmatrix: A's fragment is its 8x8 quarters (rows +8 for a1, columns +8 for a2);
+        // B's for tiles j and j + 1 are rows 8j.. and 8j + 8.., columns k0 and k0 + 8
+        int l = threadIdx.x % WARP, m = l / 8, r = l % 8;
+        #pragma unroll
         for (int k0 = 0; k0 < K; k0 += 16) {
-            const X* a = A + g * ld + k0 + 2 * q;
-            unsigned x[4] = {bits_pair(a[0], a[1]), bits_pair(a[8 * ld], a[8 * ld + 1]),
-                             bits_pair(a[8], a[9]), bits_pair(a[8 * ld + 8], a[8 * ld + 9])};
-#pragma unroll
+            unsigned x[4];
+            ldmatrix_x4(x, A + (r + 8 * (m % 2)) * ld + k0 + 8 * (m / 2));
             #pragma unroll
-            for (int j = 0; j < N / 8; j++) {
-                const X* b = B + (8 * j + g) * ld + k0 + 2 * q;
-                unsigned y[2] = {bits_pair(b[0], b[1]), bits_pair(b[8], b[9])};
+            for (int j = 0; j < N / 8; j += 2) {
+                unsigned y[4];
+                ldmatrix_x4(y, B + (8 * (j + m / 2) + r) * ld + k0 + 8 * (m % 2));
                 mma_bf16_16816(acc[j], x, y);
+                mma_bf16_16816(acc[j + 1], x, y + 2);
             }
         }
     }
@@ -117,12 +115,10 @@ __device__ __forceinline__ void tile_nn(float (&acc)[N / 8][4], const float (&a)
     } else if constexpr (M == TF32) {
         // k slots q and q + 4 of a k8 step are this lane's columns 2q and 2q + 1 (any
         // order of k gives the same sum, as long as A and B agree on it)
-#pragma unroll
         #pragma unroll
         for (int t = 0; t < K / 8; t++) {
             unsigned x[4] = {to_tf32(a[t][0]), to_tf32(a[t][2]), to_tf32(a[t][1]),
                              to_tf32(a[t][3])};
-#pragma unroll
             #pragma unroll
             for (int j = 0; j < N / 8; j++) {
                 const X* b = B + (8 * t + 2 * q) * ld + 8 * j + g;
@@ -131,19 +127,22 @@ __device__ __forceinline__ void tile_nn(float (&acc)[N / 8][4], const float (&a)
             }
         }
     } else {
-        // the accumulators of two adjacent 8-column tiles are exactly an m16n8k16 A fragment
-#pragma unroll
+        // the accumulators of two adjacent 8-column tiles are exactly an m16n8k16 A fragment;
+        // B's fragments for tiles j and j + 1 are the transposed 8x8 blocks at rows 16t and
+        // 16t + 8, columns 8j and 8j + 8 (ldmatrix .trans: a pair is two rows' elements)
+        int l = threadIdx.x % WARP, m = l / 8, r = l % 8;
+        #pragma unroll
         for (int t = 0; t < K / 16; t++) {
             unsigned x[4] = {bf16_pair(a[2 * t][0], a[2 * t][1]),
                              bf16_pair(a[2 * t][2], a[2 * t][3]),
                              bf16_pair(a[2 * t + 1][0], a[2 * t + 1][1]),
                              bf16_pair(a[2 * t + 1][2], a[2 * t + 1][3])};
-#pragma unroll
             #pragma unroll
-            for (int j = 0; j < N / 8; j++) {
-                const X* b = B + (16 * t + 2 * q) * ld + 8 * j + g;
-                unsigned y[2] = {bits_pair(b[0], b[ld]), bits_pair(b[8 * ld], b[9 * ld])};
+            for (int j = 0; j < N / 8; j += 2) {
+                unsigned y[4];
+                ldmatrix_x4_trans(y, B + (16 * t + 8 * (m % 2) + r) * ld + 8 * (j + m / 2));
                 mma_bf16_16816(acc[j], x, y);
+                mma_bf16_16816(acc[j + 1], x, y + 2);
             }
         }
     }
@@ -160,20 +159,28 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// dst (rows x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1; zeros
-// past T and HS. 16 bytes at a time when src is 16-byte aligned (HS and C are multiples
-// of 8, so then every row is), else one element at a time.
+// dst (rows x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1, plus
+// bias[column] where given (qkv's bias, added where q, k, v are read: the sum is rounded to
+// floatX, as the NumPy reference stores it); zeros past T and HS. 16 bytes at a time when
+// src (and bias) are 16-byte aligned (HS and C are multiples of 8, so then every row is),
+// else one element at a time.
 template <int HSP>
 __device__ void load_rows(floatX* dst, const floatX* src, long long stride, int r0, int rows,
-                          int T, int HS) {
+                          int T, int HS, const floatX* bias = nullptr) {
     constexpr int LD = HSP + SKEW, PER = HSP / PACK;
-    bool wide = aligned16(src);
+    bool wide = aligned16(src) && (bias == nullptr || aligned16(bias));
     for (int i = threadIdx.x; i < rows * PER; i += blockDim.x) {
         int r = i / PER, c = i % PER * PACK;
         Pack* d = reinterpret_cast<Pack*>(dst + r * LD + c);
         const floatX* s = src + (r0 + r) * stride + c;
         if (r0 + r >= T || c >= HS) {
             for (int e = 0; e < PACK; e++) d->v[e] = floatX(0.f);
+        } else if (bias) {
+            float f[PACK], fb[PACK];
+            load_pack(f, s, PACK, wide);
+            load_pack(fb, bias + c, PACK, wide);
+            for (int e = 0; e < PACK; e++) f[e] += fb[e];
+            store_pack(d->v, f, PACK, true);
         } else if (wide) {
             *d = *reinterpret_cast<const Pack*>(s);
         } else {
@@ -225,8 +232,8 @@ __device__ __forceinline__ unsigned smem_need(int own, int extra_floats) {
 }
 
 template <int HSP, int M>
-__device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, float scale, int T,
-                              int NH, int HS) {
+__device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, const floatX* bias,
+                              float scale, int T, int NH, int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
     if (dynamic_smem_bytes() < smem_need<HSP, M>(1, 0)) __trap();
@@ -237,13 +244,13 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, float 
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
+    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS, bias + h * HS);
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();  // the last tile's readers are done
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
+        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS, bias + C + h * HS);
+        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS, bias + 2 * C + h * HS);
         __syncthreads();
         if (k0 > r0 + 16 * w + 15) continue;  // every key is after this warp's queries
         float s[FC / 8][4], mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f};
@@ -295,7 +302,8 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, float 
 // first D = rowsum(dy * y) of its rows, written for flash_dkdv.
 template <int HSP, int M>
 __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floatX* qkv,
-                         const floatX* y, const float* lse, float scale, int T, int NH, int HS) {
+                         const floatX* bias, const floatX* y, const float* lse, float scale,
+                         int T, int NH, int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
     if (dynamic_smem_bytes() < smem_need<HSP, M>(2, 0)) __trap();
@@ -307,26 +315,30 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
+    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS, bias + h * HS);
     load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, r0, FR, T, HS);
     __syncthreads();
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float D[2], L[2], dq[HSP / 8][4] = {};
     #pragma unroll
-    for (int i = 0; i < 2; i++) {  // a quad sums a row: lane q takes columns q, q + 4, ..
+    for (int i = 0; i < 2; i++) {  // a quad sums a row: lane q takes packs q, q + 4, ..
         bool in = row[i] < T;
         const floatX* dyr = dYs + (16 * w + g + 8 * i) * LD;
         const floatX* yr = y + ((long long)b * T + row[i]) * C + h * HS;
-        float s = 0.f;
-        for (int d = q; d < HS && in; d += 4) s += load(dyr[d]) * load(yr[d]);
+        float s = 0.f, fd[PACK], fy[PACK];
+        for (int c = q * PACK; c < HS && in; c += 4 * PACK) {  // (HS: a multiple of PACK)
+            load_pack(fd, dyr + c, PACK, true);
+            load_pack(fy, yr + c, PACK, aligned16(yr));
+            for (int e = 0; e < PACK; e++) s += fd[e] * fy[e];
+        }
         D[i] = quad_sum(s);
         L[i] = in ? lse[(long long)blockIdx.y * T + row[i]] : 0.f;
         if (q == 0 && in) Dbuf[(long long)blockIdx.y * T + row[i]] = D[i];
     }
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
+        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS, bias + C + h * HS);
+        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS, bias + 2 * C + h * HS);
         __syncthreads();
         if (k0 > r0 + 16 * w + 15) continue;
         float s[FC / 8][4], dp[FC / 8][4];
@@ -352,7 +364,8 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
 // rows (keys) against a query tile's columns; dv = P^T dy, dk = dS^T q.
 template <int HSP, int M>
 __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, const floatX* qkv,
-                           const float* lse, float scale, int T, int NH, int HS) {
+                           const floatX* bias, const float* lse, float scale, int T, int NH,
+                           int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
     if (dynamic_smem_bytes() < smem_need<HSP, M>(2, 2 * FC)) __trap();
@@ -365,13 +378,13 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS);
-    load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FR, T, HS);
+    load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS, bias + C + h * HS);
+    load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FR, T, HS, bias + 2 * C + h * HS);
     int key[2] = {k0 + 16 * w + g, k0 + 16 * w + g + 8};
     float dk[HSP / 8][4] = {}, dv[HSP / 8][4] = {};
     for (int t0 = k0; t0 < T; t0 += FC) {  // FR is a multiple of FC: t0 starts a tile
         __syncthreads();
-        load_rows<HSP>(Qs, base, 3 * C, t0, FC, T, HS);
+        load_rows<HSP>(Qs, base, 3 * C, t0, FC, T, HS, bias + h * HS);
         load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, t0, FC, T, HS);
         for (int i = threadIdx.x; i < FC; i += blockDim.x) {
             bool in = t0 + i < T;
@@ -425,72 +438,87 @@ FLASH_BY_MATH(flash_dkdv)
 
 // Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py).
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
+                                           const floatX* bias, float scale, int T, int NH,
+                                           int HS, int tf32) {
+    flash_forward_by_math<16>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_16(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* bias,
+                                      const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
+                                        const floatX* qkv, const floatX* bias,
+                                        const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_32(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<32>(tf32, out, lse, qkv, scale, T, NH, HS);
+                                           const floatX* bias, float scale, int T, int NH,
+                                           int HS, int tf32) {
+    flash_forward_by_math<32>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_32(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* bias,
+                                      const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
+                                        const floatX* qkv, const floatX* bias,
+                                        const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_64(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<64>(tf32, out, lse, qkv, scale, T, NH, HS);
+                                           const floatX* bias, float scale, int T, int NH,
+                                           int HS, int tf32) {
+    flash_forward_by_math<64>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_64(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* bias,
+                                      const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
+                                        const floatX* qkv, const floatX* bias,
+                                        const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_96(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<96>(tf32, out, lse, qkv, scale, T, NH, HS);
+                                           const floatX* bias, float scale, int T, int NH,
+                                           int HS, int tf32) {
+    flash_forward_by_math<96>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_96(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* bias,
+                                      const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<96>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<96>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_96(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
+                                        const floatX* qkv, const floatX* bias,
+                                        const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<96>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<96>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_128(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<128>(tf32, out, lse, qkv, scale, T, NH, HS);
+                                           const floatX* bias, float scale, int T, int NH,
+                                           int HS, int tf32) {
+    flash_forward_by_math<128>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_128(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* bias,
+                                      const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<128>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<128>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_128(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
+                                        const floatX* qkv, const floatX* bias,
+                                        const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<128>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<128>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
 }

@@ -20,6 +20,7 @@ class Mesh:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    hosts: tuple = ()  # each rank's host name, rank 0's first (empty: all on one host)
 
     @cached_property
     def grid(self):
@@ -110,7 +111,25 @@ class Mesh:
                 out |= {(line[0], line[-1], "tied")} if self.pp > 1 else set()
         return sorted(out)
 
+    def host_of(self, rank):
+        return self.hosts[rank] if self.hosts else ""
+
+    @property
+    def host(self):
+        return self.host_of(self.rank)
+
+    @property
+    def local_rank(self):
+        """This rank's index among the ranks of its host (a GPU is its host's own)."""
+        return sum(self.host_of(r) == self.host for r in range(self.rank))
+
+    @property
+    def local_size(self):
+        """How many ranks run on this rank's host (they share its cores and memory)."""
+        return sum(self.host_of(r) == self.host for r in range(self.size))
+
     def device(self, count):
-        """The GPU of this rank among `count` visible ones (ranks share them round-robin)."""
-        return self.rank % count
+        """The GPU of this rank among `count` visible ones on its host: its local rank,
+        round-robin when the host runs more ranks than it has GPUs."""
+        return self.local_rank % count
 

@@ -31,6 +31,7 @@ void warp_gather(const void* in, void* all, int bytes, const char* what);
 unsigned char* dynamic_shared();
 unsigned dynamic_shared_bytes();
 [[noreturn]] void trap();
+[[noreturn]] void fail(const char* what);  // a fault CUDA reports (the block is abandoned)
 const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
                    const std::function<void()>& body);
 }  // namespace sim

@@ -1,6 +1,6 @@
 // cudasim's versions of what common.cuh does in inline PTX: the warp's tensor-core products
-// (mma.sync m16n8k16 bf16 and m16n8k8 tf32), the TF32 rounding, and the dynamic shared
-// memory. An mma gathers all 32 lanes' fragments (a warp barrier: a lane that exited or
+// (mma.sync m16n8k16 bf16 and m16n8k8 tf32), the shared-memory matrix loads (ldmatrix x4,
+// plain and transposed), the TF32 rounding, and the dynamic shared memory. An mma gathers all 32 lanes' fragments (a warp barrier: a lane that exited or
 // diverged is reported, as mma.sync.aligned requires the whole warp), rebuilds A, B and C
 // from the PTX ISA's fragment layouts and gives each lane its part of D. The sums run in
 // float in k order; the hardware's order and internal width are its own (the tests allow
@@ -78,6 +78,31 @@ inline void mma_tf32_1688(float d[4], const unsigned a[4], const unsigned b[2]) 
         B[q][g] = sim::tf32_bits_to_float(f.b[0]);
         B[q + 4][g] = sim::tf32_bits_to_float(f.b[1]);
     });
+}
+
+namespace sim {
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8
+// of matrix l / 8 (16 bytes, 16-byte aligned); every lane's addresses are gathered (a warp
+// barrier), then lane l takes from matrix m the pair (row l / 4, columns 2 (l % 4) and
+// +1), or transposed (rows 2 (l % 4) and +1, column l / 4), the lower index low.
+inline void ldmatrix_warp(unsigned r[4], const void* row, bool trans) {
+    if ((uintptr_t)row % 16) fail("ldmatrix: a row address not 16-byte aligned");
+    const unsigned short* rows[32];
+    const unsigned short* mine = static_cast<const unsigned short*>(row);
+    warp_gather(&mine, rows, sizeof mine, trans ? "ldmatrix.x4.trans" : "ldmatrix.x4");
+    int l = thread_idx.x % 32;
+    for (int m = 0; m < 4; m++) {
+        const unsigned short** mat = rows + 8 * m;
+        unsigned lo = trans ? mat[2 * (l % 4)][l / 4] : mat[l / 4][2 * (l % 4)];
+        unsigned hi = trans ? mat[2 * (l % 4) + 1][l / 4] : mat[l / 4][2 * (l % 4) + 1];
+        r[m] = lo | hi << 16;
+    }
+}
+}  // namespace sim
+
+inline void ldmatrix_x4(unsigned r[4], const void* row) { sim::ldmatrix_warp(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned r[4], const void* row) {
+    sim::ldmatrix_warp(r, row, true);
 }
 
 // cvt.rna.tf32.f32: to 10 mantissa bits, to nearest, ties away from zero; NaN and inf kept.

@@ -109,13 +109,15 @@ void syncthreads() { block_on(block_bar, live); }
 unsigned char* dynamic_shared() { return dynamic_smem.data(); }
 unsigned dynamic_shared_bytes() { return (unsigned)dynamic_smem.size(); }
 
-void trap() {
-    snprintf(error, sizeof error, "__trap() in block (%u,%u,%u) thread %u", block_idx.x,
+void fail(const char* what) {
+    snprintf(error, sizeof error, "%s in block (%u,%u,%u) thread %u", what, block_idx.x,
              block_idx.y, block_idx.z, thread_idx.x);
     if (direct) throw DirectBarrier();
     to_scheduler();  // the scheduler sees the error and abandons the block
     __builtin_unreachable();
 }
+
+void trap() { fail("__trap()"); }
 
 // Every lane of the warp must arrive (all 32, or all the warp has): the mask says which.
 void check_whole_warp(unsigned mask, const char* what) {

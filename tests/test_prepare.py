@@ -1,0 +1,99 @@
+"""prepare's corpus mode (llm.c's FineWeb script): many text/jsonl files into shards of a
+chosen size, an EOT before each document, tiktoken's GPT-2 tokens, the first shard val; a
+Ctrl-C leaves no half-written shard."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cli
+from cupygpt.files import read_shard
+from cupygpt.tokenizer import Tokenizer
+
+TOK = os.path.join(ROOT, "cupygpt", "data", "gpt2_tokenizer.bin")
+WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
+         "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")
+
+
+def corpus(d, files, words, seed=0):
+    """files text and jsonl files of random documents; returns (paths, documents in order)."""
+    rng, paths, docs = np.random.default_rng(seed), [], []
+    for i in range(files):
+        def doc():
+            return " ".join(rng.choice(WORDS, int(rng.integers(1, words))))
+        if i % 3 == 2:
+            p, recs = d / f"part_{i:03d}.jsonl", [doc() for _ in range(int(rng.integers(1, 6)))]
+            p.write_text("".join(json.dumps({"text": t, "id": k}) + "\n"
+                                 for k, t in enumerate(recs)))
+            docs += recs
+        else:
+            p = d / f"part_{i:03d}.txt"
+            docs.append(doc())
+            p.write_text(docs[-1], encoding="utf-8")
+        paths.append(str(p))
+    return paths, docs
+
+
+def test_corpus_shards_hold_tiktokens_with_an_eot_before_each_document(tmp_path):
+    paths, docs = corpus(tmp_path, 40, 400)
+    res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web",
+              "--shard-size", "5000")
+    assert res.returncode == 0, res.stderr
+    tok = Tokenizer(TOK)
+    want = np.concatenate([[tok.eot] + tok.encode(t) for t in docs])
+    names = sorted(os.listdir(tmp_path / "out"))
+    n = -(-want.size // 5000)
+    assert n >= 3 and names == sorted(["web_val_000000.bin"] + [f"web_train_{i:06d}.bin"
+                                                                for i in range(1, n)])
+    shards = [read_shard(tmp_path / "out" / (f"web_val_{0:06d}.bin" if i == 0 else
+                                             f"web_train_{i:06d}.bin")) for i in range(n)]
+    assert [s.size for s in shards[:-1]] == [5000] * (n - 1)  # the asked size; the last less
+    assert np.array_equal(np.concatenate(shards), want)
+    assert f"wrote {want.size:,} tokens in {n} shard(s)" in res.stdout
+    again = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web")
+    assert again.returncode == 1 and "exists; give --force" in again.stderr
+    # --force with bigger shards: the set replaced, none of the old one's left
+    res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web", "--force",
+              "--shard-size", str(want.size))
+    assert res.returncode == 0, res.stderr
+    assert os.listdir(tmp_path / "out") == ["web_val_000000.bin"]
+    assert np.array_equal(read_shard(tmp_path / "out" / "web_val_000000.bin"), want)
+
+
+def test_parquet_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="parquet needs the optional extra "
+                                               "cupygpt[parquet] (pyarrow), not installed")
+    import pyarrow.parquet as pq
+    docs = ["one document", "and another, über", ""]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "a.parquet")
+    res = cli("prepare", tmp_path / "a.parquet", "--out", tmp_path / "o", "--shard-size", "7")
+    assert res.returncode == 0, res.stderr
+    tok = Tokenizer(TOK)
+    got = np.concatenate([read_shard(tmp_path / "o" / f) for f in
+                          sorted(os.listdir(tmp_path / "o"), key=lambda f: f[-10:])])
+    assert np.array_equal(got, np.concatenate([[tok.eot] + tok.encode(t) for t in docs]))
+
+
+def test_ctrl_c_leaves_no_half_shard(tmp_path):
+    paths, _ = corpus(tmp_path, 30, 40000, seed=1)
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "prepare", *paths,
+                          "--out", out, "--shard-size", "20000"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
+        assert p.poll() is None and time.time() - t0 < 120, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "interrupted" in err
+    left = os.listdir(out)
+    assert left and not [f for f in left if not f.endswith(".bin")]  # no temporary file
+    assert all(read_shard(out / f).size == 20000 for f in left)      # each one whole
+    assert len(left) < 20  # (stopped before the end: the corpus holds more)
