@@ -14,6 +14,13 @@ def flops_per_token(cfg, T):
     return 6 * cfg.num_parameters() + 6 * cfg.L * cfg.C * T
 
 
+def mfu(be, cfg, T, dtype, tokens, seconds, devices=1):
+    """The fraction of the devices' peak (the dtype's: TF32 or bf16) that tokens trained in
+    seconds are; None where the backend knows no peak (the CPU)."""
+    peak = be.peak_flops(dtype)
+    return flops_per_token(cfg, T) * tokens / seconds / (peak * devices) if peak else None
+
+
 def bench(sess, on_step=None):
     """The `bench` command over a Session holding its validated BenchConfig; on_step() after
     each step, warm-up included. With --dtype both: {"fp32": ..., "bf16": ...,
@@ -54,7 +61,7 @@ def _bench(sess, dtype, on_step):
            "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
            "peak_tflops": peak / 1e12 if peak else None,  # the dtype's: TF32 or bf16
-           "mfu": achieved / peak if peak else None,
+           "mfu": mfu(be, cfg, T, dtype, B * T, ms / 1e3),
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
            "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,
            "planned_memory_bytes": run.memory,

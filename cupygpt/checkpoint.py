@@ -44,10 +44,11 @@ def identity(run):
             "dtype": dtype_name(run.dtype)}
 
 
-def save(run, tr, out, step, state, keep=2):
+def save(run, tr, out, step, state, keep=2, major=0):
     """Collective over all ranks (tr: their transport). state: JSON-able run state (loader,
-    RNG...), the same on every rank; rank 0's is written. Returns the checkpoint's
-    directory."""
+    RNG...), the same on every rank; rank 0's is written. keep: the newest checkpoints
+    kept; an older one of a step that is a multiple of major (llm.c's -nm) stays too.
+    Returns the checkpoint's directory."""
     rank = tr.rank
     final = os.path.join(out, f"ckpt_{step:08d}")
     tmp = final + ".partial"
@@ -75,7 +76,8 @@ def save(run, tr, out, step, state, keep=2):
         _point_latest(out, os.path.basename(final))
         old = [d for d in listed(out) if d != os.path.basename(final)]
         for d in old[:max(0, len(old) - (keep - 1))]:
-            shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+            if not (major and int(d[5:]) % major == 0):
+                shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     tr.barrier()
     return final
 

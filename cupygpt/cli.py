@@ -13,9 +13,10 @@ from .config_parts import RUN_DTYPES, VERIFY_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
-from .config import BenchConfig, SampleConfig, TrainConfig, VerifyConfig
+from .config import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
 from .config_parts import out_file
 from .files import atomic_write
+from .hellaswag import eval_command
 from .optim import LR_SCHEDULES
 from .paths import check_outputs
 from .sample import sample_text
@@ -82,8 +83,9 @@ def shipped_expected(kw):
               help="train shards and the batches in each in a seeded random order per epoch "
                    "(llm.c's); --no-shuffle: in file order")
 @click.option("-e", "init", default=None,
-              help="llm.c model file, or a preset: tiny, d12, d24, d36, d48  [default: d12 on "
-                   "a GPU, tiny on the CPU]")
+              help="llm.c model file, or one of llm.c's descriptors for a fresh model: d6, "
+                   "d12 .. d84 (GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), "
+                   "or tiny  [default: d12 on a GPU, tiny on the CPU]")
 @click.option("-o", "out", default="out", show_default=True, help="output directory")
 @click.option("-b", "batch", default=4, show_default=True, help="batch size B")
 @click.option("-t", "seq", default=None, type=int,
@@ -116,9 +118,24 @@ def shipped_expected(kw):
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--checkpoint-every", default=0, show_default=True,
               help="write OUT/ckpt_STEP every K steps and at the end (0: never)")
-@click.option("--keep", default=2, show_default=True, help="checkpoints to keep")
+@click.option("--keep", default=2, show_default=True,
+              help="checkpoints to keep (besides --checkpoint-major's)")
+@click.option("-nm", "--checkpoint-major", "checkpoint_major", default=0, show_default=True,
+              help="checkpoints at multiples of K steps are never removed by --keep (0: none)")
+@click.option("-sl", "--skip-loss-z", "skip_loss", default=0.0, show_default=True,
+              help="skip the update when the step's loss is more than Z standard deviations "
+                   "above its last 128 steps' (llm.c's outlier detector; 0: off)")
+@click.option("-sg", "--skip-norm-z", "skip_norm", default=0.0, show_default=True,
+              help="the same for the gradient's global norm (0: off)")
+@click.option("-a", "--overfit-single-batch", "overfit", default=0, show_default=True,
+              help="1: every step trains on the first batch (llm.c's debugging check)")
 @click.option("--resume", default=None, help="checkpoint dir (or a run's -o dir) to continue")
 @click.option("--log-file", default=None, help="JSON lines per step (default OUT/log.jsonl)")
+@click.option("-h", "hellaswag", default=0, show_default=True,
+              help="1: HellaSwag accuracy at every val step and at the end (needs -b 4 or "
+                   "more)")
+@click.option("--hellaswag-file", default=os.path.join("data", "hellaswag_val.bin"),
+              show_default=True, help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
 @click.option("--overwrite", is_flag=True,
               help="a fresh run may replace what an earlier run left in -o (its model.bin, "
                    "log and checkpoints)")
@@ -137,7 +154,8 @@ def train(**kw):
 
 @cli.command()
 @click.option("-e", "init", default=None,
-              help="preset to benchmark  [default: d12 on a GPU, tiny on the CPU]")
+              help="descriptor to benchmark (as train's -e)  [default: d12 on a GPU, tiny on "
+                   "the CPU]")
 @click.option("-b", "batch", default=4, show_default=True)
 @click.option("-t", "seq", default=None, type=int,
               help="sequence length  [default: 1024 on a GPU, 64 on the CPU]")
@@ -252,6 +270,34 @@ def sample(**kw):
         dt = time.perf_counter() - began["t"]
         click.echo(f"{began['n']} tokens in {dt:.2f} s ({began['n'] / dt:.1f} tok/s, "
                    f"{'KV cache' if sess.config.kv_cache else 'whole passes'})", err=True)
+
+
+@cli.command("eval")
+@click.argument("model")
+@click.option("--hellaswag", required=True, metavar="FILE",
+              help="llm.c's eval file (hellaswag_val.bin; `prepare --hellaswag` makes it)")
+@click.option("-b", "batch", default=16, show_default=True,
+              help="rows per forward: B // 4 examples")
+@click.option("-t", "seq", default=None, type=int,
+              help="sequence length  [default: the file's longest context + completion]")
+@click.option("--dtype", default=None, type=click.Choice(VERIFY_DTYPES),
+              help="fp64: the exact reference  [default: the backend's]")
+@click.option("--json", "as_json", is_flag=True,
+              help="print one JSON object (with every example's 4 completion losses)")
+@device_options
+@grid_options
+@pipeline_options
+@entry
+def evaluate(as_json, **kw):
+    """HellaSwag accuracy of an llm.c model file, scored as llm.c does (each completion's
+    mean loss over its tokens; the lowest is the model's choice)."""
+    sess = session(EvalConfig, kw, tf32_default=True)
+    r = eval_command(sess)
+    if sess.mesh.rank == 0:
+        click.echo(json.dumps(r) if as_json else
+                   f"hellaswag: {r['correct']}/{r['examples']} = {r['accuracy']:.4f} "
+                   f"({r['dtype']}, B={r['B']} T={r['T']}, {r['ranks']} rank(s), "
+                   f"{r['seconds']:.2f} s)")
 
 
 for command in TOOLS:

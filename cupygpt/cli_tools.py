@@ -17,6 +17,7 @@ from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .paths import TEXT_CAP, check_outputs, read_bounded
+from .hellaswag import from_jsonl, write_eval
 from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
@@ -36,18 +37,27 @@ from .tokenizer import Tokenizer, tokenize_tinyshakespeare
               help="tokens per shard: the corpus mode, llm.c's FineWeb script (its default "
                    "with several inputs or jsonl/parquet: 100,000,000)")
 @click.option("--force", is_flag=True, help="overwrite shards already there")
+@click.option("--hellaswag", is_flag=True,
+              help="the one input is HellaSwag's jsonl (ctx, endings, label): write llm.c's "
+                   "eval file OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's "
+                   "script")
 @entry
-def prepare(inputs, out, tokenizer, name, shard_size, force):
+def prepare(inputs, out, tokenizer, name, shard_size, force, hellaswag):
     """Tokenize text into llm.c shards. One text file: NAME_val.bin and NAME_train.bin, as
     llm.c's tinyshakespeare script does. Several inputs (text files, each a document; jsonl
     or parquet, each record's `text`) or --shard-size: shards of that many tokens,
     NAME_val_000000.bin then NAME_train_000001.bin..., an EOT before each document,
-    tokenized on every core."""
+    tokenized on every core. --hellaswag: HellaSwag's jsonl to llm.c's eval file."""
     one_process("prepare")
     name = os.path.splitext(os.path.basename(inputs[0]))[0] if name is None else name
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(name))
+    if hellaswag:  # (before the corpus mode, which takes a .jsonl too)
+        if len(inputs) != 1:
+            raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
+                               f"not {len(inputs)}")
+        return prepare_hellaswag(inputs[0], os.path.join(out, f"{name}.bin"), tokenizer, force)
     if shard_size is not None or len(inputs) > 1 or inputs[0].endswith((".jsonl", ".parquet")):
         return prepare_corpus(inputs, out, tokenizer, name,
                               10 ** 8 if shard_size is None else shard_size, force)
@@ -76,6 +86,23 @@ def prepare(inputs, out, tokenizer, name, shard_size, force):
         write_shard(paths["train"], train_tokens, ft)
     for split, toks in (("val", val_tokens), ("train", train_tokens)):
         click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
+
+
+def prepare_hellaswag(jsonl, path, tokenizer, force):
+    """prepare --hellaswag: the jsonl's examples to llm.c's eval file at path."""
+    check_outputs([("out", path)], [jsonl, tokenizer])
+    if os.path.exists(path) and not force:
+        raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another --out "
+                           f"or --name", "out", os.path.dirname(path))
+    try:
+        body = read_bounded(jsonl, "jsonl", TEXT_CAP).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{jsonl}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    examples = from_jsonl(body, Tokenizer(tokenizer).encode, jsonl)
+    make_dir("out", os.path.dirname(path) or ".")
+    with atomic_write(path) as f:
+        write_eval(f, examples)
+    click.echo(f"wrote {len(examples):,} examples to {path}")
 
 
 def prepare_corpus(inputs, out, tokenizer, name, shard_size, force):

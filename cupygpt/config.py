@@ -15,6 +15,7 @@ from typing import Optional
 from . import CupyGPTError
 from .checkpoint import STATE, check_resume, resolve as resolve_checkpoint
 from .files import is_model_file, model_shape, read_expected, read_state_header
+from .hellaswag import check_fits, longest_row, read_eval
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
                            out_file, positive, recompute_level, run_dtype, runs_on,
                            RUN_DTYPES, VERIFY_DTYPES)
@@ -55,6 +56,13 @@ class TrainConfig:
     graphs: bool = True
     trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
     overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
+    skip_loss: float = 0.0          # llm.c's -sl: skip the update at a loss z-score above; 0 off
+    skip_norm: float = 0.0          # llm.c's -sg: the same for the gradient norm
+    overfit: int = 0                # llm.c's -a 1: every step trains on the first batch
+    checkpoint_major: int = 0       # llm.c's -nm: checkpoints at multiples never removed
+    hellaswag: int = 0              # llm.c's -h 1: HellaSwag accuracy at every val step
+    hellaswag_file: str = os.path.join("data", "hellaswag_val.bin")
+    hellaswag_examples: tuple = ()  # validate reads them from hellaswag_file
     made_out: bool = False          # validate made -o (a run failing before step 1 removes it)
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
@@ -98,7 +106,11 @@ class TrainConfig:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
         positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", zero_ok=True)
+                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", "skip_loss",
+                 "skip_norm", "checkpoint_major", zero_ok=True)
+        if c.overfit not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (every step trains on the first batch)", "overfit",
+                               c.overfit)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
@@ -117,6 +129,12 @@ class TrainConfig:
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows_per_replica(c.batch)))
+        if c.hellaswag not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (HellaSwag at every val step)", "hellaswag",
+                               c.hellaswag)
+        if c.hellaswag:
+            c = replace(c, hellaswag_examples=hellaswag_examples(c.hellaswag_file, c.batch,
+                                                                 c.seq, shape)[0])
         log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
         check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
                        ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
@@ -135,7 +153,50 @@ class TrainConfig:
         resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
         return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
                                                else []),
-                *files_of(model), *resumed, *files_of(c.tokenizer)]
+                *files_of(model), *resumed, *files_of(c.tokenizer),
+                *(files_of(c.hellaswag_file) if c.hellaswag else [])]
+
+
+def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
+    """(the eval file's examples, T): checked to fit a batch (4 rows each), T (None: the
+    longest row) and the vocab."""
+    if batch < 4:
+        raise CupyGPTError("HellaSwag puts an example's 4 completions in 4 rows of a batch: "
+                           "give -b 4 or more", "batch", batch)
+    existing(option, path)
+    examples = tuple(read_eval(path))
+    seq = default(seq, longest_row(examples))
+    fits(seq, shape)
+    check_fits(path, examples, seq, shape.V, option)
+    return examples, seq
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str
+    hellaswag: str
+    batch: int = 16                 # rows per forward: B // 4 examples
+    seq: Optional[int] = None       # None: the eval file's longest row
+    dtype: Optional[str] = None     # fp32 | bf16 | fp64; None: the backend's DEFAULT_DTYPE
+    examples: tuple = ()            # validate reads them from `hellaswag`
+    device: Device = field(default_factory=Device)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    grid: Grid = field(default_factory=Grid)
+
+    def validate(self, be, world):
+        positive(self, "batch")
+        if self.seq is not None:
+            positive(self, "seq")
+        c = run_dtype(self, be, VERIFY_DTYPES)
+        existing("model", c.model)
+        shape = model_shape(c.model)
+        runs_on(be, shape, "model", c.model)
+        examples, seq = hellaswag_examples(c.hellaswag, c.batch, c.seq, shape, "hellaswag")
+        c = replace(c, seq=seq, examples=examples)
+        grid = c.grid.validate(shape, world)
+        return replace(c, device=c.device.validate(be, world), grid=grid,
+                       pipeline=c.pipeline.validate(shape, seq, grid.pp,
+                                                    grid.rows_per_replica(c.batch))), shape
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Per-rank output: one prefix and colour per rank (pe0 blue, pe1 magenta, ...); colour only
-on a terminal."""
+on a terminal. And train's JSON-lines log, reopened on a resume."""
+import json
 import os
 import sys
+
+from .files import atomic_write
 
 COLORS = (34, 35, 36, 33, 32, 31, 94, 95)  # ANSI: blue, magenta, cyan, yellow, green, ...
 
@@ -36,3 +39,25 @@ def emit(text):
     data = text.encode()
     while data:
         data = data[os.write(fd, data):]
+
+
+def open_log(path, start):
+    """The log, open to append: a fresh run starts it; a resume keeps what came before its
+    first step (a run that went on past its checkpoint logged steps the resume repeats:
+    train records up to `start`, val records before it, since step `start` validates)."""
+    if not start:
+        return open(path, "w")
+    keep = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    step = rec["step"] + ("val_loss" in rec or "hellaswag_acc" in rec)
+                except (ValueError, TypeError, KeyError):
+                    continue  # (a line cut short by a kill)
+                if isinstance(step, int) and step <= start:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+    with atomic_write(path) as f:
+        f.write("".join(keep).encode())
+    return open(path, "a")

@@ -70,17 +70,22 @@ class AdamW:
         return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t,
                 self.t)
 
-    def step(self, lr=None, summed=True):
-        self.apply(self.advance(lr), summed)
+    def step(self, lr=None, summed=True, keep=None):
+        return self.apply(self.advance(lr), summed, keep)
 
-    def apply(self, sched, summed=True):
+    def apply(self, sched, summed=True, keep=None):
         """The update with schedule sched (inside a CUDA graph capture the backend reads it
         from the device instead, where the runner uploads each step's before replay).
-        summed: the gradients are the replicas' sums already."""
+        summed: the gradients are the replicas' sums already. keep(norm), when given (an
+        eager step), is asked with the global norm whether to update (llm.c's outlier
+        skipping: a skipped step counts, as llm.c's update takes t = step + 1); returns
+        whether it updated."""
         hp = self.hp
         grads = [self._summed(st, piece, state, summed)
                  for st, piece, state in zip(self.stages, self.slices, self.state)]
         self._global_norm(grads)
+        if keep is not None and not keep(self.grad_norm()):
+            return False
         for st, piece, state, g in zip(self.stages, self.slices, self.state, grads):
             a, b = piece or (0, st.params.size)
             params = st.params[a:b]
@@ -90,6 +95,7 @@ class AdamW:
                             state.get("master"), rounding_salt(st.part), a)
             if piece is not None:
                 self.tr.all_gather(params, st.params, "dp")
+        return True
 
     def _summed(self, st, piece, state, summed):
         """The replicas' summed gradient the update reads: the stage's whole buffer, or with

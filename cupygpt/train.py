@@ -4,17 +4,20 @@ import contextlib
 import json
 import math
 import os
-import signal
 import time
 
 import numpy as np
 
 from . import CupyGPTError
 from . import checkpoint, rundir
-from .comm.launch import Stopped
+from .bench import mfu
+from .comm.launch import Interrupt
 from .data import DataLoader
-from .files import atomic_write, check_finite, write_model
+from .files import check_finite, write_model
+from .hellaswag import evaluate as hellaswag
+from .log import open_log
 from .optim import AdamWConfig, lr_at
+from .outlier import UpdateGate
 from .parallel.pipeline.plan import stage_shares
 from .precision import DTYPES, is_narrow
 from .sample import generate
@@ -34,54 +37,10 @@ def open_tokenizer(path, cfg, log):
 
 
 def injected_fault():
-    """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK."""
-    spec = os.environ.get("CUPYGPT_FAULT", "")
-    return tuple(int(x) for x in spec.split(":")[1:]) if spec.startswith("raise:") else None
-
-
-def open_log(path, start):
-    """The log, open to append: a fresh run starts it; a resume keeps what came before its
-    first step (a run that went on past its checkpoint logged steps the resume repeats:
-    train records up to `start`, val records before it, since step `start` validates)."""
-    if not start:
-        return open(path, "w")
-    keep = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    step = rec["step"] + ("val_loss" in rec)
-                except (ValueError, TypeError, KeyError):
-                    continue  # (a line cut short by a kill)
-                if isinstance(step, int) and step <= start:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-    with atomic_write(path) as f:
-        f.write("".join(keep).encode())
-    return open(path, "a")
-
-
-class Interrupt:
-    """Ctrl-C, or SIGTERM (what SLURM and Kubernetes send before a kill), sets a flag; the
-    loop stops at the next step boundary on every rank (the ranks combine their flags each
-    step, so a signal to one rank stops all). A second signal stops at once: Stopped
-    unwinds through atomic_write and checkpoint.save, which remove what they half wrote,
-    and the CLI ends the job."""
-
-    def __init__(self):
-        self.hit = None
-        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handle(self, signum, _):
-        if self.hit:
-            os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
-                        f"half-written is left\n".encode())
-            raise Stopped(128 + signum)
-        self.hit = signum
-
-    def restore(self):
-        for s, handler in self.old.items():
-            signal.signal(s, handler)
+    """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK, or one step's
+    targets all the vocab's last token (a loss spike, for -sl/-sg) with targets:STEP."""
+    kind, _, rest = os.environ.get("CUPYGPT_FAULT", "").partition(":")
+    return (kind, *map(int, rest.split(":"))) if kind in ("raise", "targets") else None
 
 
 def train(sess):
@@ -116,13 +75,17 @@ class Trainer:
     def __init__(self, sess):
         self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
         opts, shape = self.opts, sess.shape
+        # -sl/-sg: the update waits on the step's loss and norm (an eager step)
+        self.detecting = bool(opts.skip_loss or opts.skip_norm)
+        self.gate = UpdateGate(sess.tr, opts.skip_loss, opts.skip_norm)
         self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
                                dtype=DTYPES[opts.dtype],
                                adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay,
                                                  grad_clip=opts.grad_clip),
                                # a trace marks each action, accumulation feeds each batch:
                                # eager steps
-                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1,
+                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1
+                               and not self.detecting,
                                recompute=opts.recompute)
         if opts.trace:
             self.run.start_trace()
@@ -169,6 +132,7 @@ class Trainer:
         if self.train_data.shuffle != opts.shuffle:
             self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
         self.rng.bit_generator.state = meta["rng"]
+        self.gate = UpdateGate(self.tr, opts.skip_loss, opts.skip_norm, meta.get("outliers"))
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
             self.log(f"note: the checkpoint's run read other train shards (-i: "
@@ -214,13 +178,22 @@ class Trainer:
             self.logf = False
 
     def evaluate(self, step, last):
-        opts = self.opts
-        if self.val_data and opts.val_every and (step % opts.val_every == 0 or last):
+        """Val loss and (-h 1) HellaSwag accuracy, in one line and one log record."""
+        opts, rec, said = self.opts, {"step": step}, []
+        if not (opts.val_every and (step % opts.val_every == 0 or last)):
+            return
+        if self.val_data:
             self.val_data.reset()
-            vl = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
-                                for _ in range(opts.val_batches)]))
-            self.log(f"val loss {vl:.6f}")
-            self.record({"step": step, "val_loss": vl})
+            rec["val_loss"] = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
+                                             for _ in range(opts.val_batches)]))
+            said.append(f"val loss {rec['val_loss']:.6f}")
+        if opts.hellaswag:
+            rec["hellaswag_acc"] = hellaswag(self.run, opts.hellaswag_examples, opts.batch,
+                                             opts.seq)[0]
+            said.append(f"hellaswag acc {rec['hellaswag_acc']:.4f}")
+        if said:
+            self.log(", ".join(said))
+            self.record(rec)
 
     def sample(self, step, last):
         if self.sampling and ((step > 0 and step % self.opts.sample_every == 0) or last):
@@ -229,25 +202,46 @@ class Trainer:
             text = self.tok.decode(ids[1:]) if self.tok else " ".join(map(str, ids[1:]))
             self.log(f"generating:\n---\n{text}\n---")
 
+    def batches(self):
+        """The step's batches (gradient accumulation's, one after another); with -a 1 the
+        first batch every time (the loader stays put, so a resume reads it again)."""
+        data, n = self.train_data, self.opts.micro_steps
+        if self.opts.overfit:
+            at = data.state()
+            x, y = data.next_batch()
+            data.set_state(at)
+            return np.concatenate([x] * n), np.concatenate([y] * n)
+        return (np.concatenate(a) for a in zip(*(data.next_batch() for _ in range(n))))
+
     def train_step(self, step):
         opts, tr = self.opts, self.tr
-        x, y = (np.concatenate(a) for a in zip(*(self.train_data.next_batch()
-                                                 for _ in range(opts.micro_steps))))
+        x, y = self.batches()
+        if self.fault == ("targets", step + 1):
+            y = np.full_like(y, self.sess.shape.V - 1)
         lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
                    opts.lr_schedule)
         t0 = time.perf_counter()
-        loss = self.run.step(x, y, lr)
+        loss = self.run.step(x, y, lr, self.gate.keep if self.detecting else None)
         self.sess.be.synchronize()
         dt = time.perf_counter() - t0
-        if self.fault == (step + 1, tr.rank):
+        if self.fault == ("raise", step + 1, tr.rank):
             raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
         if not math.isfinite(loss):
             self.stop_on_nan(step, loss)
         norm = self.run.grad_norm()
+        u = mfu(self.sess.be, self.sess.shape, opts.seq, opts.dtype, opts.total_batch, dt,
+                tr.size)
+        skipped = self.detecting and self.gate.skipped
         rec = dict(step=step + 1, train_loss=loss, norm=norm, lr=lr, ms=dt * 1e3,
-                   tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use())
+                   tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use(),
+                   **({"mfu": u} if u else {}), **({"skipped": skipped} if skipped else {}))
         self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} norm {norm:.4f} "
-                 f"lr {lr:.2e} ({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s)")
+                 f"lr {lr:.2e} ({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s"
+                 + (f", MFU {100 * u:.1f}%" if u else "") + ")"
+                 + (f" update skipped ({skipped})" if skipped else ""))
+        if skipped:  # each rank's own decision, so a log shows they agree
+            self.log(f"rank {tr.rank}: step {step + 1}'s update skipped ({skipped})",
+                     every_rank=True)
         self.record(rec)
         interrupted = tr.any(self.stop.hit is not None)
         if opts.checkpoint_every and ((step + 1) % opts.checkpoint_every == 0 or interrupted):
@@ -280,7 +274,9 @@ class Trainer:
                                      "train_files": [os.path.realpath(f)
                                                      for f in self.train_data.files],
                                      "rng": self.rng.bit_generator.state,
-                                     "total_batch": self.opts.total_batch}, self.opts.keep)
+                                     "outliers": self.gate.state(),
+                                     "total_batch": self.opts.total_batch}, self.opts.keep,
+                                    self.opts.checkpoint_major)
         self.log(f"checkpoint {self.ckpt}")
 
     def close(self):

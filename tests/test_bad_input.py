@@ -237,7 +237,7 @@ CASES += [
      "--log-file '': is empty; give a file name"),
     ("expected empty", lambda t: ["verify", "--expected", ""], "--expected : cannot read it"),
     ("bench a model file", lambda t: ["bench", "-e", MODEL, "--out", t / "never.json"],
-     "bench times a preset's shape (tiny, d12, d24, d36, d48), not a model file's"),
+     "bench times a preset's shape (tiny, d6, d12, d24, d36, d48, d60, d72, d84, gpt3:c384"),
     ("plot a null", lambda t: ["plot", a_log(t, '{"step": 2, "val_loss": null}\n'),
                                "--out", t / "never.png"], "line 2's val_loss is null"),
 ]
@@ -258,6 +258,59 @@ CASES += [
         "timeline", a_trace(t, {"schedule": "1f1b", "stages": 1, "micro_batches": 1}),
         "--schedule", "zbv", "--out", t / "never.png"],
      "--schedule zbv: the trace was recorded with 1f1b"),
+]
+
+
+def an_eval(tmp_path, edit=lambda raw: raw, name="hs.bin"):
+    """A 2-example HellaSwag eval file (llm.c's layout), edited."""
+    from test_hellaswag import write_llmc_eval
+    write_llmc_eval(tmp_path / "ok.bin", [(1, [5, 6, 7], [[8], [9, 10], [11], [12]]),
+                                          (3, [1] * 20, [[2], [3], [4], [5]])])
+    return corrupt(tmp_path, tmp_path / "ok.bin", name, edit)
+
+
+def eval_args(t, *extra, edit=lambda raw: raw):
+    return ["eval", MODEL, "--hellaswag", an_eval(t, edit), "--backend", "numpy", *extra]
+
+
+# Issue 29: HellaSwag's eval file and flags.
+CASES += [
+    ("eval truncated", lambda t: eval_args(t, edit=lambda r: r[:1024 + 30]),
+     "hs.bin: ends inside example 0"),
+    ("eval bad magic", lambda t: eval_args(t, edit=set_int(0, 20240520)),
+     "hs.bin: bad magic 20240520 (an eval file has 20240522)"),
+    ("eval bad label", lambda t: eval_args(t, edit=lambda r: r[:1030] + b"\x07\x00" + r[1032:]),
+     "example 0 (uint16 0 after the header): label 7, 4 completions"),
+    ("eval trailing", lambda t: eval_args(t, edit=lambda r: r + b"\x01\x00"),
+     "1 uint16 after the last of its 2 examples"),
+    ("eval empty field", lambda t: eval_args(t, edit=lambda r: r[:1034] + b"\x00\x00" + r[1036:]),
+     "a field of 0 tokens"),
+    ("eval longest field", lambda t: eval_args(t, edit=set_int(3, 36)),
+     "header says the longest example is 36 bytes, it is 68"),
+    ("eval row past T", lambda t: eval_args(t, "-t", "16"),
+     "its longest row is 21 tokens (context + completion), more than T = 16; raise -t"),
+    ("eval batch under 4", lambda t: eval_args(t, "-b", "2"), "-b 2: HellaSwag puts"),
+    ("eval -t 0", lambda t: eval_args(t, "-t", "0"), "-t 0: must be positive"),
+    ("eval no file", lambda t: ["eval", MODEL, "--hellaswag", t / "nope.bin"],
+     "nope.bin: no such file"),
+    ("prepare hellaswag 1 ending", lambda t: [
+        "prepare", a_file(t, '{"ctx": "A", "endings": ["b", "c", "d", "e"], "label": 1}\n'
+                             '{"ctx": "A", "endings": ["b"], "label": 0}\n'), "--hellaswag",
+        "--out", t / "never"], "plain.txt:2: not a HellaSwag example (a JSON object with a "
+                               "non-empty ctx, 4 non-empty endings, a label 0..3)"),
+    ("train -h 2", lambda t: ["train", "-h", "2", "-o", t / "never"], "-h 2: 0 (off) or 1"),
+    ("train -sl negative", lambda t: ["train", "-sl", "-1", "-o", t / "never"],
+     "-sl -1.0: must not be negative"),
+    ("train -sg nan", lambda t: ["train", "-sg", "nan", "-o", t / "never"],
+     "-sg nan: must be a finite number"),
+    ("train -nm negative", lambda t: ["train", "-nm", "-2", "-o", t / "never"],
+     "-nm -2: must not be negative"),
+    ("train -a 2", lambda t: ["train", "-a", "2", "-o", t / "never"], "-a 2: 0 (off) or 1"),
+    *[(f"train -e {d}", lambda t, d=d: ["train", "-e", d, "-o", t / "never"],
+       f"-e {d}: not a model file and not one of llm.c's descriptors: tiny, d6, d12, d24, d36, "
+       f"d48, d60, d72, d84, gpt3:c384, gpt3:c768") for d in ("d13", "gpt3:c5140", "gpt3:768")],
+    ("train -h 1 no file", lambda t: ["train", "-h", "1", "--hellaswag-file", t / "nope.bin",
+                                      "-o", t / "never"], "--hellaswag-file"),
 ]
 
 

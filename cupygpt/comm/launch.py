@@ -1,4 +1,5 @@
-"""The processes of a job: how many the launcher started, and how one of them fails."""
+"""The processes of a job: how many the launcher started, how one of them fails, and how
+a signal stops them all (train's Interrupt)."""
 import contextlib
 import os
 import select
@@ -109,3 +110,26 @@ def fail(message, window=2.0):
     if _FAILURES.rank == 0:
         print(message, file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+class Interrupt:
+    """Ctrl-C, or SIGTERM (what SLURM and Kubernetes send before a kill), sets a flag; the
+    loop stops at the next step boundary on every rank (the ranks combine their flags each
+    step, so a signal to one rank stops all). A second signal stops at once: Stopped
+    unwinds through atomic_write and checkpoint.save, which remove what they half wrote,
+    and the CLI ends the job."""
+
+    def __init__(self):
+        self.hit = None
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, _):
+        if self.hit:
+            os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
+                        f"half-written is left\n".encode())
+            raise Stopped(128 + signum)
+        self.hit = signum
+
+    def restore(self):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)

@@ -12,11 +12,12 @@ TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 
 # One pass's arguments. dloss: the loss gradient's scale (training; None: forward only);
 # targets: whether the head computes the loss; on_logits(mb, logits): called with the
-# head's logits of each micro-batch; decode: a position (generation's one-position
-# forwards, Stage.decode), or None for whole passes; sync: whether the step action sums
-# the gradients (not in a gradient accumulation's passes before the last).
-Pass = namedtuple("Pass", "dloss targets on_logits decode sync",
-                  defaults=(None, False, None, None, True))
+# head's logits of each micro-batch; on_losses(mb, losses): with its losses (rows, T);
+# decode: a position (generation's one-position forwards, Stage.decode), or None for whole
+# passes; sync: whether the step action sums the gradients (not in a gradient
+# accumulation's passes before the last).
+Pass = namedtuple("Pass", "dloss targets on_logits decode sync on_losses",
+                  defaults=(None, False, None, None, True, None))
 
 
 class Executor:
@@ -120,6 +121,8 @@ class Executor:
             st.forward(slot, self._tokens(st, mb), targets, ps.dloss)
             if targets is not None:
                 self.be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
+                if ps.on_losses is not None:
+                    ps.on_losses(mb, st.acts[slot]["losses"])
         if st.head and ps.on_logits is not None:
             ps.on_logits(mb, st.acts[slot]["logits"])
 

@@ -75,24 +75,25 @@ class Runner:
 
     # --- training ----------------------------------------------------------------------
 
-    def step(self, x, y, lr=None):
+    def step(self, x, y, lr=None, keep=None):
         """One training step on the host batch x, y (B, T); returns the mean loss on every
-        rank."""
-        loss = self.launch(x, y, lr)
+        rank. keep(loss, norm), when given, decides whether the update happens (outlier
+        skipping; the step is eager) and must answer alike on every rank."""
+        loss = self.launch(x, y, lr, keep)
         if loss is None:
             self.transport.finish_sends()
             loss = self._mean_loss()
         return loss
 
-    def launch(self, x, y, lr=None):
+    def launch(self, x, y, lr=None, keep=None):
         """One training step, returning once launched: an eager step's mean loss, or None
         for a replayed CUDA graph (captured on the second step: the first allocates the
         workspaces), which does not wait for the device. x, y may hold several batches
-        (gradient accumulation: see gradients); such a step is eager."""
+        (gradient accumulation: see gradients); such a step is eager, as one with keep."""
         self.steps_done += 1
-        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch:
+        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch or keep:
             loss = self.gradients(x, y)
-            self.optimizer_step(lr)
+            self.optimizer_step(lr, keep and (lambda norm: keep(loss, norm)))
             return loss
         self.exec.feed(x, y)
         sched = self.opt.advance(lr)
@@ -125,10 +126,10 @@ class Runner:
                               y[i * rows:(i + 1) * rows], self._train_pass(n, i == n - 1))
                    for i in range(n)) / n
 
-    def optimizer_step(self, lr=None):
+    def optimizer_step(self, lr=None, keep=None):
         """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
-        unless the overlapped sum did."""
-        self.opt.step(lr, self.sync.summed)
+        unless the overlapped sum did. keep: as AdamW.apply's."""
+        return self.opt.step(lr, self.sync.summed, keep)
 
     def recompute_saves(self):
         """Bytes of activations and scratch this rank keeps fewer than it would without
@@ -164,6 +165,26 @@ class Runner:
                       self.be.to_host(logits)[..., :self.head.valid].astype(np.float32))
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
+
+    def position_losses(self, x, y):
+        """Collective: the loss at every position of x, y (host, (B, T)) as float64 host
+        (B, T), the same on every rank: each replica's head (its first tensor-parallel
+        shard: the others hold the same losses) sends its rows to rank 0, which shares
+        them."""
+        mine = []
+
+        def grab(mb, losses):  # a copy: the next micro-batch may reuse the slot
+            if self.head.part.shard == 0:
+                mine.append((self.plan.global_rows(mb),
+                             self.be.to_host(losses).astype(np.float64)))
+        self._pass(self.plan.evaluate, x, y, Pass(targets=True, on_losses=grab))
+        rows = self.transport.gather(mine)
+        out = None
+        if rows is not None:
+            out = np.zeros(x.shape, np.float64)
+            for r, losses in (p for rank in rows for p in rank):
+                out[r] = losses
+        return self.transport.bcast(out, root=0)
 
     def next_token(self, tokens, t, choose, cached=True):
         """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns

@@ -1,0 +1,69 @@
+"""-sl/-sg (llm.c's outlier detector): a loss spike injected through the train loop's test
+hook (one step's targets all the vocab's last token) is skipped on every rank of a grid,
+leaving the parameters as they were; the detectors' window survives a resume."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, cli, mpiexec
+
+SPIKE = 130  # the window (128 values) is full from step 129
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    from cupygpt.shape import GPT2Config
+    from cupygpt.files import read_shard, write_model, write_shard
+    from cupygpt.initialize import init_params
+    d = tmp_path_factory.mktemp("outliers")
+    cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
+    write_model(d / "model.bin", cfg, init_params(cfg, 7))
+    toks = read_shard(os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin"))
+    write_shard(d / "train.bin", toks[:20000] % cfg.V)
+    return d
+
+
+def train(made, out, steps, *extra, ranks=None, spike=True):
+    res = cli("train", "-e", made / "model.bin", "-i", made / "train.bin", "-j", "", "-b", "4",
+              "-t", "16", "-n", steps, "-g", "0", "-l", "3e-3", "-k", "constant", "-o", out, "--backend", "numpy",
+              *extra, ranks=ranks, env={"CUPYGPT_FAULT": f"targets:{SPIKE}"} if spike else {})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def model(out):
+    return open(out / "model.bin", "rb").read()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpiexec() is None and not os.environ.get("CI"),
+                    reason="needs mpiexec (pip install mpich)")
+def test_a_spike_is_skipped_on_every_rank_of_a_grid(made, tmp_path):
+    grid = ["--dp", "2", "--tp", "2", "--pp", "2"]
+    res = train(made, tmp_path / "a", SPIKE, "-sl", "3", *grid, ranks=8)
+    before = train(made, tmp_path / "b", SPIKE - 1, *grid, ranks=8, spike=False)
+    said = [ln for ln in res.stdout.splitlines() if f"step {SPIKE}'s update skipped" in ln]
+    assert sorted(ln.split("]")[0] for ln in said) == [f"[pe{r}" for r in range(8)], res.stdout
+    assert all("(loss z " in ln for ln in said)  # each rank's own detector said so
+    assert model(tmp_path / "a") == model(tmp_path / "b"), before.stdout[-500:]
+    last = json.loads(open(tmp_path / "a" / "log.jsonl").read().splitlines()[-1])
+    assert last["step"] == SPIKE and last["skipped"].startswith("loss z ")
+    assert last["train_loss"] > 2 + json.loads(open(tmp_path / "b" / "log.jsonl")
+                                               .read().splitlines()[-1])["train_loss"]
+
+
+def test_the_window_is_checkpointed(made, tmp_path):
+    """Resumed at step 128, the run skips step 130 as the uninterrupted run does (a fresh
+    window would have no z-score until step 256) and ends with the same parameters (the
+    lr is constant, so runs of other lengths share their steps)."""
+    full = train(made, tmp_path / "full", SPIKE + 2, "-sg", "3", "-sl", "3")
+    assert f"step {SPIKE}'s update skipped" in full.stdout
+    train(made, tmp_path / "cut", 128, "-sg", "3", "-sl", "3", "--checkpoint-every", "128")
+    res = train(made, tmp_path / "cut", SPIKE + 2, "-sg", "3", "-sl", "3",
+                "--checkpoint-every", "128", "--resume", tmp_path / "cut")
+    assert f"step {SPIKE}'s update skipped" in res.stdout
+    assert model(tmp_path / "cut") == model(tmp_path / "full")
+    no_skip = train(made, tmp_path / "plain", SPIKE + 2)
+    assert "skipped" not in no_skip.stdout and model(tmp_path / "plain") != model(tmp_path / "full")
