@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import cli, mpiexec
+from conftest import DEVICES, cli, device_env, mpiexec
 
 HEADER = 256
 
@@ -127,6 +127,19 @@ def run_eval(made, *extra, ranks=None):
               "--backend", "numpy", *extra, ranks=ranks)
     assert res.returncode == 0, res.stdout + res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eval_on_cuda_equals_float64_numpy(made, reference, device):
+    """The CUDA backend (cudasim, or the GPU) scores alike: fp32 with TF32 off."""
+    acc, losses = reference
+    res = cli("eval", made / "model.bin", "--hellaswag", made / "hs.bin", "--json",
+              "--backend", "cuda", "-b", "8", "--dtype", "fp32", "--no-tf32",
+              env=device_env(device))
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["examples"] == 11 and r["accuracy"] == acc
+    assert np.abs(np.array(r["losses"]) - losses).max() <= 2e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp64", 1e-10), ("fp32", 2e-5)])
