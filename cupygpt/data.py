@@ -33,18 +33,26 @@ class DataLoader:
         if not self.files:
             raise CupyGPTError("no token shard matches this pattern; run `prepare` or fix "
                                "the path", option, pattern)
-        self.B, self.T, self.shuffle, self.seed = B, T, shuffle, seed
+        self.B, self.T, self.V, self.shuffle, self.seed = B, T, V, shuffle, seed
         self.shards = []
         for path in self.files:
             tokens = read_shard(path)
             if tokens.size < B * T + 1:
                 raise CupyGPTError(f"{path}: shard holds {tokens.size} tokens, fewer than "
                                    f"B*T+1 = {B * T + 1}; lower the batch size or sequence length")
-            if tokens.size and int(tokens.max()) >= V:
-                raise CupyGPTError(f"{path}: token {int(tokens.max())} is outside the "
-                                   f"model's vocab (V={V}); was it tokenized for this model?")
             self.shards.append(tokens)
         self.reset()
+        self._tokens(int(self.order[0]), int(self.samples[0]) * B * T)  # before any allocation
+
+    def _tokens(self, f, at):
+        """Shard f's B*T+1 tokens from token `at`, int32, checked against the vocab batch by
+        batch: a FineWeb-sized set is never read whole before its first step."""
+        buf = np.asarray(self.shards[f][at: at + self.B * self.T + 1], dtype=np.int32)
+        if int(buf.max()) >= self.V:
+            raise CupyGPTError(f"{self.files[f]}: token {int(buf.max())} (in tokens {at}.."
+                               f"{at + buf.size - 1}) is outside the model's vocab "
+                               f"(V={self.V}); was it tokenized for this model?")
+        return buf
 
     def reset(self):
         self.epoch, self.shard, self.sample = 0, 0, 0
@@ -78,10 +86,8 @@ class DataLoader:
     def next_batch(self):
         """(x, y) int32 (B, T); moves to the next shard when one runs out, and to the next
         epoch (new orders) after the last."""
-        n = self.B * self.T
-        at = int(self.samples[self.sample]) * n
-        buf = np.asarray(self.shards[int(self.order[self.shard])][at: at + n + 1],
-                         dtype=np.int32)
+        buf = self._tokens(int(self.order[self.shard]),
+                           int(self.samples[self.sample]) * self.B * self.T)
         self.sample += 1
         if self.sample == len(self.samples):
             self.shard, self.sample = self.shard + 1, 0

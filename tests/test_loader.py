@@ -101,3 +101,20 @@ def test_a_resume_mid_epoch_is_bit_identical_on_a_grid(tmp_path):
     assert seq.returncode == 0 and "(in order)" in seq.stdout, seq.stderr
     assert "(shuffled, seed 1337)" in a.stdout
     assert losses(seq.stdout)[1:4] != [log["a"][s] for s in (2, 3, 4)]  # other batches
+
+
+def test_a_token_outside_the_vocab_is_found_in_its_batch(tmp_path):
+    """The first batch is checked when the loader is made (before training allocates);
+    later ones as they are read, so the whole set is never read at start."""
+    from cupygpt import CupyGPTError
+    toks = np.zeros(4 * 16 + 1, np.uint16)
+    toks[40] = 300  # the third batch of 16 tokens
+    write_shard(tmp_path / "s.bin", toks)
+    dl = DataLoader(str(tmp_path / "s.bin"), 1, 16, 300)
+    dl.next_batch(), dl.next_batch()
+    with pytest.raises(CupyGPTError, match=r"s.bin: token 300 \(in tokens 32..48\) is outside"):
+        dl.next_batch()
+    toks[40], toks[3] = 0, 301
+    write_shard(tmp_path / "s.bin", toks)
+    with pytest.raises(CupyGPTError, match="token 301"):
+        DataLoader(str(tmp_path / "s.bin"), 1, 16, 300)
