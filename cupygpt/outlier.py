@@ -16,7 +16,11 @@ class OutlierDetector:
             self.sum, self.sum_sq = float(state["sum"]), float(state["sum_sq"])
 
     def update(self, value):
-        """Adds value; returns its z-score (NaN while the window fills; 0 when it is flat)."""
+        """Adds value; returns its z-score (NaN while the window fills; 0 when it is flat).
+        A value that is not finite stays out of the window (its sums would never recover)
+        and scores inf: an outlier however the window looks."""
+        if not math.isfinite(value):
+            return math.inf
         if len(self.buffer) < WINDOW:
             self.buffer.append(value)
             self.sum += value

@@ -78,6 +78,19 @@ DEVICES = [pytest.param("sim", marks=requires_sim),
            pytest.param("gpu", marks=[pytest.mark.gpu, requires_gpu])]
 
 
+def tiktokens(texts, eot=True):
+    """Each text's GPT-2 tokens (tiktoken's encoding of the shipped tokenizer), an EOT
+    first when eot, in a process of its own: in-process, tiktoken can break once another
+    test has loaded NVRTC or cudasim."""
+    script = ("import json, sys; from cupygpt.tokenizer import Tokenizer; "
+              f"t = Tokenizer({os.path.join(ROOT, 'cupygpt', 'data', 'gpt2_tokenizer.bin')!r}); "
+              "print(json.dumps([([t.eot] if %r else []) + t.encode(x) "
+              "for x in json.load(sys.stdin)]))" % eot)
+    res = subprocess.run([sys.executable, "-c", script], input=json.dumps(texts), text=True,
+                         capture_output=True, cwd=ROOT, check=True)
+    return json.loads(res.stdout)
+
+
 def device_env(device):
     """The environment for a CLI run on device: cudasim's cupy first on PYTHONPATH (and
     its stand-in compute-sanitizer on PATH)."""

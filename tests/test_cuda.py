@@ -326,6 +326,28 @@ def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
     assert attention == 3 * L and launches <= 30 * L + 20, launches
 
 
+def test_a_pack_of_minus_inf_logits_adds_nothing(dev):
+    """A thread's later pack all -inf (a product overflowed), after a finite one: the row's
+    statistics, loss and dlogits stay those of the finite logits (a row as long as
+    GPT-2's, so a thread reads several packs)."""
+    from cupygpt.backends import numpy_backend as npb
+    cp, cu = dev.cp, dev.cu
+    V = 8300
+    lg = np.random.default_rng(3).normal(size=(1, 1, V)).astype(np.float32)
+    lg[0, 0, 4096:4104] = lg[0, 0, 8192:8200] = -np.inf  # thread 0's second and third packs
+    tgt = np.array([[5]], np.int32)
+    st, ls = np.empty((1, 1, 1, 3), np.float32), np.empty((1, 1), np.float32)
+    npb.classifier_stats(st[0], lg, tgt, 0, V)
+    st_d, ls_d = cp.empty((1, 1, 1, 3), np.float32), cp.empty((1, 1), np.float32)
+    cu.classifier_stats(st_d[0], cp.asarray(lg), cp.asarray(tgt), 0, V)
+    np.testing.assert_allclose(cp.asnumpy(st_d), st, rtol=1e-5)
+    h, d = lg.copy(), cp.asarray(lg)
+    npb.cross_entropy(h, ls, tgt, V, 1.0)
+    cu.cross_entropy(d, ls_d, cp.asarray(tgt), V, 1.0)
+    np.testing.assert_allclose(cp.asnumpy(ls_d), ls, rtol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(d), h, rtol=1e-5, atol=1e-8)
+
+
 def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):
     """Each op of a d12 training step (B=4, T=1024, bf16; the head whole and in two vocab
     shards) launches at least 2 blocks per SM of an H100 (132 SMs) for every kernel whose

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli, device_env, mpiexec
+from conftest import DEVICES, cli, device_env, mpiexec, tiktokens
 
 HEADER = 256
 
@@ -188,9 +188,6 @@ def test_train_h1_logs_the_final_models_accuracy(made, tmp_path):
 def test_prepare_tokenizes_as_llmc(tmp_path):
     """Context as it is, each ending after a space, GPT-2's tokens (tiktoken's encoding of
     the shipped tokenizer); two ids checked against GPT-2's published vocabulary."""
-    from cupygpt.tokenizer import Tokenizer
-    from conftest import ROOT
-    tok = Tokenizer(os.path.join(ROOT, "cupygpt", "data", "gpt2_tokenizer.bin"))
     recs = [{"ctx": "Hello", "endings": ["world", "there.", "a b", "x"], "label": 0},
             {"ctx": "A man is sitting on a roof. he", "endings": [
                 "is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
@@ -202,8 +199,9 @@ def test_prepare_tokenizes_as_llmc(tmp_path):
     assert res.returncode == 0, res.stderr
     got = read_llmc_eval(tmp_path / "d" / "hellaswag_val.bin")
     assert got[0][1] == [15496] and got[0][2][0] == [995]  # "Hello", " world"
-    assert got == [(r["label"], tok.encode(r["ctx"]), [tok.encode(" " + e) for e in r["endings"]])
-                   for r in recs]
+    ids = iter(tiktokens([x for r in recs for x in [r["ctx"]] + [" " + e for e in r["endings"]]],
+                         eot=False))
+    assert got == [(r["label"], next(ids), [next(ids) for _ in r["endings"]]) for r in recs]
     raw = open(tmp_path / "d" / "hellaswag_val.bin", "rb").read()
     longest = max(2 * (5 + 1 + len(c) + sum(1 + len(e) for e in es)) for _, c, es in got)
     assert np.frombuffer(raw[:16], np.int32).tolist() == [20240522, 1, 2, longest]

@@ -78,3 +78,16 @@ def test_a_spike_is_skipped_on_cuda(made, tmp_path, device):
     assert model(tmp_path) == model(tmp_path / f"ckpt_{SPIKE - 1:08d}")
     last = json.loads(open(tmp_path / "log.jsonl").read().splitlines()[-1])
     assert last["step"] == SPIKE and last["skipped"].startswith("loss z ")
+
+
+def test_a_non_finite_value_is_an_outlier_that_stays_out_of_the_window():
+    """(llm.c's running sums would turn NaN for good, and no later step could be judged.)"""
+    from cupygpt.outlier import WINDOW, OutlierDetector
+    d = OutlierDetector()
+    for i in range(WINDOW):
+        d.update(1.0 + (i % 2))
+    before = d.state()
+    assert d.update(float("inf")) == float("inf") and d.update(float("nan")) == float("inf")
+    assert d.state() == before
+    window = np.array([2.0] + [1.0 + (i % 2) for i in range(1, WINDOW)])  # 2.0 replaced the first
+    assert d.update(2.0) == pytest.approx((2.0 - window.mean()) / window.std(), rel=1e-12)

@@ -11,11 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli
+from conftest import ROOT, cli, tiktokens
 from cupygpt.files import read_shard
-from cupygpt.tokenizer import Tokenizer
 
-TOK = os.path.join(ROOT, "cupygpt", "data", "gpt2_tokenizer.bin")
 WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
          "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")
 
@@ -44,8 +42,7 @@ def test_corpus_shards_hold_tiktokens_with_an_eot_before_each_document(tmp_path)
     res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web",
               "--shard-size", "5000")
     assert res.returncode == 0, res.stderr
-    tok = Tokenizer(TOK)
-    want = np.concatenate([[tok.eot] + tok.encode(t) for t in docs])
+    want = np.concatenate(tiktokens(docs))
     names = sorted(os.listdir(tmp_path / "out"))
     n = -(-want.size // 5000)
     assert n >= 3 and names == sorted(["web_val_000000.bin"] + [f"web_train_{i:06d}.bin"
@@ -73,10 +70,9 @@ def test_parquet_documents(tmp_path):
     pq.write_table(pa.table({"text": docs}), tmp_path / "a.parquet")
     res = cli("prepare", tmp_path / "a.parquet", "--out", tmp_path / "o", "--shard-size", "7")
     assert res.returncode == 0, res.stderr
-    tok = Tokenizer(TOK)
     got = np.concatenate([read_shard(tmp_path / "o" / f) for f in
                           sorted(os.listdir(tmp_path / "o"), key=lambda f: f[-10:])])
-    assert np.array_equal(got, np.concatenate([[tok.eot] + tok.encode(t) for t in docs]))
+    assert np.array_equal(got, np.concatenate(tiktokens(docs)))
 
 
 def test_ctrl_c_leaves_no_half_shard(tmp_path):

@@ -27,6 +27,7 @@ __device__ void row_max_sum(const floatX* x, int valid, float& m, float& s) {
         load_pack(f, x + j, n, n == PACK && aligned16(x + j));
         float pm = -INFINITY, ps = 0.f;
         for (int k = 0; k < n; k++) pm = fmaxf(pm, f[k]);
+        if (pm == -INFINITY) continue;  // (adds nothing; exp(-inf - -inf) would be NaN)
         for (int k = 0; k < n; k++) ps += expf(f[k] - pm);
         merge_max_sum(m, s, pm, ps);
     }
