@@ -49,7 +49,7 @@ def test_a_spike_is_skipped_on_every_rank_of_a_grid(made, tmp_path):
     assert sorted(ln.split("]")[0] for ln in said) == [f"[pe{r}" for r in range(8)], res.stdout
     assert all("(loss z " in ln for ln in said)  # each rank's own detector said so
     assert model(tmp_path / "a") == model(tmp_path / "b"), before.stdout[-500:]
-    last = json.loads(open(tmp_path / "log.jsonl").read().splitlines()[-1])
+    last = json.loads(open(tmp_path / "a" / "log.jsonl").read().splitlines()[-1])
     assert last["step"] == SPIKE and last["skipped"].startswith("loss z ")
     assert last["train_loss"] > 2 + json.loads(open(tmp_path / "b" / "log.jsonl")
                                                .read().splitlines()[-1])["train_loss"]
