@@ -127,13 +127,27 @@ def param_layout(cfg, part=None):
 RECOMPUTED = {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}
 
 
-def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, embed=False,
-                      recompute=0):
+# The head's logits are made a chunk of positions at a time, each chunk's loss, dlogits
+# and their two products done before the next: no (B, T, Vp) tensor is kept. A chunk holds
+# at most this many logits (128 MiB in bf16; 4 chunks of 1024 positions for d12 at
+# B=4, T=1024), so its GEMMs stay large while the memory stops growing with B*T.
+LOGIT_CHUNK = 1 << 26
+
+
+def logit_rows(N, vocab_rows):
+    """Positions per chunk of the head's N positions (even chunks, the last maybe shorter)."""
+    chunks = max(1, -(-N * vocab_rows // LOGIT_CHUNK))
+    return -(-N // chunks)
+
+
+def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recompute=0):
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
-    columns, its vocab rows); per-layer tensors are what backward reads.
+    columns); per-layer tensors are what backward reads.
 
     encoded is the stage input: the embedding's output on stage 0, the received
-    activation elsewhere. The head's logits are overwritten in place by dlogits.
+    activation elsewhere. The head keeps no logits (scratch_layout's chunk): a training
+    forward leaves lnf's gradient in place of lnf, whose last reader (wte's gradient) has
+    run by then.
     qkv is its GEMM's product without the bias (attention adds it as it reads q, k, v).
     Attention keeps its output (atty) and each query's log-sum-exp (att_lse): backward
     makes the probabilities again (flash attention), so nothing is (T, T).
@@ -150,7 +164,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
          ("fch_gelu", (nl, B, T, 4 * C // tp)), ("residual3", (nl, B, T, C))]
     if head:
         e += [("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
-              ("logits", (B, T, vocab_rows or cfg.Vp)), ("losses", (B, T))]
+              ("losses", (B, T))]
     if split:
         e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
               ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
@@ -158,20 +172,24 @@ def activation_layout(cfg, B, T, nl, head, tp=1, vocab_rows=None, split=False, e
     return Mixed.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
 
 
-def scratch_layout(cfg, B, T, tp=1, recompute=0):
-    """Backward temporaries, reused by every layer and micro-batch.
+def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
+    """Temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
-    for the previous one. lstats holds each shard's softmax statistics per position (max,
-    sum of exponentials, target logit), gathered from the tensor-parallel group. proj is
-    a layer's attproj or fcproj product on its way to the residual add (forward only).
-    With recompute, one layer's GELU output (gelu_re) and, at 2, one layernorm output
-    (ln_re: ln1's and ln2's in turn).
+    for the previous one. proj is a layer's attproj or fcproj product on its way to the
+    residual add (forward only). With a head (vocab_rows: its shard's rows of wte), one
+    chunk's logits (logit_rows positions) and its softmax statistics per position and
+    shard (lstats: max, sum of exponentials, target logit; gathered from the
+    tensor-parallel group). With recompute, one layer's GELU output (gelu_re) and, at 2,
+    one layernorm output (ln_re: ln1's and ln2's in turn).
     """
     C = cfg.C
     e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
          ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
-         ("lstats", (tp, B, T, 3)), ("proj", (B, T, C))]
+         ("proj", (B, T, C))]
+    if vocab_rows:
+        n = logit_rows(B * T, vocab_rows)
+        e += [("logits", (n, vocab_rows)), ("lstats", (tp, n, 3))]
     e += [("gelu_re", (B, T, 4 * C // tp))] if recompute >= 1 else []
     e += [("ln_re", (B, T, C))] if recompute >= 2 else []
     return Mixed.of(e)

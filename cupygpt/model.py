@@ -58,9 +58,10 @@ class Stage:
     def layouts(cfg, B, T, part, split, recompute=0):
         """(parameters, one slot's activations, scratch) of a stage holding part."""
         return (param_layout(cfg, part),
-                activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp,
-                                  part.vocab(cfg)[1], split, part.embed, recompute),
-                scratch_layout(cfg, B, T, part.tp, recompute))
+                activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp, split,
+                                  part.embed, recompute),
+                scratch_layout(cfg, B, T, part.tp, recompute,
+                               part.vocab(cfg)[1] if part.head else None))
 
     @classmethod
     def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
@@ -105,9 +106,11 @@ class Stage:
         """The residual-stream gradient: arrives here from the next stage, leaves from here."""
         return self.s["dresidual"]
 
-    def forward(self, slot=0, tokens=None, targets=None, dloss=None):
+    def forward(self, slot=0, tokens=None, targets=None, dloss=None, on_logits=None):
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
-        leaves dlogits in place of logits (fused classifier) ready for backward."""
+        also runs its own backward (_logits) and leaves lnf's gradient in place of lnf.
+        on_logits(first, logits): the head's logits of positions [first, first + n) of
+        the micro-batch (flattened (B*T, vocab rows)), a chunk at a time."""
         be, a, NH = self.be, self.acts[slot], self.NH
         if self.embed:
             self._embed(a["encoded"], tokens, self.p["wpe"])
@@ -120,8 +123,9 @@ class Stage:
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._head(whole, x)
-            if targets is not None:
-                self._cross_entropy(a["logits"], a["losses"], targets, dloss)
+            C = self.cfg.C
+            self._logits(a["lnf"].reshape(-1, C), a["losses"].reshape(-1),
+                         None if targets is None else targets.reshape(-1), dloss, on_logits)
 
     def _embed(self, out, tokens, wpe):
         """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
@@ -135,18 +139,19 @@ class Stage:
         """Vocab-parallel softmax cross-entropy: each shard's (max, sum of exponentials,
         target logit) per position are gathered, every shard combines them in shard order,
         and the (B, T, Vp) logits are never gathered. With one shard, one fused op."""
-        be, stats = self.be, self.s["lstats"]
-        if self.part.tp == 1:
+        be, tp = self.be, self.part.tp
+        if tp == 1:
             return be.cross_entropy(logits, losses, targets, self.valid, dloss)
+        stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
         be.classifier_stats(stats[self.part.shard], logits, targets, self.v0, self.valid)
         self.comm.all_gather(stats[self.part.shard], stats, "tp")
         be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
-    def decode(self, slot, t, tokens=None):
+    def decode(self, slot, t, tokens=None, on_logits=None):
         """Generation's forward of one position: row 0 at position t only. Every earlier
         position's q, k, v are still in this slot's qkv activations from the passes before
         (the KV cache), so each layer computes one row and attends over t + 1 keys. tokens
-        (1,1) on the device when embed; leaves the row's logits in logits[0, t] (head)."""
+        (1,1) on the device when embed; on_logits(t, logits (1, vocab rows)) (head)."""
         be, a, NH = self.be, self.acts[slot], self.NH
 
         def row(name, l=None):  # the (1, 1, ...) view of row 0, position t
@@ -159,6 +164,7 @@ class Stage:
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
             self._head(row, x)
+            self._logits(row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
 
     RECOMPUTE_INTO = {"fch_gelu": "gelu_re", "ln1": "ln_re", "ln2": "ln_re"}
 
@@ -223,12 +229,34 @@ class Stage:
         return res
 
     def _head(self, act, x):
-        """Final layernorm (the last residual add's, where there are layers) and the LM head."""
-        be, p = self.be, self.p
+        """The final layernorm, where no residual add ran it (a stage of no layers)."""
         if not self.nl:
-            be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x, p["lnfw"],
-                                 p["lnfb"])
-        be.matmul_forward(act("logits"), act("lnf"), p["wte"])
+            self.be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x,
+                                      self.p["lnfw"], self.p["lnfb"])
+
+    def _logits(self, lnf, losses, targets, dloss, on_logits, first=0):
+        """The LM head over lnf's positions (N, C), a chunk of the scratch's logit rows at
+        a time: logits = lnf wte^T; with targets the losses (dlogits in place with dloss);
+        with dloss also the head's backward, while the chunk's dlogits exist: wte's
+        gradient += dlogits^T lnf, then lnf's rows := dlogits wte (its partial sum over
+        the vocab shards; backward sums it over the group). In bf16 each chunk's addition
+        to wte's gradient is rounded, as each micro-batch's is."""
+        if targets is None and on_logits is None:
+            return  # nobody reads them
+        be, p, s, N = self.be, self.p, self.s, lnf.shape[0]
+        R, Vr = s["logits"].shape
+        for r0 in range(0, N, R):
+            n, rows = min(R, N - r0), slice(r0, r0 + R)
+            logits = s["logits"].reshape(-1)[:n * Vr].reshape(n, Vr)
+            be.matmul_forward(logits, lnf[rows], p["wte"])
+            if on_logits is not None:
+                on_logits(first + r0, logits)
+            if targets is None:
+                continue
+            self._cross_entropy(logits, losses[rows], targets[rows], dloss)
+            if dloss is not None:
+                be.matmul_backward_weight(self.g["wte"], None, logits, lnf[rows])
+                be.matmul_backward_input(lnf[rows], logits, p["wte"])
 
     def backward(self, slot=0, tokens=None, layer_done=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
@@ -249,8 +277,6 @@ class Stage:
         whose backward_input ran, in backward's order, so B then W adds exactly what the
         fused backward adds."""
         be, a, g = self.be, self.acts[slot], self.g
-        if self.head:
-            be.matmul_backward_weight(g["wte"], None, a["logits"], a["lnf"])
         for l in reversed(range(self.nl)):
             for name, dout, inp in self.MATMULS:
                 be.matmul_backward_weight(g[name + "w"][l], g[name + "b"][l], a[dout][l],
@@ -285,13 +311,10 @@ class Stage:
             if not weights:
                 (a[keep] if l is None else a[keep][l])[...] = dout
             return dout
-        if self.head:
+        if self.head:  # the LM head's products ran in forward (_logits): lnf holds its gradient
             dres.fill(0)
-            be.matmul_backward_input(s["dbt_c"], a["logits"], p["wte"])
-            if weights:
-                be.matmul_backward_weight(g["wte"], None, a["logits"], a["lnf"])
-            self.tp_sum(s["dbt_c"])
-            be.layernorm_backward(dres, g["lnfw"], g["lnfb"], s["dbt_c"], self.output(slot),
+            self.tp_sum(a["lnf"])
+            be.layernorm_backward(dres, g["lnfw"], g["lnfb"], a["lnf"], self.output(slot),
                                   p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
         for l in reversed(range(self.nl)):
             x = a["encoded"] if l == 0 else a["residual3"][l - 1]

@@ -24,27 +24,44 @@ def shard_path(out, name, index):
 
 
 def check_inputs(inputs):
-    """Before anything is written: each input's kind is readable here."""
+    """Before anything is written: each input's kind is readable here, and a parquet
+    file's footer says it has a string `text` column."""
     for path in inputs:
         if path.endswith(".parquet"):
-            try:
-                import pyarrow.parquet  # noqa: F401
-            except ImportError:
-                raise CupyGPTError(f"{path}: reading parquet needs pyarrow; pip install "
-                                   f"'cupygpt[parquet]'") from None
+            parquet(path)
+
+
+def parquet(path):
+    """The open pyarrow ParquetFile of path, checked: one line for anything wrong."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CupyGPTError(f"{path}: reading parquet needs pyarrow; pip install "
+                           f"'cupygpt[parquet]'") from None
+    try:
+        f = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # (pyarrow's ArrowInvalid is a ValueError)
+        raise CupyGPTError(f"{path}: not a readable parquet file ({e})") from None
+    schema = f.schema_arrow
+    if "text" not in schema.names or not (pa.types.is_string(schema.field("text").type) or
+                                          pa.types.is_large_string(schema.field("text").type)):
+        raise CupyGPTError(f"{path}: has no `text` column of strings (columns: "
+                           f"{', '.join(f'{n} {t}' for n, t in zip(schema.names, schema.types))})")
+    return f
 
 
 def documents(path):
     """(text, bytes of the input consumed) per document of one input."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        f = pq.ParquetFile(path)
-        if "text" not in f.schema_arrow.names:
-            raise CupyGPTError(f"{path}: has no `text` column")
+        f = parquet(path)
         per = os.path.getsize(path) / max(1, f.metadata.num_rows)
-        for batch in f.iter_batches(columns=["text"]):
-            for text in batch.column(0).to_pylist():
-                yield text or "", per
+        try:
+            for batch in f.iter_batches(columns=["text"]):
+                for text in batch.column(0).to_pylist():
+                    yield text or "", per
+        except (OSError, ValueError) as e:
+            raise CupyGPTError(f"{path}: damaged parquet data ({e})") from None
     elif path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):

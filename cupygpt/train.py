@@ -178,11 +178,12 @@ class Trainer:
             self.logf = False
 
     def evaluate(self, step, last):
-        """Val loss and (-h 1) HellaSwag accuracy, in one line and one log record."""
+        """Val loss and (-h 1) HellaSwag accuracy, in one line and one log record: every
+        val_every steps and at the end (HellaSwag at the end also with -v 0)."""
         opts, rec, said = self.opts, {"step": step}, []
-        if not (opts.val_every and (step % opts.val_every == 0 or last)):
+        if not ((opts.val_every and step % opts.val_every == 0) or last):
             return
-        if self.val_data:
+        if self.val_data and opts.val_every:
             self.val_data.reset()
             rec["val_loss"] = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
                                              for _ in range(opts.val_batches)]))

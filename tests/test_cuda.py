@@ -348,12 +348,20 @@ def test_a_pack_of_minus_inf_logits_adds_nothing(dev):
     np.testing.assert_allclose(cp.asnumpy(d), h, rtol=1e-5, atol=1e-8)
 
 
+def test_bf16_head_chunks_round_only_wtes_gradient_more(dev, monkeypatch):
+    """The head a chunk of positions at a time, on the CUDA backend (test_model's check)."""
+    from test_model import check_bf16_chunks
+    check_bf16_chunks(dev.cu, monkeypatch)
+
+
 def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):
     """Each op of a d12 training step (B=4, T=1024, bf16; the head whole and in two vocab
     shards) launches at least 2 blocks per SM of an H100 (132 SMs) for every kernel whose
     arrays hold more than 1 MB. Nothing runs: the launches are recorded, the GEMMs skipped,
     the arrays never written (so never touched on cudasim)."""
     import math
+
+    from cupygpt.layout import logit_rows
     cp, cu = dev.cp, dev.cu
     launches = []
 
@@ -375,10 +383,13 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
                                   f(B, T), f(B, T), x(C), x(C))
     cu.gelu_forward(x(B, T, 4 * C), x(B, T, 4 * C), x(4 * C))
     cu.residual_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(C))
-    cu.cross_entropy(x(B, T, Vp), f(B, T), tokens, V, 1.0 / (B * T))
-    stats = f(2, B, T, 3)
-    cu.classifier_stats(stats[0], x(B, T, Vp // 2), tokens, 0, Vp // 2)
-    cu.classifier(x(B, T, Vp // 2), f(B, T), stats, tokens, 0, Vp // 2, 1.0 / (B * T))
+    R = logit_rows(B * T, Vp)  # the head's positions per chunk (2 shards: R2)
+    cu.cross_entropy(x(R, Vp), f(R), tokens.reshape(-1)[:R], V, 1.0 / (B * T))
+    R2 = logit_rows(B * T, Vp // 2)
+    stats = f(2, R2, 3)
+    cu.classifier_stats(stats[0], x(R2, Vp // 2), tokens.reshape(-1)[:R2], 0, Vp // 2)
+    cu.classifier(x(R2, Vp // 2), f(R2), stats, tokens.reshape(-1)[:R2], 0, Vp // 2,
+                  1.0 / (B * T))
     cu.loss_accumulate(cp.zeros(1, np.float64), f(B, T))
     for OC in (3 * C, C, 4 * C):
         cu.matmul_backward_weight(x(OC, C), x(OC), x(B, T, OC), x(B, T, C))

@@ -183,6 +183,14 @@ def test_train_h1_logs_the_final_models_accuracy(made, tmp_path):
                        "-b", "8", "-t", "24", "--json", "--backend", "numpy").stdout)
     assert hs[-1][1] == r["accuracy"] == score_float64(tmp_path / "o" / "model.bin",
                                                        made / "hs.bin")[0]
+    quiet = cli("train", "-e", made / "model.bin", "-i", tmp_path / "toks.bin", "-j",
+                tmp_path / "toks.bin", "-b", "8",
+                "-t", "24", "-n", "2", "-v", "0", "-g", "0", "-o", tmp_path / "q", "-h", "1",
+                "--hellaswag-file", made / "hs.bin", "--backend", "numpy")
+    assert quiet.returncode == 0, quiet.stderr  # -v 0: no val loss, HellaSwag at the end
+    recs = [json.loads(x) for x in open(tmp_path / "q" / "log.jsonl")]
+    assert [(r["step"], "val_loss" in r) for r in recs if "hellaswag_acc" in r] == [(2, False)]
+    assert quiet.stdout.count("hellaswag acc") == 1 and "val loss" not in quiet.stdout
 
 
 def test_prepare_tokenizes_as_llmc(tmp_path):

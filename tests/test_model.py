@@ -117,3 +117,132 @@ def test_fresh_init_is_llmc_s():
         assert abs(w.std() - 0.02) < 0.002 and abs(w.mean()) < 0.002, name
     assert abs(v["fcprojw"].std() - 0.02 / np.sqrt(8)) < 0.001
     assert np.all(v["wte"][cfg.V:] == 0) and np.all(v["ln1w"] == 1) and np.all(v["qkvb"] == 0)
+
+
+class ThreadGroup:
+    """A tensor-parallel group of threads (one Stage shard each): the two collectives the
+    model calls, summed and gathered in member order. A member computes only while it holds
+    the group's lock (the NumPy backend's workspaces are shared), which it lets go while it
+    waits for the others."""
+
+    def __init__(self, n):
+        import threading
+        self.barrier, self.box = threading.Barrier(n, timeout=60), [None] * n
+        self.lock = threading.Lock()
+
+    def wait(self):
+        self.lock.release()
+        self.barrier.wait()
+        self.lock.acquire()
+
+    def member(self, k):
+        group = self
+
+        class Member:
+            def all_reduce(self, arr, axis):
+                total = group._share(k, arr)
+                arr[...] = sum(total[1:], total[0])
+                group.wait()
+
+            def all_gather(self, part, out, axis):
+                out.reshape(-1)[...] = np.concatenate([p.reshape(-1) for p in group._share(k, part)])
+                group.wait()
+        return Member()
+
+    def _share(self, k, arr):
+        self.box[k] = arr.copy()
+        self.wait()
+        return list(self.box)
+
+
+def step(stage, x, y, logits=None):
+    """One training forward and backward of stage; logits[first:first+n] gets each chunk."""
+    def keep(first, chunk):
+        logits[first:first + len(chunk)] = chunk
+    stage.zero_grad()
+    stage.forward(0, x, y, dloss=1.0 / (B * T), on_logits=None if logits is None else keep)
+    stage.backward(0, x)
+    return stage.acts[0]["losses"].copy()
+
+
+def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
+    """The LM head made a few positions at a time (uneven chunks: the last one shorter), on
+    the whole vocabulary and on two vocab-parallel shards (threads), gives the whole head's
+    logits, losses and every gradient (float64), and keeps no (B, T, Vp) tensor."""
+    import threading
+
+    from cupygpt import layout
+    x, y = batch(3)
+    full = params64()
+    whole = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)
+    whole.load(full)
+    want = step(whole, x, y)
+    assert whole.s["logits"].shape == (B * T, CFG.Vp)  # one chunk by default
+
+    monkeypatch.setattr(layout, "LOGIT_CHUNK", 3 * CFG.Vp // 2)  # 3 positions per shard
+    chunked = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)
+    chunked.load(full)
+    assert chunked.s["logits"].shape == (2, CFG.Vp)  # 5 chunks of 2 positions
+    logits = np.zeros((B * T, CFG.Vp))
+    np.testing.assert_allclose(step(chunked, x, y, logits), want, rtol=1e-13)
+    np.testing.assert_allclose(chunked.grads, whole.grads, rtol=1e-12, atol=1e-15)
+    lnf = whole.acts[0]["lnf"]  # forward only: lnf stays lnf
+    whole.forward(0, x, y)
+    np.testing.assert_allclose(logits, lnf.reshape(-1, CFG.C) @ whole.p["wte"].T, rtol=1e-12)
+
+    group, shards = ThreadGroup(2), [None, None]
+
+    def run(k):
+        with group.lock:
+            shards[k] = member(k)
+
+    def member(k):
+        st = Stage(CFG, be, batch=B, seq=T, part=Part(0, CFG.L, tp=2, shard=k),
+                   dtype=np.float64, comm=group.member(k))
+        st.load(full)
+        assert st.s["logits"].shape == (3, CFG.Vp // 2)  # 3, 3, 3 and 1 positions
+        return st, step(st, x, y)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for st, got in shards:
+        np.testing.assert_allclose(got, want, rtol=1e-13)
+    got = assemble(CFG, [(st.part, st.grads) for st, _ in shards])
+    np.testing.assert_allclose(got, whole.grads, rtol=1e-11, atol=1e-14)
+
+
+def check_bf16_chunks(be, monkeypatch):
+    """In bf16 the head's chunks change nothing but wte's gradient (each chunk's addition
+    rounded, as a micro-batch's is): the losses and every other gradient keep their bits,
+    and wte's stays within a few bf16 steps of its largest value."""
+    from cupygpt import layout
+    from cupygpt.precision import BF16
+    x, y = batch(4)
+    full = params64().astype(np.float32).astype(BF16)
+    runs = []
+    for chunk in (layout.LOGIT_CHUNK, 3 * CFG.Vp):
+        monkeypatch.setattr(layout, "LOGIT_CHUNK", chunk)
+        st = Stage(CFG, be, batch=B, seq=T, dtype=BF16)
+        st.load(full)
+        st.zero_grad()
+        tokens, targets = (be.zeros(B * T, np.int32).reshape(B, T) for _ in "xy")
+        be.upload(tokens, x)
+        be.upload(targets, y)
+        st.forward(0, tokens, targets, dloss=1.0 / (B * T))
+        st.backward(0, tokens)
+        runs.append((st.s["logits"].shape[0], be.to_host(st.acts[0]["losses"]),
+                     {n: be.to_host(g).astype(np.float32) for n, g in st.g.items()}))
+    (_, want, whole), (rows, got, chunked) = runs
+    assert rows == 3 and np.array_equal(got, want)
+    for name, g in whole.items():
+        if name != "wte":
+            assert np.array_equal(chunked[name], g), name
+    a, b = whole["wte"], chunked["wte"]
+    assert not np.array_equal(a, b)  # rounded more often: not the same bits
+    assert np.abs(a - b).max() <= 4 * 2.0 ** -8 * np.abs(a).max()
+
+
+def test_bf16_chunks_round_only_wtes_gradient_more(monkeypatch):
+    check_bf16_chunks(be, monkeypatch)

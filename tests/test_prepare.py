@@ -73,6 +73,18 @@ def test_parquet_documents(tmp_path):
     got = np.concatenate([read_shard(tmp_path / "o" / f) for f in
                           sorted(os.listdir(tmp_path / "o"), key=lambda f: f[-10:])])
     assert np.array_equal(got, np.concatenate(tiktokens(docs)))
+    # damaged: cut short, no text column, numbers for text; one line each, nothing written
+    raw = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(raw[:len(raw) // 2])
+    pq.write_table(pa.table({"body": docs}), tmp_path / "body.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    for name, why in (("cut", "not a readable parquet file"),
+                      ("body", "has no `text` column of strings (columns: body string)"),
+                      ("ints", "has no `text` column of strings (columns: text int64)")):
+        res = cli("prepare", tmp_path / f"{name}.parquet", "--out", tmp_path / name)
+        assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+        assert res.stderr.startswith(f"error: {tmp_path / name}.parquet: {why}"), res.stderr
+        assert not (tmp_path / name).exists()
 
 
 def test_ctrl_c_leaves_no_half_shard(tmp_path):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from . import host_memory
+from ..layout import logit_rows
 from ..precision import BF16, step_seed, stochastic_round, wide
 
 name = "numpy"
@@ -71,10 +72,11 @@ memory_name = "this host's memory"
 
 def workspace_bytes(cfg, batch, seq, part, dtype):
     """The most the kept scratch arrays (_ws) reach for a stage holding part, micro-batches
-    of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (its vocab
-    rows' logits) and AdamW's three chunks (two, and the clipped gradient's)."""
+    of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (a chunk of
+    the head's logits) and AdamW's three chunks (two, and the clipped gradient's)."""
     n = 2 * batch * seq * 4 * cfg.C // part.tp if part.l1 > part.l0 else 0
-    n += batch * seq * part.vocab(cfg)[1] if part.head else 0
+    vr = part.vocab(cfg)[1]
+    n += logit_rows(batch * seq, vr) * vr if part.head else 0
     return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 
 

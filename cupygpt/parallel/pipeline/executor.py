@@ -11,8 +11,9 @@ from .schedule import Op, slot_plan
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 
 # One pass's arguments. dloss: the loss gradient's scale (training; None: forward only);
-# targets: whether the head computes the loss; on_logits(mb, logits): called with the
-# head's logits of each micro-batch; on_losses(mb, losses): with its losses (rows, T);
+# targets: whether the head computes the loss; on_logits(mb, first, logits): called with
+# the head's logits of each micro-batch, a chunk of positions at a time (Stage.forward);
+# on_losses(mb, losses): with its losses (rows, T);
 # decode: a position (generation's one-position forwards, Stage.decode), or None for whole
 # passes; sync: whether the step action sums the gradients (not in a gradient
 # accumulation's passes before the last).
@@ -113,18 +114,17 @@ class Executor:
 
     def _forward(self, a, slot, ps):
         st, mb = self.stages[a.chunk], a.mb
+        hook = ps.on_logits and (lambda first, logits: ps.on_logits(mb, first, logits))
         if ps.decode is not None:
             t = ps.decode
-            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if st.embed else None)
+            st.decode(slot, t, self.x_dev[0:1, t:t + 1] if st.embed else None, hook)
         else:
             targets = self.y_dev[self.plan.mb_slice(mb)] if st.head and ps.targets else None
-            st.forward(slot, self._tokens(st, mb), targets, ps.dloss)
+            st.forward(slot, self._tokens(st, mb), targets, ps.dloss, hook)
             if targets is not None:
                 self.be.loss_accumulate(self.loss_acc, st.acts[slot]["losses"])
                 if ps.on_losses is not None:
                     ps.on_losses(mb, st.acts[slot]["losses"])
-        if st.head and ps.on_logits is not None:
-            ps.on_logits(mb, st.acts[slot]["logits"])
 
     def _hook(self, a, ps):
         return self.sync.layer_hook(self.stages[a.chunk],

@@ -159,10 +159,15 @@ class Runner:
     def eval_loss(self, x, y, on_logits=None):
         """The mean loss of x, y on every rank. on_logits(rows, v0, logits): this rank's
         rows of the batch (a slice), its first vocabulary column and those logits (host,
-        its real vocabulary columns), per micro-batch, on the head's ranks."""
-        def grab(mb, logits):
-            on_logits(self.plan.global_rows(mb), self.head.v0,
-                      self.be.to_host(logits)[..., :self.head.valid].astype(np.float32))
+        (rows, T, its real vocabulary columns)), per micro-batch, on the head's ranks."""
+        B, T, got = self.plan.mb_rows, self.plan.seq, {}
+
+        def grab(mb, first, logits):  # the micro-batch's chunks, gathered on the host
+            whole = got.setdefault(mb, np.empty((B * T, self.head.valid), np.float32))
+            whole[first:first + len(logits)] = self.be.to_host(logits)[:, :self.head.valid]
+            if first + len(logits) == B * T:
+                on_logits(self.plan.global_rows(mb), self.head.v0,
+                          got.pop(mb).reshape(B, T, -1))
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
 
@@ -193,9 +198,9 @@ class Runner:
         (the KV cache: the first call is a whole pass over the prompt); else a whole pass."""
         row = {}
 
-        def grab(mb, logits):
-            if mb == 0:
-                row["logits"] = self.be.to_host(logits[0, t, :self.head.valid]).astype(
+        def grab(mb, first, logits):  # row 0 is the first T positions
+            if mb == 0 and first <= t < first + len(logits):
+                row["logits"] = self.be.to_host(logits[t - first, :self.head.valid]).astype(
                     np.float32)
         self.exec.feed(tokens, None)
         self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
