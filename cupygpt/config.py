@@ -163,7 +163,8 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
     if batch < 4:
         raise CupyGPTError("HellaSwag puts an example's 4 completions in 4 rows of a batch: "
                            "give -b 4 or more", "batch", batch)
-    existing(option, path)
+    existing(option, path, "`cupygpt prepare hellaswag_val.jsonl --hellaswag` (HellaSwag's "
+             "published jsonl)")
     examples = tuple(read_eval(path))
     seq = default(seq, longest_row(examples))
     fits(seq, shape)

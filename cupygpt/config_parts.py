@@ -175,11 +175,13 @@ def out_file(name, path):
         raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
 
 
-def existing(name, path):
+def existing(name, path, how=None):
+    """path is a regular file; how: what makes it, said when it is missing."""
     try:
         what = not_regular(os.stat(path))
     except OSError:
-        raise CupyGPTError("no such file", name, path) from None
+        raise CupyGPTError("no such file" + (f"; {how} makes it" if how else ""), name,
+                           path) from None
     if what:  # (a FIFO would block its reader)
         raise CupyGPTError(f"is {what}, not a regular file; give a file", name, path)
 

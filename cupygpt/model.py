@@ -13,6 +13,7 @@ import numpy as np
 
 from . import CupyGPTError
 from .comm.local import Local
+from .head import lm_head
 from .precision import dtype_name, wide
 from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
@@ -108,7 +109,7 @@ class Stage:
 
     def forward(self, slot=0, tokens=None, targets=None, dloss=None, on_logits=None):
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
-        also runs its own backward (_logits) and leaves lnf's gradient in place of lnf.
+        also runs its own backward (head.lm_head) and leaves lnf's gradient in place of lnf.
         on_logits(first, logits): the head's logits of positions [first, first + n) of
         the micro-batch (flattened (B*T, vocab rows)), a chunk at a time."""
         be, a, NH = self.be, self.acts[slot], self.NH
@@ -123,9 +124,8 @@ class Stage:
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._head(whole, x)
-            C = self.cfg.C
-            self._logits(a["lnf"].reshape(-1, C), a["losses"].reshape(-1),
-                         None if targets is None else targets.reshape(-1), dloss, on_logits)
+            lm_head(self, a["lnf"].reshape(-1, self.cfg.C), a["losses"].reshape(-1),
+                    None if targets is None else targets.reshape(-1), dloss, on_logits)
 
     def _embed(self, out, tokens, wpe):
         """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
@@ -134,18 +134,6 @@ class Stage:
         self.be.encoder_forward(out, tokens, self.p["wte"], wpe if self.part.shard == 0 else None,
                                 self.v0)
         self.tp_sum(out)
-
-    def _cross_entropy(self, logits, losses, targets, dloss):
-        """Vocab-parallel softmax cross-entropy: each shard's (max, sum of exponentials,
-        target logit) per position are gathered, every shard combines them in shard order,
-        and the (B, T, Vp) logits are never gathered. With one shard, one fused op."""
-        be, tp = self.be, self.part.tp
-        if tp == 1:
-            return be.cross_entropy(logits, losses, targets, self.valid, dloss)
-        stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
-        be.classifier_stats(stats[self.part.shard], logits, targets, self.v0, self.valid)
-        self.comm.all_gather(stats[self.part.shard], stats, "tp")
-        be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
     def decode(self, slot, t, tokens=None, on_logits=None):
         """Generation's forward of one position: row 0 at position t only. Every earlier
@@ -164,7 +152,7 @@ class Stage:
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
             self._head(row, x)
-            self._logits(row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
+            lm_head(self, row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
 
     RECOMPUTE_INTO = {"fch_gelu": "gelu_re", "ln1": "ln_re", "ln2": "ln_re"}
 
@@ -233,30 +221,6 @@ class Stage:
         if not self.nl:
             self.be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x,
                                       self.p["lnfw"], self.p["lnfb"])
-
-    def _logits(self, lnf, losses, targets, dloss, on_logits, first=0):
-        """The LM head over lnf's positions (N, C), a chunk of the scratch's logit rows at
-        a time: logits = lnf wte^T; with targets the losses (dlogits in place with dloss);
-        with dloss also the head's backward, while the chunk's dlogits exist: wte's
-        gradient += dlogits^T lnf, then lnf's rows := dlogits wte (its partial sum over
-        the vocab shards; backward sums it over the group). In bf16 each chunk's addition
-        to wte's gradient is rounded, as each micro-batch's is."""
-        if targets is None and on_logits is None:
-            return  # nobody reads them
-        be, p, s, N = self.be, self.p, self.s, lnf.shape[0]
-        R, Vr = s["logits"].shape
-        for r0 in range(0, N, R):
-            n, rows = min(R, N - r0), slice(r0, r0 + R)
-            logits = s["logits"].reshape(-1)[:n * Vr].reshape(n, Vr)
-            be.matmul_forward(logits, lnf[rows], p["wte"])
-            if on_logits is not None:
-                on_logits(first + r0, logits)
-            if targets is None:
-                continue
-            self._cross_entropy(logits, losses[rows], targets[rows], dloss)
-            if dloss is not None:
-                be.matmul_backward_weight(self.g["wte"], None, logits, lnf[rows])
-                be.matmul_backward_input(lnf[rows], logits, p["wte"])
 
     def backward(self, slot=0, tokens=None, layer_done=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the

@@ -310,7 +310,9 @@ CASES += [
        f"-e {d}: not a model file and not one of llm.c's descriptors: tiny, d6, d12, d24, d36, "
        f"d48, d60, d72, d84, gpt3:c384, gpt3:c768") for d in ("d13", "gpt3:c5140", "gpt3:768")],
     ("train -h 1 no file", lambda t: ["train", "-h", "1", "--hellaswag-file", t / "nope.bin",
-                                      "-o", t / "never"], "--hellaswag-file"),
+                                      "-o", t / "never"],
+     "nope.bin: no such file; `cupygpt prepare hellaswag_val.jsonl --hellaswag` (HellaSwag's "
+     "published jsonl) makes it"),
 ]
 
 

@@ -67,6 +67,28 @@ def test_tokenizer_v1_and_v2(tmp_path):
     assert t2.eot == 50256 and t2.decode([15496, 995]) == "Hello world"
 
 
+def test_tokenizer_splits_as_tiktokens_published_gpt2():
+    """The encoder built from the shipped file splits text with tiktoken's own GPT-2
+    pattern (tiktoken_ext.openai_public, not the project's copy) on contractions, runs of
+    spaces, trailing whitespace, accents, CJK, digits and newlines; and well-known GPT-2
+    ids come out as published."""
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+    tok = Tokenizer(TOK)
+    theirs = tiktoken.Encoding("gpt2-published-pattern", pat_str=r50k_pat_str,
+                               mergeable_ranks={t: i for i, t in enumerate(tok.tokens)
+                                                if i != tok.eot},
+                               special_tokens={"<|endoftext|>": tok.eot})
+    texts = ["I'm sure you'll say they've done 'it' -- don't they'd?", "a  b   c    \n\n d ",
+             "naïve café résumé über façade", "日本語のテキスト 和 中文", "3.14159 + 2,718 = 12345678",
+             "tabs\tand\r\nwindows\n\n\nnewlines   ", "  leading and trailing  ", "😀 emoji 🚀!"]
+    for text in texts:
+        assert tok.encode(text) == theirs.encode_ordinary(text), text
+    assert [tok.encode(w) for w in ("Hello", " world", " the", ",", ".", "\n", "\n\n", "The",
+                                    " and", " of", " to")] == \
+        [[15496], [995], [262], [11], [13], [198], [628], [464], [290], [286], [284]]
+
+
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(RuntimeError):
         with atomic_write(tmp_path / "x.bin") as f:

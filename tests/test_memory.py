@@ -132,3 +132,26 @@ def test_ranks_sharing_the_host_are_counted_together(tmp_path):
     res = cli("train", "-b", 2 * rows, "-t", "64", "--dp", "2", "-o", tmp_path, ranks=2)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "out of memory at start: the 2 ranks sharing this host's memory need" in res.stderr
+
+
+def test_each_host_counts_only_its_own_ranks():
+    """The check sums the ranks of each memory (a host's RAM, a GPU) apart: four ranks on
+    two hosts, each host holding what its two need, pass though the four together need
+    more than one host has; a host whose two ranks need more is refused on every rank."""
+    from types import SimpleNamespace
+
+    from cupygpt.parallel.pipeline.memory import check_memory
+    mem = {"params": 3 * 2 ** 30, "activations": 2 ** 30}  # 4 GiB a rank
+
+    def check(frees, rank):
+        every = [(f"node{r // 2}", frees[r // 2], 4 * 2 ** 30, r) for r in range(4)]
+        be = SimpleNamespace(memory_domain=lambda: "", device_memory=lambda: 0,
+                             memory_name="a host's RAM")
+        tr = SimpleNamespace(gather=lambda mine: None, bcast=lambda obj: every)
+        check_memory({**mem, "scratch": 0, "workspace": 0}, be, tr, SimpleNamespace(rank=rank))
+    for rank in range(4):
+        check([9 * 2 ** 30, 9 * 2 ** 30], rank)  # 8 GiB a host: fits (16 would not)
+        with pytest.raises(CupyGPTError) as e:
+            check([9 * 2 ** 30, 7 * 2 ** 30], rank)
+        assert "the 2 ranks sharing a host's RAM need 8.00 GiB" in str(e.value)
+        assert "7.00 GiB of a host's RAM is free" in str(e.value)

@@ -55,6 +55,17 @@ def test_a_spike_is_skipped_on_every_rank_of_a_grid(made, tmp_path):
                                                .read().splitlines()[-1])["train_loss"]
 
 
+def test_a_norm_spike_alone_is_skipped(made, tmp_path):
+    """-sg alone: the spike's gradient norm is the outlier; the update is skipped."""
+    res = train(made, tmp_path / "a", SPIKE, "-sg", "3")
+    train(made, tmp_path / "b", SPIKE - 1, spike=False)
+    said = [ln for ln in res.stdout.splitlines() if f"step {SPIKE}'s update skipped" in ln]
+    assert len(said) == 1 and "(norm z " in said[0], res.stdout[-2000:]
+    assert model(tmp_path / "a") == model(tmp_path / "b")
+    last = json.loads(open(tmp_path / "a" / "log.jsonl").read().splitlines()[-1])
+    assert last["step"] == SPIKE and last["skipped"].startswith("norm z ")
+
+
 def test_the_window_is_checkpointed(made, tmp_path):
     """Resumed at step 128, the run skips step 130 as the uninterrupted run does (a fresh
     window would have no z-score until step 256) and ends with the same parameters (the

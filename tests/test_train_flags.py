@@ -59,6 +59,26 @@ def test_major_checkpoints_outlive_keep(made, tmp_path):
         "ckpt_00000006", "ckpt_00000007"]
 
 
+def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
+    """On a device that names itself an H100 (cudasim, told to), each step's line and log
+    record carry its MFU: llm.c's FLOPs of the step's tokens over its time and the bf16
+    peak (989.4 TFLOP/s)."""
+    from conftest import device_env
+    from cupygpt.bench import flops_per_token
+    from cupygpt.files import read_model
+    env = {**device_env("sim"), "CUDASIM_DEVICE_NAME": "NVIDIA H100 80GB HBM3"}
+    res = cli("train", "-e", made / "model.bin", "-i", made / "P.bin", "-j", "", "-b", str(B), "-t",
+              str(T), "-n", "2", "-g", "0", "-o", tmp_path / "o", "--backend", "cuda", "--dtype",
+              "bf16", env=env)
+    assert res.returncode == 0, res.stderr
+    steps = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 2 and all(", MFU " in ln for ln in steps), res.stdout
+    cfg, _ = read_model(made / "model.bin")
+    for r in (r for r in map(json.loads, open(tmp_path / "o" / "log.jsonl")) if "ms" in r):
+        want = flops_per_token(cfg, int(T)) * r["tok_s"] / (2 * 494.7e12)
+        assert r["mfu"] == pytest.approx(want, rel=1e-9)
+
+
 def test_mfu_is_llmc_flops_over_the_devices_peak():
     from cupygpt.bench import mfu
     from cupygpt.shape import PRESETS
@@ -67,3 +87,19 @@ def test_mfu_is_llmc_flops_over_the_devices_peak():
     assert mfu(gpu, cfg, 1024, "bf16", 524288, 0.5, 8) == pytest.approx(
         per_token * 524288 / 0.5 / (989e12 * 8), rel=1e-12)
     assert mfu(SimpleNamespace(peak_flops=lambda dtype: None), cfg, 1024, "fp32", 1, 1) is None
+
+
+def test_descriptors_are_llmcs_shapes():
+    """llm.c's train_gpt2.cu descriptors, as its source lists them: dN -> (channels, heads)
+    at T 1024; gpt3:cC -> (depth, head size) at T 2048; GPT-2's vocab padded to 50304."""
+    from cupygpt.shape import PRESETS
+    gpt2 = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
+            60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}
+    gpt3 = {384: (6, 64), 768: (12, 64), 1024: (24, 64), 1536: (24, 96), 2048: (24, 128),
+            2560: (32, 80), 4096: (32, 128), 12288: (96, 128)}
+    want = {**{f"d{d}": (d, h, c, 1024) for d, (c, h) in gpt2.items()},
+            **{f"gpt3:c{c}": (d, c // hs, c, 2048) for c, (d, hs) in gpt3.items()}}
+    got = {n: (p.L, p.NH, p.C, p.maxT) for n, p in PRESETS.items() if n != "tiny"}
+    assert got == want
+    assert {(p.V, p.Vp) for p in PRESETS.values()} == {(50257, 50304)}
+    assert PRESETS["d12"].num_parameters() == 124475904  # llm.c's count for GPT-2 124M

@@ -571,13 +571,15 @@ class _OutOfMemoryError(MemoryError):
 
 
 _DEVICES = int(os.environ.get("CUDASIM_DEVICES", "1"))
+# the name the device reports (a test gives a GPU's to reach code keyed by it, e.g. MFU's peak)
+_NAME = os.environ.get("CUDASIM_DEVICE_NAME", "cudasim (CPU)").encode()
 _POOL = _Pool()
 _state = {"device": 0, "stream": Stream(null=True)}
 memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
 runtime = types.SimpleNamespace(
     getDeviceCount=lambda: _DEVICES,
     memGetInfo=lambda: (MEMORY - _in_use(), MEMORY),
-    getDeviceProperties=lambda device: {"name": b"cudasim (CPU)", "totalGlobalMem": MEMORY},
+    getDeviceProperties=lambda device: {"name": _NAME, "totalGlobalMem": MEMORY},
     driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=Device, Graph=Graph, get_current_stream=get_current_stream,
