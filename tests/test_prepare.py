@@ -105,3 +105,28 @@ def test_ctrl_c_leaves_no_half_shard(tmp_path):
     assert left and not [f for f in left if not f.endswith(".bin")]  # no temporary file
     assert all(read_shard(out / f).size == 20000 for f in left)      # each one whole
     assert len(left) < 20  # (stopped before the end: the corpus holds more)
+
+
+def test_a_corpus_of_50m_characters_uses_every_core(tmp_path):
+    """100 files, 50M+ characters: shards of the asked size holding tiktoken's tokens (an
+    EOT before each document), tokenized by a process per core (README: its tokens/s)."""
+    paths, docs = corpus(tmp_path, 100, 150000, seed=3)
+    assert sum(map(len, docs)) >= 50_000_000
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    ref = tmp_path / "ref.u16"  # the reference, in a process of its own (as tiktokens)
+    subprocess.run([sys.executable, "-c", (
+        "import json, sys, numpy as np; from cupygpt.tokenizer import Tokenizer; "
+        f"t = Tokenizer({os.path.join(ROOT, 'cupygpt', 'data', 'gpt2_tokenizer.bin')!r}); "
+        f"docs = json.load(open({str(tmp_path / 'docs.json')!r})); "
+        "np.array([x for d in docs for x in [t.eot] + t.encode(d)], np.uint16)"
+        f".tofile({str(ref)!r})")], cwd=ROOT, check=True)
+    want = np.fromfile(ref, np.uint16)
+    res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "big", "--shard-size",
+              "4000000")
+    assert res.returncode == 0, res.stderr
+    n = -(-want.size // 4_000_000)
+    shards = [read_shard(tmp_path / "out" / (f"big_val_{0:06d}.bin" if i == 0 else
+                                             f"big_train_{i:06d}.bin")) for i in range(n)]
+    assert [s.size for s in shards[:-1]] == [4_000_000] * (n - 1) and n >= 3
+    assert np.array_equal(np.concatenate(shards), want)
+    assert f"tokens/s on {os.cpu_count()} cores)" in res.stdout
