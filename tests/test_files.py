@@ -1,5 +1,8 @@
 """llm.c file formats: round-trips, atomic writes, the tokenizer, and loader semantics."""
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -67,25 +70,36 @@ def test_tokenizer_v1_and_v2(tmp_path):
     assert t2.eot == 50256 and t2.decode([15496, 995]) == "Hello world"
 
 
+SPLIT_CHECK = """
+import json, sys
+import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
+from cupygpt.tokenizer import Tokenizer
+tok = Tokenizer(sys.argv[1])
+theirs = tiktoken.Encoding("gpt2-published-pattern", pat_str=r50k_pat_str,
+                           mergeable_ranks={t: i for i, t in enumerate(tok.tokens)
+                                            if i != tok.eot},
+                           special_tokens={"<|endoftext|>": tok.eot})
+texts = json.load(sys.stdin)
+print(json.dumps([[tok.encode(x), theirs.encode_ordinary(x)] for x in texts]))
+"""
+
+
 def test_tokenizer_splits_as_tiktokens_published_gpt2():
     """The encoder built from the shipped file splits text with tiktoken's own GPT-2
     pattern (tiktoken_ext.openai_public, not the project's copy) on contractions, runs of
     spaces, trailing whitespace, accents, CJK, digits and newlines; and well-known GPT-2
-    ids come out as published."""
-    import tiktoken
-    from tiktoken_ext.openai_public import r50k_pat_str
-    tok = Tokenizer(TOK)
-    theirs = tiktoken.Encoding("gpt2-published-pattern", pat_str=r50k_pat_str,
-                               mergeable_ranks={t: i for i, t in enumerate(tok.tokens)
-                                                if i != tok.eot},
-                               special_tokens={"<|endoftext|>": tok.eot})
+    ids come out as published. (In a process of its own, as conftest's tiktokens.)"""
     texts = ["I'm sure you'll say they've done 'it' -- don't they'd?", "a  b   c    \n\n d ",
              "naïve café résumé über façade", "日本語のテキスト 和 中文", "3.14159 + 2,718 = 12345678",
-             "tabs\tand\r\nwindows\n\n\nnewlines   ", "  leading and trailing  ", "😀 emoji 🚀!"]
-    for text in texts:
-        assert tok.encode(text) == theirs.encode_ordinary(text), text
-    assert [tok.encode(w) for w in ("Hello", " world", " the", ",", ".", "\n", "\n\n", "The",
-                                    " and", " of", " to")] == \
+             "tabs\tand\r\nwindows\n\n\nnewlines   ", "  leading and trailing  ", "😀 emoji 🚀!",
+             "Hello", " world", " the", ",", ".", "\n", "\n\n", "The", " and", " of", " to"]
+    res = subprocess.run([sys.executable, "-c", SPLIT_CHECK, TOK], input=json.dumps(texts),
+                         text=True, capture_output=True, check=True)
+    got = json.loads(res.stdout)
+    for text, (ours, theirs) in zip(texts, got):
+        assert ours == theirs, text
+    assert [ours for ours, _ in got[8:]] == \
         [[15496], [995], [262], [11], [13], [198], [628], [464], [290], [286], [284]]
 
 
