@@ -597,10 +597,51 @@ def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_adamw_packs_equal_the_element_wise_path_and_numpy(dev, dtype):
+    """AdamW's 16-byte packs (a thread's 4 or 8 parameters, the clip's scale made once)
+    give the bits of the element-wise path (every array one element into its buffer, so
+    no access is aligned), with n = 1003 (a partial pack at the end), clipped; and agree
+    with the NumPy reference (bf16: the same stochastic rounding of the masters)."""
+    from cupygpt.backends import numpy_backend as npb
+    cp, cu = dev.cp, dev.cu
+    dt, n, rng = BF16 if dtype == "bf16" else np.float32, 1003, np.random.default_rng(8)
+    host = {"p": rng.normal(size=n).astype(dt), "g": rng.normal(size=n).astype(dt),
+            "m": rng.normal(size=n).astype(np.float32) * 0.1,
+            "v": np.abs(rng.normal(size=n)).astype(np.float32) * 0.01}
+    if dtype == "bf16":
+        host["master"] = host["p"].astype(np.float32) + rng.normal(size=n).astype(
+            np.float32) * 1e-3
+    norm_sq = np.zeros(1)
+    npb.sum_squares(norm_sq, host["g"])
+    sched, out = (1e-2, 1 - 0.9 ** 3, 1 - 0.999 ** 3, 3), {}
+    for lo in (0, 1):  # aligned; each array one element in
+        d = {}
+        for k, a in host.items():
+            buf = cp.zeros(lo + n, a.dtype)
+            buf[lo:] = cp.asarray(a)
+            d[k] = buf[lo:]
+        cu.adamw(d["p"], d["g"], d["m"], d["v"], sched, 0.9, 0.999, 1e-8, 0.01,
+                 cp.asarray(norm_sq), 0.5 * float(np.sqrt(norm_sq[0])), d.get("master"), 7, 40)
+        out[lo] = {k: cp.asnumpy(a) for k, a in d.items()}
+    for k in host:
+        assert out[0][k].tobytes() == out[1][k].tobytes(), k
+    want = {k: a.copy() for k, a in host.items()}
+    npb.adamw(want["p"], want["g"], want["m"], want["v"], sched, 0.9, 0.999, 1e-8, 0.01,
+              norm_sq, 0.5 * float(np.sqrt(norm_sq[0])), want.get("master"), 7, 40)
+    for k in ("m", "v", *(["master"] if dtype == "bf16" else [])):
+        np.testing.assert_allclose(out[0][k], want[k], rtol=1e-6, atol=2.5e-7, err_msg=k)
+    got, ref = out[0]["p"].astype(np.float32), want["p"].astype(np.float32)
+    if dtype == "bf16":
+        assert ulps(out[0]["p"], want["p"]).max() <= 1
+    else:
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=2.5e-7)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("lo", [0, 1], ids=["aligned", "misaligned"])
 def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
     """The layernorms (with the residual add before), GELU with its bias, the bias column
-    sums, the fused classifier and the embedding's gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
+    sums, the fused classifier, the embedding and its gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
     from cupygpt.backends import numpy_backend as npb
@@ -662,6 +703,11 @@ def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
     tok = rng.integers(0, 30, (1, N)).astype(np.int32)
     tok[0, :3] = 9
     (de, de_d), (dwte, dwte_d), (dwpe, dwpe_d) = pair(1, N, C), pair(20, C), pair(N, C)
+    for wpe, wpe_d in ((dwpe, dwpe_d), (None, None)):  # the forward, with and without wpe
+        (e, e_d) = pair(1, N, C)
+        npb.encoder_forward(e, tok, dwte, wpe, 5)
+        cu.encoder_forward(e_d, cp.asarray(tok), dwte_d, wpe_d, 5)
+        check(e_d, e, "encoder_forward")
     npb.encoder_backward(dwte, dwpe, de, tok, 5)
     cu.encoder_backward(dwte_d, dwpe_d, de_d, cp.asarray(tok), 5)
     check(dwte_d, dwte, "dwte")

@@ -123,7 +123,9 @@ WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f3
                  "cross_entropy": "LS", "classifier_stats": "L", "classifier": "LS",
                  "gelu_forward": "LS", "gelu_bias_forward": "LS",
                  "gelu_backward": "LS", "residual_forward": "LS",
-                 "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS"}
+                 "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS",
+                 "adamw": "LS", "encoder_forward": "LS", "encoder_backward_wpe": "LS",
+                 "encoder_backward_wte": "LS"}
 
 
 def cuobjdump():

@@ -358,7 +358,8 @@ def all_finite(a):
 def encoder_forward(out, inp, wte, wpe, v0=0):
     B, T = inp.shape
     rows, C = wte.shape
-    _ew("encoder_forward", B * T * C, out, inp, wte, wte if wpe is None else wpe, _i(B),
+    packs = -(-C // (16 // out.dtype.itemsize))  # a thread's PACK columns of a row
+    _ew("encoder_forward", B * T * packs, out, inp, wte, wte if wpe is None else wpe, _i(B),
         _i(T), _i(C), _i(v0), _i(rows), _i(wpe is not None))
 
 
@@ -502,7 +503,8 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     _launch("encoder_sort", (-(-n // warp),), (warp,), *order, inp, _i(n))
     _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
             dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
-    _ew("encoder_backward_wpe", T * C, dwpe, dout, _i(B), _i(T), _i(C))
+    _ew("encoder_backward_wpe", T * -(-C // (16 // dwpe.dtype.itemsize)), dwpe, dout, _i(B),
+        _i(T), _i(C))
 
 
 @_op
@@ -577,4 +579,4 @@ def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, 
     _ew("adamw", params.size, params, params if master is None else master, grads, m, v,
         np.int64(params.size), np.int64(offset), _ws("sched", 4), np.float32(beta1),
         np.float32(beta2), np.float32(eps), np.float32(weight_decay), norm_sq,
-        np.float32(clip), np.uint32(salt))
+        np.float32(clip), np.uint32(salt), per_thread=16 // params.dtype.itemsize)

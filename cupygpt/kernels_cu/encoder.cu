@@ -1,16 +1,29 @@
-// Token + position embedding. Launch: EW_THREADS per block over B*T*C (or T*C) elements.
+// Token + position embedding. A thread takes PACK columns of a row (16-byte accesses
+// where C is a multiple of PACK and the arrays aligned, else one element at a time).
 #include "common.cuh"
 
 // out (B,T,C) = wte[inp[b,t]] + wpe[t]. wte holds vocab rows [v0, v0 + rows) (a
 // tensor-parallel shard): a token it does not hold gives 0; add_wpe 0: no positions.
+// Launch: EW_THREADS per block over B*T*ceil(C/PACK) threads.
 extern "C" __global__ void encoder_forward(floatX* out, const int* inp, const floatX* wte,
                                            const floatX* wpe, int B, int T, int C, int v0,
                                            int rows, int add_wpe) {
+    int packs = (C + PACK - 1) / PACK;
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)B * T * C) return;
-    int c = i % C, bt = i / C, t = bt % T, r = inp[bt] - v0;
-    float x = (r >= 0 && r < rows) ? load(wte[(long long)r * C + c]) : 0.f;
-    store(&out[i], add_wpe ? x + load(wpe[(long long)t * C + c]) : x);
+    if (i >= (long long)B * T * packs) return;
+    int c = (int)(i % packs) * PACK, bt = (int)(i / packs), t = bt % T, r = inp[bt] - v0;
+    bool vec = C % PACK == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe);
+    float x[PACK], p[PACK];
+    if (r >= 0 && r < rows) {
+        load_pack(x, wte + (long long)r * C + c, C - c, vec);
+    } else {
+        for (int k = 0; k < PACK; k++) x[k] = 0.f;
+    }
+    if (add_wpe) {
+        load_pack(p, wpe + (long long)t * C + c, C - c, vec);
+        for (int k = 0; k < PACK; k++) x[k] += p[k];
+    }
+    store_pack(out + (long long)bt * C + c, x, C - c, vec);
 }
 
 // The token embedding's gradient, deterministically and touching only the rows of the
@@ -68,12 +81,21 @@ extern "C" __global__ void encoder_backward_wte(floatX* dwte, const floatX* dout
     store_pack(o, s, C - c, vec);
 }
 
-// dwpe[t] += sum over b of dout[b,t]; one thread per (t, c), deterministic.
+// dwpe[t] += sum over b of dout[b,t], in b order: deterministic. Launch: EW_THREADS per
+// block over T*ceil(C/PACK) threads, each PACK columns of a position.
 extern "C" __global__ void encoder_backward_wpe(floatX* dwpe, const floatX* dout, int B, int T,
                                                 int C) {
+    int packs = (C + PACK - 1) / PACK;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= T * C) return;
-    float s = 0.f;
-    for (int b = 0; b < B; b++) s += load(dout[(long long)b * T * C + i]);
-    store(&dwpe[i], load(dwpe[i]) + s);
+    if (i >= T * packs) return;
+    int t = i / packs, c = i % packs * PACK;
+    bool vec = C % PACK == 0 && aligned16(dwpe) && aligned16(dout);
+    float s[PACK] = {}, f[PACK];
+    for (int b = 0; b < B; b++) {
+        load_pack(f, dout + ((long long)b * T + t) * C + c, C - c, vec);
+        for (int k = 0; k < PACK; k++) s[k] += f[k];
+    }
+    load_pack(f, dwpe + (long long)t * C + c, C - c, vec);
+    for (int k = 0; k < PACK; k++) f[k] += s[k];
+    store_pack(dwpe + (long long)t * C + c, f, C - c, vec);
 }
