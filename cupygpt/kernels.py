@@ -30,6 +30,7 @@ GEOMETRY = {
     "ROW_LANES": 8,       # column sums: threads down the rows of each column
     "FLASH_WARPS": 4,     # flash attention: warps per block, 16 rows (queries or keys) each
     "FLASH_COLS": 32,     # flash attention: columns (keys or queries) per tile walked
+    "SORT_KEYS": 1024,    # the embedding's gradient: positions a block sorts in shared memory
 }
 # The head sizes flash attention is built for (a kernel per size): a head of HS (a
 # multiple of 8, at most the last) runs in the smallest one >= HS.

@@ -207,9 +207,10 @@ def test_verify_cuda(device, files):
     assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda", res.stdout + res.stderr
 
 
-def test_verify_bf16_cuda(device):
+@pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
+def test_verify_bf16_cuda(device, files):
     """bf16 kernels against llm.c's fp32 PyTorch reference, at bf16's tolerances."""
-    res, r = verify(device, FILES[1], "--dtype", "bf16")
+    res, r = verify(device, files, "--dtype", "bf16")
     assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda-bf16", res.stdout
     assert r["logits"]["max_abs_diff"] > 1e-3  # (bf16, not fp32)
 
@@ -597,6 +598,32 @@ def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_embedding_gradient_over_several_sorted_runs(dev, dtype):
+    """n = 2500 positions (three runs of the 1024 a block sorts, the last partial) of 41
+    tokens, most repeated: the device's order is numpy's (token, position) sort, and wte's
+    and wpe's gradients (a vocab shard missing some tokens) are the NumPy reference's."""
+    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.kernels import GEOMETRY
+    cp, cu = dev.cp, dev.cu
+    dt, rng = BF16 if dtype == "bf16" else np.float32, np.random.default_rng(11)
+    B, T, C = 5, 500, 24
+    assert B * T > 2 * GEOMETRY["SORT_KEYS"]
+    tok = rng.integers(0, 41, (B, T)).astype(np.int32)
+    tok[:, :7] = 3  # a token at the start of every row
+    de = rng.normal(size=(B, T, C)).astype(dt)
+    dwte, dwpe = rng.normal(size=(30, C)).astype(dt), rng.normal(size=(T, C)).astype(dt)
+    got = [cp.asarray(a) for a in (dwte, dwpe)]
+    cu.encoder_backward(*got, cp.asarray(de), cp.asarray(tok), 8)
+    flat = tok.reshape(-1)
+    want_order = np.lexsort((np.arange(flat.size), flat))
+    assert np.array_equal(cp.asnumpy(cu._ws("emb_sorted", flat.size, np.int32)), want_order)
+    npb.encoder_backward(dwte, dwpe, de, tok, 8)
+    for d, h, what in ((got[0], dwte, "dwte"), (got[1], dwpe, "dwpe")):
+        np.testing.assert_allclose(cp.asnumpy(d).astype(np.float32), h.astype(np.float32),
+                                   rtol=1e-6, atol=1e-6, err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_adamw_packs_equal_the_element_wise_path_and_numpy(dev, dtype):
     """AdamW's 16-byte packs (a thread's 4 or 8 parameters, the clip's scale made once)
     give the bits of the element-wise path (every array one element into its buffer, so
@@ -699,6 +726,19 @@ def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
         cu.cross_entropy(lg_d, ls_d, cp.asarray(tgt), 93, dloss)
         check(ls_d, ls, "losses")
         check(lg_d, lg, "dlogits")
+    # the vocab-parallel pair on two shards of 50 columns (50 and 43 real tokens)
+    stats, stats_d = np.zeros((2, N, 3), np.float32), cp.zeros((2, N, 3), np.float32)
+    shards = [pair(N, 50, scale=3.0) for _ in range(2)]
+    for k, (h, d) in enumerate(shards):
+        npb.classifier_stats(stats[k], h, tgt, 50 * k, 50 - 7 * k)
+        cu.classifier_stats(stats_d[k], d, cp.asarray(tgt), 50 * k, 50 - 7 * k)
+    check(stats_d, stats, "each shard's softmax statistics")
+    for k, (h, d) in enumerate(shards):
+        (ls, ls_d) = (np.zeros(N, np.float32), cp.zeros(N, np.float32))
+        npb.classifier(h, ls, stats, tgt, 50 * k, 50 - 7 * k, 1.0 / N)
+        cu.classifier(d, ls_d, stats_d, cp.asarray(tgt), 50 * k, 50 - 7 * k, 1.0 / N)
+        check(ls_d, ls, "losses from the gathered statistics")
+        check(d, h, "a shard's dlogits")
     # the embedding's gradient: repeated tokens, a vocab shard (rows 5..24) missing some
     tok = rng.integers(0, 30, (1, N)).astype(np.int32)
     tok[0, :3] = 9

@@ -153,3 +153,22 @@ def test_bf16_grid_over_nvshmem_tracks_the_numpy_reference(tmp_path, device):
                timeout=600, env=device_env(device))
     assert ref.returncode == 0 and grid.returncode == 0, grid.stdout + grid.stderr
     assert losses(grid.stdout) == pytest.approx(losses(ref.stdout), rel=2e-4)
+
+
+@pytest.mark.parametrize("device", NVSHMEM_DEVICES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero1_with_clipping_is_bit_identical_on_cuda(tmp_path, device, dtype):
+    """--zero 1 on CUDA stages (dp 2 over nvshmem, clipping at llm.c's 1.0 and the norms
+    above it) writes the model of the run without it, byte for byte: the norm kernel sums
+    any split of the buffer alike, and AdamW rounds a slice as the whole buffer."""
+    args = ["train", "--backend", "cuda", "-e", "tiny", "--no-tf32", "-b", "4", "-t", "32",
+            "-n", "3", "-v", "0", "-g", "0", "--dtype", dtype, "--dp", "2", "--transport",
+            "nvshmem", "--no-overlap"]
+    runs = {z: cli(*args, "--zero", z, "-o", tmp_path / z, ranks=2, timeout=600,
+                   env=device_env(device)) for z in ("0", "1")}
+    assert all(r.returncode == 0 for r in runs.values()), runs["1"].stdout + runs["1"].stderr
+    norms = [float(ln.split(" norm ")[1].split()[0]) for ln in runs["0"].stdout.splitlines()
+             if ln.startswith("[pe0] step ")]
+    assert len(norms) == 3 and min(norms) > 1.0, norms  # every step clipped
+    assert (tmp_path / "0" / "model.bin").read_bytes() == \
+        (tmp_path / "1" / "model.bin").read_bytes()

@@ -304,10 +304,11 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
     at most 256 columns, plus a row of 4C) and their counters, the norm's, and the embedding
-    backward's three int32 arrays of B*T."""
+    backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS)."""
     ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
     out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C)
-    return out + 8 * NORM_BLOCKS + (12 * batch * seq if part.embed else 0)
+    keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
+    return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
 
 def attention_refuses(head_size):
@@ -498,9 +499,11 @@ def _column_sum(out, inp, N, OC, out_b=None, split=None):
 def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     B, T = inp.shape
     rows, C = dwte.shape
-    n, warp = B * T, GEOMETRY["WARP"]
+    n, warp, runs = B * T, GEOMETRY["WARP"], -(-B * T // GEOMETRY["SORT_KEYS"])
     order = [_ws(key, n, np.int32) for key in ("emb_sorted", "emb_first", "emb_start")]
-    _launch("encoder_sort", (-(-n // warp),), (warp,), *order, inp, _i(n))
+    keys = _ws("emb_keys", runs * GEOMETRY["SORT_KEYS"], np.int64)
+    _launch("encoder_sort_blocks", (runs,), (GEOMETRY["SORT_KEYS"] // 2,), keys, inp, _i(n))
+    _ew("encoder_rank", n, *order, keys, inp, _i(n))
     _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
             dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
     _ew("encoder_backward_wpe", T * -(-C // (16 // dwpe.dtype.itemsize)), dwpe, dout, _i(B),

@@ -27,36 +27,73 @@ extern "C" __global__ void encoder_forward(floatX* out, const int* inp, const fl
 }
 
 // The token embedding's gradient, deterministically and touching only the rows of the
-// tokens present: encoder_sort orders the n = B*T positions by (token, position), then
+// tokens present: the n = B*T positions are ordered by (token, position), then
 // encoder_backward_wte gives each token present one thread per PACK columns, which adds its
 // positions' rows to the token's row in position order (NumPy's np.add.at order, rounded
 // once). Nothing depends on the vocabulary's size, and nothing waits on the host.
+//
+// The order, in O(n log n) without atomics: encoder_sort_blocks sorts each run of SORT_KEYS
+// positions by key = token << 32 | position (unique keys) in shared memory (bitonic), and
+// encoder_rank finds each position's place among all by a binary search in every sorted run.
+
+#define KEY_PAD 0x7fffffffffffffffLL  // after every real key (a run's unused slots)
+
+// keys[run * SORT_KEYS + k]: run's keys, sorted. Launch: a block of SORT_KEYS / 2 threads
+// per run of SORT_KEYS positions.
+extern "C" __global__ void encoder_sort_blocks(long long* keys, const int* inp, int n) {
+    __shared__ long long s[SORT_KEYS];
+    int base = blockIdx.x * SORT_KEYS;
+    for (int k = threadIdx.x; k < SORT_KEYS; k += blockDim.x)
+        s[k] = base + k < n ? ((long long)inp[base + k] << 32) | (base + k) : KEY_PAD;
+    __syncthreads();
+    for (int size = 2; size <= SORT_KEYS; size <<= 1) {
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < SORT_KEYS / 2; t += blockDim.x) {
+                int i = 2 * t - (t & (stride - 1)), j = i + stride;
+                long long a = s[i], b = s[j];
+                if ((a > b) == ((i & size) == 0)) {
+                    s[i] = b;
+                    s[j] = a;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int k = threadIdx.x; k < SORT_KEYS; k += blockDim.x) keys[base + k] = s[k];
+}
+
+// How many of a sorted run's SORT_KEYS keys are below key.
+__device__ __forceinline__ int keys_below(const long long* run, long long key) {
+    int lo = 0, hi = SORT_KEYS;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (run[mid] < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
 
 // sorted[k]: the position k-th in (token, position) order; for the first position i of
 // each token first[i] = how many positions hold it and start[i] = where they begin in
-// sorted (0 for the others). Each thread counts, over all n tokens (a block's worth at a
-// time through shared memory), those below its own and those equal before it: O(n^2)
-// integer compares, no atomics. Launch: WARP threads per block over n positions (compute
-// bound: small blocks spread it over every SM).
-extern "C" __global__ void encoder_sort(int* sorted, int* first, int* start, const int* inp,
-                                        int n) {
-    __shared__ int tile[WARP];
+// sorted (0 for the others): over every run, the keys below i's, below its token's first
+// and below the next token's, each run searched in shared memory by the whole block.
+// Launch: EW_THREADS per block over n positions.
+extern "C" __global__ void encoder_rank(int* sorted, int* first, int* start,
+                                        const long long* keys, const int* inp, int n) {
+    __shared__ long long run[SORT_KEYS];
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    int t = i < n ? inp[i] : 0, less = 0, before = 0, same = 0;
-    for (int j0 = 0; j0 < n; j0 += WARP) {
-        __syncthreads();  // (the last tile read by all)
-        if (j0 + threadIdx.x < n) tile[threadIdx.x] = inp[j0 + threadIdx.x];
+    long long t = i < n ? inp[i] : 0, key = (t << 32) | i;
+    int rank = 0, less = 0, upto = 0;
+    for (long long r0 = 0; r0 < n; r0 += SORT_KEYS) {
+        __syncthreads();  // (the last run read by all)
+        for (int k = threadIdx.x; k < SORT_KEYS; k += blockDim.x) run[k] = keys[r0 + k];
         __syncthreads();
-        for (int k = 0; k < WARP && j0 + k < n; k++) {
-            int u = tile[k];
-            less += u < t;
-            same += u == t;
-            before += u == t && j0 + k < i;
-        }
+        rank += keys_below(run, key);
+        less += keys_below(run, t << 32);
+        upto += keys_below(run, (t + 1) << 32);
     }
     if (i >= n) return;
-    sorted[less + before] = i;
-    first[i] = before == 0 ? same : 0;
+    sorted[rank] = i;
+    first[i] = rank == less ? upto - less : 0;
     start[i] = less;
 }
 

@@ -327,6 +327,7 @@ def get_default_memory_pool():
 _C_SCALARS = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64,
               "float": np.float32, "double": np.float64}
 _C_POINTEES = {"int": np.int32, "unsigned": np.uint32, "unsigned short": np.uint16,
+               "long long": np.int64,
                "float": np.float32, "double": np.float64, "__nv_bfloat16": BF16}
 _CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
            np.float32: ctypes.c_float, np.float64: ctypes.c_double}
