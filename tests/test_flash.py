@@ -87,6 +87,25 @@ def test_flash_kernels_fp32_equal_the_whole_attention(dev, HS, T):
                                                                     error(dqkv, want_d))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_misaligned_views_take_the_element_wise_loads_with_the_same_bits(dev, dtype):
+    """qkv, its bias, y, dy and dqkv each one element into their buffers (no 16-byte
+    access aligned: the element-wise loads and stores, qkv's bias added as q, k, v are
+    read) give the aligned run's bits, for a padded head size (24) and a full one (64)."""
+    cp = dev.cp
+    dev.cu.configure(tf32=False)
+
+    def misaligned(a):
+        buf = cp.zeros(a.size + 1, a.dtype)
+        buf[1:] = cp.asarray(a.reshape(-1))
+        return buf[1:].reshape(a.shape)
+    for HS in (24, 64):
+        args = (*inputs(2, 37, 2, HS, BF16 if dtype == "bf16" else np.float32, seed=HS), 2)
+        aligned = run(dev.cu, *args, cp.asarray, cp.asnumpy)
+        shifted = run(dev.cu, *args, misaligned, cp.asnumpy)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(aligned, shifted)), HS
+
+
 @pytest.mark.parametrize("HS,T", list(cases()))
 def test_flash_kernels_bf16_are_as_close_as_the_reference(dev, HS, T):
     """bf16 on tensor cores: bf16 rounds the probabilities and their gradients on their way

@@ -47,6 +47,9 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 }
 
 // f[k] = p[k] for k < n, 0 after; one 16-byte load where vec (n is PACK, p aligned).
+// Where vec is a runtime value, n must be one too (not the constant PACK): g++ (cudasim)
+// was seen merging the two paths into one aligned 16-byte load, which faults on the
+// misaligned view the element-wise path is for.
 __device__ __forceinline__ void load_pack(float* f, const floatX* p, int n, bool vec) {
     if (vec) {
         Pack v = *reinterpret_cast<const Pack*>(p);

@@ -177,8 +177,8 @@ __device__ void load_rows(floatX* dst, const floatX* src, long long stride, int 
             for (int e = 0; e < PACK; e++) d->v[e] = floatX(0.f);
         } else if (bias) {
             float f[PACK], fb[PACK];
-            load_pack(f, s, PACK, wide);
-            load_pack(fb, bias + c, PACK, wide);
+            load_pack(f, s, HS - c, wide);  // (HS - c >= PACK: a runtime count, so the
+            load_pack(fb, bias + c, HS - c, wide);  // compiler cannot merge the two paths)
             for (int e = 0; e < PACK; e++) f[e] += fb[e];
             store_pack(d->v, f, PACK, true);
         } else if (wide) {
@@ -328,7 +328,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
         float s = 0.f, fd[PACK], fy[PACK];
         for (int c = q * PACK; c < HS && in; c += 4 * PACK) {  // (HS: a multiple of PACK)
             load_pack(fd, dyr + c, PACK, true);
-            load_pack(fy, yr + c, PACK, aligned16(yr));
+            load_pack(fy, yr + c, HS - c, aligned16(yr));  // (as load_rows)
             for (int e = 0; e < PACK; e++) s += fd[e] * fy[e];
         }
         D[i] = quad_sum(s);
