@@ -179,7 +179,7 @@ def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
     want = step(whole, x, y)
     assert whole.s["logits"].shape == (B * T, CFG.Vp)  # one chunk by default
 
-    assert layout.logit_rows(1000, 1 << 20) == 250  # at most LOGIT_CHUNKS (4) chunks
+    assert layout.logit_rows(1000, 1 << 20) == 125  # at most LOGIT_CHUNKS (8) chunks
     monkeypatch.setattr(layout, "LOGIT_CHUNKS", 100)
     monkeypatch.setattr(layout, "LOGIT_CHUNK", 3 * CFG.Vp // 2)  # 3 positions per shard
     chunked = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)

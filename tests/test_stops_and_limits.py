@@ -90,7 +90,7 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
         assert not [f for f in os.listdir(tmp_path / d) if f.endswith(".tmp")]
 
 
-BIG = ["train", "--backend", "numpy", "-b", "256", "-t", "256", "-n", "1"]  # needs 3.37 GiB
+BIG = ["train", "--backend", "numpy", "-b", "128", "-t", "256", "-n", "1"]  # needs 3.03 GiB
 
 
 def a_memory_cgroup(limit):
@@ -126,7 +126,7 @@ def test_a_run_beyond_its_memory_cgroup_is_refused_before_allocating(tmp_path):
                              capture_output=True, text=True, preexec_fn=enter, timeout=300)
     finally:
         os.rmdir(cg)
-    line = one_line(res, "out of memory at start: rank 0 needs 3.37 GiB")
+    line = one_line(res, "out of memory at start: rank 0 needs 3.03 GiB")
     assert "GiB of this host's memory is free" in line and time.monotonic() - t0 < 60
     assert not os.path.exists(tmp_path / "o")
 
@@ -135,7 +135,7 @@ def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
     res = subprocess.run([sys.executable, "cli.py", *BIG, "-o", tmp_path / "o"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: (
                              resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))))
-    one_line(res, "out of memory at start: rank 0 needs 3.37 GiB")
+    one_line(res, "out of memory at start: rank 0 needs 3.03 GiB")
     assert not os.path.exists(tmp_path / "o")
 
 
