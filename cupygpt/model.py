@@ -275,7 +275,7 @@ class Stage:
             if not weights:
                 (a[keep] if l is None else a[keep][l])[...] = dout
             return dout
-        if self.head:  # the LM head's products ran in forward (_logits): lnf holds its gradient
+        if self.head:  # the head's products ran in forward (head.lm_head): lnf is its gradient
             dres.fill(0)
             self.tp_sum(a["lnf"])
             be.layernorm_backward(dres, g["lnfw"], g["lnfb"], a["lnf"], self.output(slot),
