@@ -130,9 +130,9 @@ RECOMPUTED = {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}
 # The head's logits are made a chunk of positions at a time, each chunk's loss, dlogits
 # and their two products done before the next: no (B, T, Vp) tensor is kept. Chunks of
 # LOGIT_CHUNK logits (128 MiB in bf16: 4 chunks of 1024 positions for d12 at B=4, T=1024;
-# a chunk's products stay large enough to hide its re-read of wte's gradient), but at most
-# LOGIT_CHUNKS of them (4 launches each): beyond, the chunks grow with B*T (an eighth of
-# the logits).
+# a chunk's products stay deep enough that, by the roofline, its re-read of wte's gradient
+# costs little beside their math), but at most LOGIT_CHUNKS of them (4 launches each):
+# beyond, the chunks grow with B*T (an eighth of the logits).
 LOGIT_CHUNK, LOGIT_CHUNKS = 1 << 26, 8
 
 

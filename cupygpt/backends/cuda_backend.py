@@ -160,6 +160,11 @@ def _packed(fn, out, *args):
     _ew(fn, out.size, out, *args, np.int64(out.size), per_thread=16 // out.dtype.itemsize)
 
 
+def _row_packs(rows, C, dtype):
+    """Threads for rows of C elements, PACK (16 bytes of dtype) columns each."""
+    return rows * -(-C // (16 // np.dtype(dtype).itemsize))
+
+
 def _rows(fn, rows, *args):
     warps = GEOMETRY["ROW_WARPS"]
     _launch(fn, ((rows + warps - 1) // warps,), (warps * GEOMETRY["WARP"],), *args)
@@ -359,9 +364,8 @@ def all_finite(a):
 def encoder_forward(out, inp, wte, wpe, v0=0):
     B, T = inp.shape
     rows, C = wte.shape
-    packs = -(-C // (16 // out.dtype.itemsize))  # a thread's PACK columns of a row
-    _ew("encoder_forward", B * T * packs, out, inp, wte, wte if wpe is None else wpe, _i(B),
-        _i(T), _i(C), _i(v0), _i(rows), _i(wpe is not None))
+    _ew("encoder_forward", _row_packs(B * T, C, out.dtype), out, inp, wte,
+        wte if wpe is None else wpe, _i(B), _i(T), _i(C), _i(v0), _i(rows), _i(wpe is not None))
 
 
 @_op
@@ -506,8 +510,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
     _ew("encoder_rank", n, *order, keys, inp, _i(n))
     _launch("encoder_backward_wte", (n, -(-C // (warp * 16 // dwte.dtype.itemsize))), (warp,),
             dwte, dout, inp, *order, _i(C), _i(v0), _i(rows))
-    _ew("encoder_backward_wpe", T * -(-C // (16 // dwpe.dtype.itemsize)), dwpe, dout, _i(B),
-        _i(T), _i(C))
+    _ew("encoder_backward_wpe", _row_packs(T, C, dwpe.dtype), dwpe, dout, _i(B), _i(T), _i(C))
 
 
 @_op
