@@ -37,12 +37,14 @@ from .tokenizer import Tokenizer, tokenize_tinyshakespeare
               help="tokens per shard: the corpus mode, llm.c's FineWeb script (its default "
                    "with several inputs or jsonl/parquet: 100,000,000)")
 @click.option("--force", is_flag=True, help="overwrite shards already there")
+@click.option("--workers", type=int, default=None,
+              help="tokenizing processes in the corpus mode  [default: one per core]")
 @click.option("--hellaswag", is_flag=True,
               help="the one input is HellaSwag's jsonl (ctx, endings, label): write llm.c's "
                    "eval file OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's "
                    "script")
 @entry
-def prepare(inputs, out, tokenizer, name, shard_size, force, hellaswag):
+def prepare(inputs, out, tokenizer, name, shard_size, force, workers, hellaswag):
     """Tokenize text into llm.c shards. One text file: NAME_val.bin and NAME_train.bin, as
     llm.c's tinyshakespeare script does. Several inputs (text files, each a document; jsonl
     or parquet, each record's `text`) or --shard-size: shards of that many tokens,
@@ -60,7 +62,7 @@ def prepare(inputs, out, tokenizer, name, shard_size, force, hellaswag):
         return prepare_hellaswag(inputs[0], os.path.join(out, f"{name}.bin"), tokenizer, force)
     if shard_size is not None or len(inputs) > 1 or inputs[0].endswith((".jsonl", ".parquet")):
         return prepare_corpus(inputs, out, tokenizer, name,
-                              10 ** 8 if shard_size is None else shard_size, force)
+                              10 ** 8 if shard_size is None else shard_size, force, workers)
     text = inputs[0]
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
     # through a link too (a clone's ./data is the package's): resolved paths are compared
@@ -105,10 +107,14 @@ def prepare_hellaswag(jsonl, path, tokenizer, force):
     click.echo(f"wrote {len(examples):,} examples to {path}")
 
 
-def prepare_corpus(inputs, out, tokenizer, name, shard_size, force):
+def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     if shard_size < 1:
         raise CupyGPTError("must be a positive number of tokens per shard (llm.c's FineWeb "
                            "script: 100000000)", "shard_size", shard_size)
+    workers = os.cpu_count() if workers is None else workers
+    if workers < 1:
+        raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
+                           workers)
     check_outputs([("out", out)], [*inputs, tokenizer])
     check_inputs(inputs)
     Tokenizer(tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
@@ -123,7 +129,8 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force):
     t0 = time.perf_counter()
     try:
         with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
-            paths, total = write_shards(inputs, out, name, shard_size, tokenizer, bar.update)
+            paths, total = write_shards(inputs, out, name, shard_size, tokenizer, bar.update,
+                                         workers)
         if not paths:
             raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
                                f"documents in the input(s); nothing written")
@@ -140,7 +147,8 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force):
         os.unlink(stale)
     dt = time.perf_counter() - t0
     click.echo(f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to "
-               f"{out} in {dt:.1f} s ({total / dt:,.0f} tokens/s on {os.cpu_count()} cores)")
+               f"{out} in {dt:.1f} s ({total / dt:,.0f} tokens/s, {workers} worker(s) on "
+               f"{os.cpu_count()} cores)")
 
 
 @click.command()

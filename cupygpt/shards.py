@@ -121,8 +121,8 @@ def _encode(task):
     return np.array(out, dtype=np.uint16), done
 
 
-def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes=None):
-    """Tokenizes the inputs in order on `processes` workers (None: every core) and writes
+def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
+    """Tokenizes the inputs in order on `processes` workers and writes
     shards of shard_size tokens; progress(n) gets the input bytes done. Returns the paths
     written and the token count."""
     buf, fill, written, total = np.empty(shard_size, np.uint16), 0, [], 0
@@ -143,7 +143,6 @@ def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes=N
         while pending:
             yield pending.popleft().get()
 
-    processes = processes or os.cpu_count()
     with multiprocessing.get_context("fork").Pool(processes, _start, (tokenizer,)) as pool:
         for toks, done in results(pool, 2 * processes):
             total += toks.size

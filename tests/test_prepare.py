@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT, cli, tiktokens
 from cupygpt.files import read_shard
+from cupygpt.shards import TASK_CHARS, shard_path
 
 WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
          "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")
@@ -88,23 +89,32 @@ def test_parquet_documents(tmp_path):
 
 
 def test_ctrl_c_leaves_no_half_shard(tmp_path):
-    paths, _ = corpus(tmp_path, 30, 40000, seed=1)
+    """Ctrl-C while a run is certainly mid-way: the last input is a FIFO nobody writes, so
+    the reader blocks opening it, after the inputs before it (over two tasks) have gone to
+    the one worker and the first task's shards have been written."""
+    paths, docs = corpus(tmp_path, 30, 40000, seed=1)
+    assert sum(map(len, docs)) > 2 * TASK_CHARS
+    fifo = tmp_path / "never.jsonl"
+    os.mkfifo(fifo)
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "prepare", *paths,
-                          "--out", out, "--shard-size", "20000"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          fifo, "--out", out, "--shard-size", "20000", "--workers", "1"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
         assert p.poll() is None and time.time() - t0 < 120, p.communicate()
         time.sleep(0.02)
+    time.sleep(0.5)  # (the task's other shards follow; the run cannot get past the FIFO)
+    assert p.poll() is None
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
-    assert "interrupted" in err
+    assert "interrupted: the shards written so far are whole" in err
     left = os.listdir(out)
     assert left and not [f for f in left if not f.endswith(".bin")]  # no temporary file
     assert all(read_shard(out / f).size == 20000 for f in left)      # each one whole
-    assert len(left) < 20  # (stopped before the end: the corpus holds more)
+    assert set(left) == {os.path.basename(shard_path(out, "part_000", i))
+                         for i in range(len(left))}                  # in order, none missing
 
 
 def test_a_corpus_of_50m_characters_uses_every_core(tmp_path):
@@ -129,4 +139,4 @@ def test_a_corpus_of_50m_characters_uses_every_core(tmp_path):
                                              f"big_train_{i:06d}.bin")) for i in range(n)]
     assert [s.size for s in shards[:-1]] == [4_000_000] * (n - 1) and n >= 3
     assert np.array_equal(np.concatenate(shards), want)
-    assert f"tokens/s on {os.cpu_count()} cores)" in res.stdout
+    assert f"tokens/s, {os.cpu_count()} worker(s) on {os.cpu_count()} cores)" in res.stdout

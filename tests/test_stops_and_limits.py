@@ -71,7 +71,7 @@ def test_sigterm_without_checkpoints_writes_the_model_of_the_last_step(tmp_path)
 def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
     """The tiny preset: a step and a checkpoint long enough for the second signal to come
     while they are under way (two at once would be one: signals do not queue)."""
-    p = subprocess.Popen([sys.executable, "cli.py", *TINY, "-e", "tiny", "-b", "16", "-t", "64",
+    p = subprocess.Popen([sys.executable, "cli.py", *TINY, "-e", "tiny", "-b", "32", "-t", "64",
                           "-i", os.path.join(SHIPPED, "tiny_shakespeare_val.bin"), "-n", "100000",
                           "--checkpoint-every", "1", "-o", tmp_path], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -81,7 +81,7 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
         seen = p.stdout.readline()
         assert seen, p.communicate()[1]
     p.send_signal(signal.SIGTERM)
-    time.sleep(0.3)  # (the first handled; a step of -b 16 takes longer)
+    time.sleep(0.2)  # (the first handled; a step of -b 32 takes 3-4 times longer here)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM and "SIGTERM again: stopping now" in err, err
