@@ -33,8 +33,9 @@ def cli():
 @cli.command()
 @click.option("--model", default=os.path.join(REFERENCE, "tiny_model.bin"), show_default=True,
               help="llm.c model file (default: the shipped one made by llm.c's PyTorch reference)")
-@click.option("--state", default=os.path.join(REFERENCE, "tiny_debug_state.bin"),
-              show_default=True, help="llm.c debug state file for that model")
+@click.option("--state", default=None,
+              help="llm.c debug state file for that model  [default: NAME_debug_state.bin "
+                   "beside a NAME_model.bin]")
 @click.option("--steps", default=10, show_default=True, help="AdamW steps on the state's batch")
 @click.option("--lr", default=1e-4, show_default=True)
 @click.option("--weight-decay", default=0.01, show_default=True, help="AdamW weight decay")
@@ -52,8 +53,11 @@ def cli():
 @entry
 def verify(as_json, **kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    if kw["expected"] is None:
-        kw["expected"] = shipped_expected(kw)
+    if kw["state"] is None:
+        kw["state"] = beside(kw["model"], "_debug_state.bin")
+    if kw["expected"] is None and (kw["lr"], kw["weight_decay"]) == (
+            VerifyConfig.lr, VerifyConfig.weight_decay):
+        kw["expected"] = beside(kw["model"], "_expected.json")
     sess = session(VerifyConfig, kw, tf32_default=False)
     with progress(sess.config.steps - 1, "AdamW steps") as bar:
         report = run_verify(sess, lambda: bar.update(1))
@@ -63,15 +67,11 @@ def verify(as_json, **kw):
     sys.exit(0 if ok else 1)
 
 
-def shipped_expected(kw):
-    """The losses file beside a NAME_model.bin (the shipped references have one), when the
-    steps are the ones it was made with (the default --lr and --weight-decay)."""
-    stem = kw["model"].removesuffix("_model.bin")
-    path = stem + "_expected.json"
-    if stem != kw["model"] and os.path.isfile(path) and (kw["lr"], kw["weight_decay"]) == (
-            VerifyConfig.lr, VerifyConfig.weight_decay):
-        return path
-    return None
+def beside(model, suffix):
+    """NAME + suffix beside a NAME_model.bin (the shipped references have a debug state and
+    the losses of its steps at the default --lr and --weight-decay), or None."""
+    stem = model.removesuffix("_model.bin")
+    return stem + suffix if stem != model and os.path.isfile(stem + suffix) else None
 
 
 @cli.command()

@@ -28,7 +28,7 @@ from .tokenizer import Tokenizer, tokenize_tinyshakespeare
 
 
 @click.command()
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.argument("inputs", nargs=-1, required=True)
 @click.option("--out", default="data", show_default=True, help="output directory")
 @click.option("--tokenizer", default=TOKENIZER, show_default=True)
 @click.option("--name", default=None, help="shard name prefix  [default: the first input's "
@@ -51,6 +51,7 @@ def prepare(inputs, out, tokenizer, name, shard_size, force, workers, hellaswag)
     NAME_val_000000.bin then NAME_train_000001.bin..., an EOT before each document,
     tokenized on every core. --hellaswag: HellaSwag's jsonl to llm.c's eval file."""
     one_process("prepare")
+    check_inputs(inputs)
     name = os.path.splitext(os.path.basename(inputs[0]))[0] if name is None else name
     if not name or name in (".", "..") or "/" in name or os.sep in name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
@@ -116,7 +117,6 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
         raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
                            workers)
     check_outputs([("out", out)], [*inputs, tokenizer])
-    check_inputs(inputs)
     Tokenizer(tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
     before = sorted(glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
                     + glob.glob(os.path.join(glob.escape(out),
@@ -149,6 +149,9 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     click.echo(f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to "
                f"{out} in {dt:.1f} s ({total / dt:,.0f} tokens/s, {workers} worker(s) on "
                f"{os.cpu_count()} cores)")
+    if len(paths) == 1:
+        click.echo(f"no train shard: the corpus fits in one --shard-size ({shard_size:,} "
+                   f"tokens); give a smaller one for train's -i")
 
 
 @click.command()

@@ -203,7 +203,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class VerifyConfig:
     model: str
-    state: str
+    state: Optional[str]
     steps: int = 10
     lr: float = 1e-4
     weight_decay: float = 0.01
@@ -222,6 +222,9 @@ class VerifyConfig:
         c = c if c.expected is None else replace(c, expected_losses=read_expected(c.expected))
         shape = model_shape(self.model)
         runs_on(be, shape, "model", self.model)
+        if self.state is None:  # (the CLI looked beside the model)
+            raise CupyGPTError(f"no NAME_debug_state.bin beside {self.model}: give the "
+                               f"model's llm.c debug state with --state")
         B, T = read_state_header(self.state, shape)
         grid = self.grid.validate(shape, world)
         check_outputs([("trace", self.trace)],

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import CupyGPTError
 from .files import write_shard
-from .paths import TEXT_CAP, read_bounded
+from .paths import TEXT_CAP, read_bounded, regular
 from .tokenizer import Tokenizer
 
 TASK_CHARS = 1 << 20   # documents handed to a worker at a time: few pickles, steady order
@@ -24,9 +24,12 @@ def shard_path(out, name, index):
 
 
 def check_inputs(inputs):
-    """Before anything is written: each input's kind is readable here, and a parquet
+    """Before anything is written: each input is there and a regular file, and a parquet
     file's footer says it has a string `text` column."""
     for path in inputs:
+        if not os.path.lexists(path):
+            raise CupyGPTError(f"{path}: no such file; give text, jsonl or parquet files")
+        regular(path, "text, jsonl or parquet")
         if path.endswith(".parquet"):
             parquet(path)
 

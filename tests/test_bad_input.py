@@ -95,6 +95,8 @@ CASES = [
     ("prepare not utf-8", lambda t: ["prepare", MODEL, "--out", t], "not UTF-8 text"),
     ("prepare shard size 0", lambda t: ["prepare", TEXT, "--shard-size", "0", "--out", t],
      "--shard-size 0: must be a positive number of tokens per shard"),
+    ("prepare missing input", lambda t: ["prepare", TEXT, t / "gone.txt", "--out", t],
+     "gone.txt: no such file; give text, jsonl or parquet files"),
     ("prepare no workers", lambda t: ["prepare", TEXT, TEXT, "--workers", "0", "--out", t],
      "--workers 0: must be at least 1"),
     ("prepare jsonl without text", lambda t: ["prepare", a_jsonl(t, '{"t": 1}\n'),

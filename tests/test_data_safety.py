@@ -96,7 +96,8 @@ CASES = [
      "lies in the installed package"),
     ("-o in the package", lambda t: ["train", "-o", SHIPPED], "lies in the installed package"),
     ("verify trace over the model", lambda t: ["verify", "--model", copy(MODEL, t / "m.bin"),
-                                               "--trace", t / "m.bin"], SAME),
+                                               "--state", STATE, "--trace", t / "m.bin"],
+     SAME),
     ("verify trace over the state", lambda t: ["verify", "--state", copy(STATE, t / "s.bin"),
                                                "--trace", t / "s.bin"], SAME),
     ("verify trace over expected", lambda t: ["verify", "--expected", copy(
@@ -141,6 +142,7 @@ def readers(t):
             ["sample", "--model", fixture("gpt2v_model.bin"), "--tokenizer", fifo],
             ["plot", fifo, "--out", t / "l.png"], ["plot", "/dev/zero", "--out", t / "l.png"],
             ["timeline", fifo, "--out", t / "t.png"], ["prepare", fifo, "--out", t],
+            ["prepare", fifo, fifo, "--out", t],
             ["prepare", "/dev/zero", "--out", t], ["verify", "--state", t]]
 
 

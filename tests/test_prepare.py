@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, cli, tiktokens
 from cupygpt.files import read_shard
-from cupygpt.shards import TASK_CHARS, shard_path
+from cupygpt.shards import shard_path
 
 WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
          "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")
@@ -60,6 +60,7 @@ def test_corpus_shards_hold_tiktokens_with_an_eot_before_each_document(tmp_path)
               "--shard-size", str(want.size))
     assert res.returncode == 0, res.stderr
     assert os.listdir(tmp_path / "out") == ["web_val_000000.bin"]
+    assert f"no train shard: the corpus fits in one --shard-size ({want.size:,}" in res.stdout
     assert np.array_equal(read_shard(tmp_path / "out" / "web_val_000000.bin"), want)
 
 
@@ -88,39 +89,40 @@ def test_parquet_documents(tmp_path):
         assert not (tmp_path / name).exists()
 
 
-def test_ctrl_c_leaves_no_half_shard(tmp_path):
-    """Ctrl-C while a run is certainly mid-way: the last input is a FIFO nobody writes, so
-    the reader blocks opening it, after the inputs before it (over two tasks) have gone to
-    the one worker and the first task's shards have been written."""
-    paths, docs = corpus(tmp_path, 30, 40000, seed=1)
-    assert sum(map(len, docs)) > 2 * TASK_CHARS
-    fifo = tmp_path / "never.jsonl"
-    os.mkfifo(fifo)
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory):
+    """100 text and jsonl files, 60M characters: (paths, documents)."""
+    return corpus(tmp_path_factory.mktemp("big"), 100, 150000, seed=3)
+
+
+def test_ctrl_c_leaves_no_half_shard(tmp_path, big_corpus):
+    """Ctrl-C once the first shard is there: on one worker the rest of the 22M tokens
+    takes seconds (4 here), against the 20 ms the signal takes to follow."""
+    paths, _ = big_corpus
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "prepare", *paths,
-                          fifo, "--out", out, "--shard-size", "20000", "--workers", "1"],
+                          "--out", out, "--shard-size", "1000000", "--workers", "1"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
         assert p.poll() is None and time.time() - t0 < 120, p.communicate()
         time.sleep(0.02)
-    time.sleep(0.5)  # (the task's other shards follow; the run cannot get past the FIFO)
-    assert p.poll() is None
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "interrupted: the shards written so far are whole" in err
     left = os.listdir(out)
     assert left and not [f for f in left if not f.endswith(".bin")]  # no temporary file
-    assert all(read_shard(out / f).size == 20000 for f in left)      # each one whole
+    assert all(read_shard(out / f).size == 1_000_000 for f in left)  # each one whole
     assert set(left) == {os.path.basename(shard_path(out, "part_000", i))
                          for i in range(len(left))}                  # in order, none missing
+    assert len(left) < 20  # (the corpus holds 23)
 
 
-def test_a_corpus_of_50m_characters_uses_every_core(tmp_path):
+def test_a_corpus_of_50m_characters_uses_every_core(tmp_path, big_corpus):
     """100 files, 50M+ characters: shards of the asked size holding tiktoken's tokens (an
     EOT before each document), tokenized by a process per core (README: its tokens/s)."""
-    paths, docs = corpus(tmp_path, 100, 150000, seed=3)
+    paths, docs = big_corpus
     assert sum(map(len, docs)) >= 50_000_000
     (tmp_path / "docs.json").write_text(json.dumps(docs))
     ref = tmp_path / "ref.u16"  # the reference, in a process of its own (as tiktokens)

@@ -37,6 +37,24 @@ def test_bf16_passes_at_its_tolerances_and_is_not_fp32(files):
     assert all(s["ok"] for s in r["steps"]) and r["steps"][9]["loss"] < r["steps"][0]["loss"]
 
 
+def test_a_model_finds_its_state_and_losses_beside_it(tmp_path):
+    """--model alone: NAME_debug_state.bin and NAME_expected.json beside NAME_model.bin;
+    with none beside it, one line asking for --state."""
+    import json
+    import shutil
+    res = cli("verify", "--model", fixture("odd_model.bin"), "--steps", "2", "--json",
+              "--backend", "numpy")
+    r = json.loads(res.stdout)
+    want = json.load(open(fixture("odd_expected.json")))["losses"]
+    assert res.returncode == 0 and r["ok"] and r["state"] == fixture("odd_debug_state.bin")
+    assert [s["expected"] for s in r["steps"]] == want[:2]
+    shutil.copy(fixture("odd_model.bin"), tmp_path / "mine.bin")
+    res = cli("verify", "--model", tmp_path / "mine.bin")
+    assert res.returncode == 1 and res.stderr == (
+        f"error: no NAME_debug_state.bin beside {tmp_path / 'mine.bin'}: give the model's "
+        f"llm.c debug state with --state\n")
+
+
 def test_verify_fails_on_a_wrong_state(tmp_path):
     """A state whose gradient is off must fail (exit 1): verify can say no."""
     import numpy as np
