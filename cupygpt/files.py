@@ -3,6 +3,7 @@
 Every reader checks magic, version and sizes and raises CupyGPTError naming the file.
 Every writer goes through atomic_write, so a crash never leaves a half-written file.
 """
+import contextlib
 import errno
 import json
 import math
@@ -42,7 +43,8 @@ def atomic_write(path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):  # (a signal just after the rename)
+            os.unlink(tmp)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing "
                                f"was written there: free some space and run again") from None

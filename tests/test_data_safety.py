@@ -5,6 +5,7 @@ Every refusal is one line, exit 1, and leaves the inputs byte-identical (hashed)
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -162,23 +163,26 @@ def test_json_inputs_are_read_up_to_a_cap(tmp_path):
 
 
 def test_one_run_per_output_directory(tmp_path):
-    """Two runs started together into one -o, with and without checkpoints: one runs, the
-    other is refused naming the first's PID; the log has every step once, no torn line."""
+    """A second run into the -o of one under way, with and without checkpoints, is refused
+    naming the first's PID; the first's log has every step once, no torn line."""
     for n, extra in enumerate(([], ["--checkpoint-every", "100"])):
         out = tmp_path / f"run{n}"
-        runs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *TINY, "-n",
-                                  "200", *extra, "-o", str(out)], cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for _ in range(2)]
-        done = [(p, *p.communicate(timeout=300)) for p in runs]
-        ok = [p for p, _, _ in done if p.returncode == 0]
-        lost = [(p, err) for p, _, err in done if p.returncode != 0]
-        assert len(ok) == 1 and len(lost) == 1, [(p.returncode, e) for p, _, e in done]
-        err = lost[0][1].strip().splitlines()
-        assert err == [f"error: -o {out}: another run (pid {ok[0].pid}) is writing into this "
-                       f"directory; wait for it to end, or give another -o"], err
+        first = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *TINY, "-n",
+                                  "1000000", *extra, "-o", str(out)], cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        while not first.stdout.readline().startswith("step"):  # (its lock is held by then)
+            assert first.poll() is None, first.communicate()
+        second = cli(*TINY, "-n", "200", *extra, "-o", out)
+        first.send_signal(signal.SIGTERM)
+        rest, err = first.communicate(timeout=300)
+        assert first.returncode == 130, err
+        assert second.returncode == 1 and second.stderr.strip().splitlines() == [
+            f"error: -o {out}: another run (pid {first.pid}) is writing into this directory; "
+            f"wait for it to end, or give another -o"], second.stderr
+        last = int(rest.split("interrupted after step ")[1].split(";")[0])
         steps = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
-        assert steps == list(range(1, 201))
+        assert last > 1 and steps == list(range(1, last + 1))
 
 
 def test_a_fresh_run_does_not_replace_another_runs_output_unasked(tmp_path):

