@@ -68,19 +68,24 @@ def test_sigterm_without_checkpoints_writes_the_model_of_the_last_step(tmp_path)
     assert np.isfinite(read_model(str(tmp_path / "model.bin"))[1]).all()
 
 
-# `train` whose second checkpoint's optimizer state is held part-written: np.savez waits in
-# signal.pause(), saying "held" before each wait, until a signal's handler raises
+# `train` whose second checkpoint's optimizer state is held part-written: np.savez says
+# "held", waits for the first signal's handler (the stop flag set), says "handled" and waits
+# until the second's raises (polling: no wakeup is lost to a signal between two calls)
 HELD = """
-import runpy, signal, sys
+import runpy, signal, sys, time
 import numpy as np
 real, calls = np.savez, []
 def savez(*a, **k):
     calls.append(1)
     if len(calls) == 1:
         return real(*a, **k)
+    stop = signal.getsignal(signal.SIGTERM).__self__
+    print("held", file=sys.stderr, flush=True)
+    while not stop.hit:
+        time.sleep(0.01)
+    print("handled", file=sys.stderr, flush=True)
     while True:
-        print("held", file=sys.stderr, flush=True)
-        signal.pause()
+        time.sleep(0.01)
 np.savez = savez
 sys.argv = ["cli.py"] + sys.argv[1:]
 runpy.run_path("cli.py", run_name="__main__")
@@ -94,8 +99,8 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", HELD, *TINY, "-n", "100000",
                           "--checkpoint-every", "1", "-o", tmp_path], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for _ in range(2):  # held; the first signal handled, held again
-        while (line := p.stderr.readline()) != "held\n":
+    for said in ("held\n", "handled\n"):
+        while (line := p.stderr.readline()) != said:
             assert line, p.communicate()
         p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
