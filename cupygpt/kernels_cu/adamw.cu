@@ -35,13 +35,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 round_param<__nv_bfloat16>(
 }
 
 // PACK floats of AdamW's state at p: 16-byte accesses where vec, else the first n.
-struct alignas(16) Float4 {
-    float v[4];
-};
 __device__ __forceinline__ void load_state(float* f, const float* p, int n, bool vec) {
     for (int k = 0; k < PACK; k += 4) {
         if (vec) {
-            Float4 q = *reinterpret_cast<const Float4*>(p + k);
+            Vec<float> q = *reinterpret_cast<const Vec<float>*>(p + k);
             for (int j = 0; j < 4; j++) f[k + j] = q.v[j];
         } else {
             for (int j = 0; j < 4; j++) f[k + j] = k + j < n ? p[k + j] : 0.f;
@@ -51,9 +48,9 @@ __device__ __forceinline__ void load_state(float* f, const float* p, int n, bool
 __device__ __forceinline__ void store_state(float* p, const float* f, int n, bool vec) {
     for (int k = 0; k < PACK; k += 4) {
         if (vec) {
-            Float4 q;
+            Vec<float> q;
             for (int j = 0; j < 4; j++) q.v[j] = f[k + j];
-            *reinterpret_cast<Float4*>(p + k) = q;
+            *reinterpret_cast<Vec<float>*>(p + k) = q;
         } else {
             for (int j = 0; j < 4 && k + j < n; j++) p[k + j] = f[k + j];
         }

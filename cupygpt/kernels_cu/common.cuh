@@ -41,6 +41,13 @@ __device__ __forceinline__ float stored(float v) {
 struct alignas(16) Pack {
     floatX v[PACK];
 };
+// 16 bytes of any element type: the column sums' loads of floatX or float partials, and
+// AdamW's float state.
+#define VEC(T) (16 / (int)sizeof(T))
+template <class T>
+struct alignas(16) Vec {
+    T v[VEC(T)];
+};
 
 __device__ __forceinline__ bool aligned16(const void* p) {
     return ((unsigned long long)p & 15) == 0;

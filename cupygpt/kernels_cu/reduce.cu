@@ -10,11 +10,6 @@
 // done[tile], left at 0 for the next launch) sums the tile's R partials in chunk order and
 // adds them to out, rounding once: columns [0, split) go to out_a, the rest to out_b (two
 // gradients from one pass). in is floatX (a gradient) or float (layernorm's partials).
-#define VEC(T) (16 / (int)sizeof(T))
-template <class T>
-struct alignas(16) Vec {
-    T v[VEC(T)];
-};
 
 // Sums rows r0, r0 + ROW_LANES, ... < r1 of columns [c, c + P) of in (rows ld apart) into
 // s, with 16-byte loads where VECTOR (the first pass), P is VEC(T) and they are aligned,
