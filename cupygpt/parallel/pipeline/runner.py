@@ -162,9 +162,10 @@ class Runner:
         (rows, T, its real vocabulary columns)), per micro-batch, on the head's ranks."""
         B, T, got = self.plan.mb_rows, self.plan.seq, {}
 
-        def grab(mb, first, logits):  # the micro-batch's chunks, gathered on the host
-            whole = got.setdefault(mb, np.empty((B * T, self.head.valid), np.float32))
-            whole[first:first + len(logits)] = self.be.to_host(logits)[:, :self.head.valid]
+        def grab(mb, first, logits):  # the micro-batch's chunks, in order, on the host
+            if first == 0:
+                got[mb] = np.empty((B * T, self.head.valid), np.float32)
+            got[mb][first:first + len(logits)] = self.be.to_host(logits)[:, :self.head.valid]
             if first + len(logits) == B * T:
                 on_logits(self.plan.global_rows(mb), self.head.v0,
                           got.pop(mb).reshape(B, T, -1))
