@@ -120,7 +120,7 @@ class Stage:
             return self._act(a, name, l)
 
         def attend(out, l):
-            be.attention_forward(out, a["att_lse"][l], a["qkv"][l], self.p["qkvb"][l], NH)
+            be.attention_forward(out, a["att_lse"][l], a["qkv"][l], NH)
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._head(whole, x)
@@ -146,7 +146,7 @@ class Stage:
             return self._act(a, name, l)[0:1, t:t + 1]
 
         def attend(out, l):
-            be.attention_decode(out, a["qkv"][l][0:1, :t + 1], self.p["qkvb"][l], NH)
+            be.attention_decode(out, a["qkv"][l][0:1, :t + 1], NH)
         if self.embed:
             self._embed(row("encoded"), tokens, self.p["wpe"][t:])
         x = self._blocks(row, attend, row("encoded"))
@@ -181,38 +181,43 @@ class Stage:
 
     def _blocks(self, act, attend, x):
         """The transformer blocks on x, writing activations act(name, layer) (whole tensors
-        for a pass, one row's views for a decode step); returns the last block's output. A
-        projection's product (scratch: backward never reads it), summed over the tp shards,
-        takes its bias once in the residual add, which runs the next layernorm too; qkv's
-        product is kept without its bias, which attention adds as it reads q, k, v."""
+        for a pass, one row's views for a decode step); returns the last block's output.
+        Every bias is added by its matmul (the GEMM's epilogue on CUDA). A row-parallel
+        projection's product (scratch: backward never reads it) is summed over the tp
+        shards, so only shard 0's matmul adds the bias (once in the sum); the residual add
+        runs the next layernorm too."""
         be, p, proj = self.be, self.p, act("proj")
+        row_bias = self.part.shard == 0  # the row-parallel projections' biases, see above
         if self.nl:
             be.layernorm_forward(act("ln1", 0), act("ln1_mean", 0), act("ln1_rstd", 0), x,
                                  p["ln1w"][0], p["ln1b"][0])
         for l in range(self.nl):
-            be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l])
+            be.matmul_forward(act("qkv", l), act("ln1", l), p["qkvw"][l], p["qkvb"][l])
             attend(act("atty", l), l)
-            be.matmul_forward(proj, act("atty", l), p["attprojw"][l])
+            be.matmul_forward(proj, act("atty", l), p["attprojw"][l],
+                              p["attprojb"][l] if row_bias else None)
             self.tp_sum(proj)
-            be.residual_layernorm_forward(act("residual2", l), x, proj, p["attprojb"][l],
-                                          act("ln2", l), act("ln2_mean", l), act("ln2_rstd", l),
+            be.residual_layernorm_forward(act("residual2", l), x, proj, act("ln2", l),
+                                          act("ln2_mean", l), act("ln2_rstd", l),
                                           p["ln2w"][l], p["ln2b"][l])
-            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l])
-            be.gelu_forward(act("fch_gelu", l), act("fch", l), p["fcb"][l])
-            be.matmul_forward(proj, act("fch_gelu", l), p["fcprojw"][l])
+            be.matmul_forward(act("fch", l), act("ln2", l), p["fcw"][l], p["fcb"][l])
+            be.gelu_forward(act("fch_gelu", l), act("fch", l))
+            be.matmul_forward(proj, act("fch_gelu", l), p["fcprojw"][l],
+                              p["fcprojb"][l] if row_bias else None)
             self.tp_sum(proj)
             x = self._residual3(act, l, act("residual2", l), proj)
         return x
 
     def _residual3(self, act, l, x, proj):
-        """Layer l's output x + proj + fcproj's bias, and the next ln1 (or the head's lnf)."""
-        be, p, res, bias = self.be, self.p, act("residual3", l), self.p["fcprojb"][l]
+        """Layer l's output x + proj (fcproj's product, its bias in), and the next ln1 (or the
+        head's lnf)."""
+        be, p, res = self.be, self.p, act("residual3", l)
         if l + 1 == self.nl and not self.head:
-            be.residual_forward(res, x, proj, bias)
+            be.residual_forward(res, x, proj)
             return res
         k, name = (l + 1, "ln1") if l + 1 < self.nl else (None, "lnf")
         w, b = (p[name + "w"], p[name + "b"]) if k is None else (p[name + "w"][k], p[name + "b"][k])
-        be.residual_layernorm_forward(res, x, proj, bias, act(name, k), act(name + "_mean", k),
+        be.residual_layernorm_forward(res, x, proj, act(name, k), act(name + "_mean", k),
                                       act(name + "_rstd", k), w, b)
         return res
 
@@ -292,8 +297,8 @@ class Stage:
                                   a["ln2_rstd"][l])
             matmul(s["datty"], "attproj", l, kept(dres, "dattproj", l), "atty")
             dqkv = out("dqkv", l, "dbt_3c")
-            be.attention_backward(dqkv, s["datty"], a["qkv"][l], p["qkvb"][l], a["atty"][l],
-                                  a["att_lse"][l], self.NH)
+            be.attention_backward(dqkv, s["datty"], a["qkv"][l], a["atty"][l], a["att_lse"][l],
+                                  self.NH)
             matmul(s["dbt_c"], "qkv", l, dqkv, "ln1")
             self.tp_sum(s["dbt_c"])
             be.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], s["dbt_c"], x, p["ln1w"][l],

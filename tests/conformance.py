@@ -17,6 +17,7 @@ packages.
 """
 import ast
 import dataclasses
+import enum
 import glob
 import importlib
 import inspect
@@ -25,7 +26,9 @@ import re
 import sys
 import types
 
-LIBS = ("cupy", "cupy_backends", "cupyx", "nvshmem", "cuda")
+import numpy as np
+
+LIBS = ("cupy", "cupy_backends", "cupyx", "nvshmem", "cuda", "nvmath")
 OTHER = "<other>"  # surely no library object: a literal, a non-library import, our own self.X
 # What calls return where neither a class call, CuPy's convention (its functions and array
 # methods give arrays) nor an annotation says; None: plain data, nothing in it to check.
@@ -551,6 +554,10 @@ def compare(mod, chain, obj, owner):
         real, _ = attribute(real, step, False)
     cls = real  # for a constructor
     real, bound = attribute(real, name, owner is not None)  # raises Mismatch
+    if isinstance(obj, enum.IntEnum):  # a library constant: the same number
+        return (None if obj == real else f"{int(obj)}; the real package's is {int(real)}"), None
+    if isinstance(obj, np.dtype):  # a struct's layout (cuBLASLt's heuristic result): the same
+        return (None if obj == real else f"the real package's is {real}"), None
     if obj is INSTANCE_ATTR or _plain(obj) or isinstance(obj, (type, types.SimpleNamespace,
                                                                types.ModuleType)):
         return None, None

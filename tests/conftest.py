@@ -111,12 +111,15 @@ def simulated(device):
 
 def load_cudasim():
     """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
-    real CuPy is left as it was."""
+    real CuPy or nvmath is left as it was."""
     names = ("cupy", "cupy.cuda", "cupy.cuda.nccl", "cupy_backends", "cupy_backends.cuda",
-             "cupy_backends.cuda.libs")
+             "cupy_backends.cuda.libs", "nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt")
     saved = {n: sys.modules.get(n) for n in names}
     try:
         cp = _load("cupy", os.path.join(SIM, "cupy.py"))
+        _load("nvmath", os.path.join(SIM, "nvmath", "__init__.py"))
+        _load("nvmath.bindings", os.path.join(SIM, "nvmath", "bindings", "__init__.py"))
+        _load("nvmath.bindings.cublasLt", os.path.join(SIM, "nvmath", "bindings", "cublasLt.py"))
         cu = _load("cupygpt.backends.cuda_backend_on_cudasim",
                    os.path.join(ROOT, "cupygpt", "backends", "cuda_backend.py"))
     finally:

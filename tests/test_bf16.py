@@ -38,14 +38,16 @@ def test_stochastic_rounding_is_unbiased_repeatable_and_sliceable():
 
 
 def test_an_op_rounds_its_outputs_once_from_float32():
-    """matmul_forward in bf16 is the fp32 op on the same (bf16) inputs, rounded once."""
+    """matmul_forward in bf16 is the fp32 op on the same (bf16) inputs, its bias added
+    before the one rounding."""
     rng = np.random.default_rng(0)
-    inp, w = (rng.normal(size=s).astype(BF16) for s in ((2, 3, 16), (8, 16)))
+    inp, w, b = (rng.normal(size=s).astype(BF16) for s in ((2, 3, 16), (8, 16), (8,)))
     out = np.zeros((2, 3, 8), BF16)
-    npb.matmul_forward(out, inp, w)
+    npb.matmul_forward(out, inp, w, b)
     ref = np.zeros((2, 3, 8), np.float32)
-    npb.matmul_forward(ref, inp.astype(np.float32), w.astype(np.float32))
+    npb.matmul_forward(ref, inp.astype(np.float32), w.astype(np.float32), b.astype(np.float32))
     assert np.array_equal(out, ref.astype(BF16))
+    assert not np.array_equal(out, (ref - b.astype(np.float32)).astype(BF16) + b)
     # an accumulating output reads its bf16 value, adds in fp32, rounds once
     dw = rng.normal(size=(8, 16)).astype(BF16)
     ref = dw.astype(np.float32)
@@ -153,8 +155,8 @@ def test_every_op_in_bf16_is_fp32_rounded():
             np.testing.assert_allclose(g.astype(np.float32), w, rtol=bound, atol=bound * rms,
                                        err_msg=fn.__name__)
 
-    x, w = inputs((B, T, C), (3 * C, C))
-    both(npb.matmul_forward, [(B, T, 3 * C)], [x, w])
+    x, w, qb = inputs((B, T, C), (3 * C, C), (3 * C,))
+    both(npb.matmul_forward, [(B, T, 3 * C)], [x, w, qb])
     both(npb.gelu_forward, [(B, T, C)], [x])
     both(npb.gelu_backward, [(B, T, C)], inputs((B, T, C), (B, T, C)))
     both(npb.residual_forward, [(B, T, C)], inputs((B, T, C), (B, T, C)))
@@ -163,9 +165,8 @@ def test_every_op_in_bf16_is_fp32_rounded():
                                                        np.zeros((B, T), np.float32), inp, g,
                                                        bb),
          [(B, T, C)], inputs((B, T, C), (C,), (C,)))
-    both(lambda out, qkv, qb: npb.attention_forward(out, np.zeros((B, NH, T), np.float32),
-                                                    qkv, qb, NH),
-         [(B, T, C)], inputs((B, T, 3 * C), (3 * C,)), 2 ** -6)
+    both(lambda out, qkv: npb.attention_forward(out, np.zeros((B, NH, T), np.float32), qkv, NH),
+         [(B, T, C)], inputs((B, T, 3 * C)), 2 ** -6)
 
 
 def test_a_bf16_checkpoint_without_its_master_weights_is_refused(tmp_path):

@@ -1,10 +1,11 @@
-"""Conformance: cupygpt's CUDA code, and cudasim, against the real CuPy, nvshmem4py and
-cuda-python (installed by the test extra; they install and import without a GPU).
+"""Conformance: cupygpt's CUDA code, and cudasim, against the real CuPy, nvshmem4py,
+cuda-python and nvmath-python (installed by the test extra; they install and import
+without a GPU).
 
 cudasim runs the CUDA backend on the CPU by imitating CuPy and nvshmem4py, so a call it
 accepts and the real library rejects would pass CI and fail on a GPU. Here:
 
-1. every cupygpt module that imports cupy, cupy_backends, cupyx, nvshmem or cuda.* (found by
+1. every cupygpt module that imports cupy, cupy_backends, cupyx, nvshmem, cuda.* or nvmath (found by
    glob and ast, so moved files are still found): each library attribute it uses exists in
    the real package, and each call's positional count and keyword names bind to the real
    signature (inspect.signature, else the signature a Cython docstring starts with);
@@ -66,6 +67,7 @@ def real():
         import nvshmem.core  # noqa: F401
         from cupy.cuda import nccl
         from cupy_backends.cuda.libs import cublas  # noqa: F401
+        from nvmath.bindings import cublasLt  # noqa: F401
         assert nccl.available, "CuPy finds no NCCL library (nvidia-nccl-cu13)"
     except Exception as e:
         why = f"the real CUDA packages are not installed (pip install -e '.[test]'): {e!r}"
@@ -113,7 +115,8 @@ def test_cupygpt_uses_the_real_api(real):
     texts = sources()
     found = {lib for t in texts.values() for lib in cf.LIBS
              if re.search(rf"^\s*(import|from) {lib}\b", t, re.M)}
-    assert {"cupy", "nvshmem", "cuda"} <= found, f"the search found only {sorted(texts)}"
+    assert {"cupy", "nvshmem", "cuda", "nvmath"} <= found, \
+        f"the search found only {sorted(texts)}"
     rep = report(texts)
     assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
     tell("cupygpt's library calls", rep)
@@ -144,10 +147,13 @@ def test_the_offer_check_reports_what_cudasim_must_not_offer(real):
 # One mistake each, made in the real source (wherever it now lives): (what to change, into
 # what, a word its report must contain)
 MISTAKES = {
-    "misspelt attribute": (r"\bsgemmStridedBatched\b", "sgemmStridedBatchd", "sgemmStridedBatchd"),
+    "misspelt attribute": (r"\bmatmul_algo_get_heuristic\b", "matmul_algo_get_heuristc",
+                           "matmul_algo_get_heuristc"),
+    "wrong keyword, cuBLASLt": (r"rows, cols, ld\)", "rows, cols, ldd=ld)", "'ld'"),
     "wrong keyword": (r"(put_signal\([^)]*)\bremote_pe=", r"\1peer=", "'peer'"),
     "extra positional": (r"(\.signal_op\()", r"\g<1>0, ", "multiple values"),
-    "extra positional via *args": (r"\bargs = \(h, ", "args = (h, h, ", "too many positional"),
+    "extra positional via *args": (r"\bargs = \(_lt_ready\(\), ", "args = (_lt_ready(), 0, ",
+                                   "too many positional"),
     "extra positional, method of an untyped receiver": (r"(\.allReduce\()", r"\g<1>0, ",
                                                         "allReduce"),
     "wrong keyword, method of an array parameter": (r"\.get\(stream=", ".get(strm=", "'strm'"),

@@ -95,12 +95,14 @@ def test_kernels_match_numpy(dev, shape):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h in ((di_d, di), (dw_d, dw), (db_d, db)):
         close(d, h)
-    # matmul; its bias gradient with and without a bias
+    # matmul, with and without its bias (the GEMM's epilogue); its bias gradient likewise
     wm, wm_d = pair(rng, (OC, C), 0.1)
+    bm, bm_d = pair(rng, (OC,))
     o, o_d = np.empty((B, T, OC), np.float32), cp.empty((B, T, OC), np.float32)
-    npb.matmul_forward(o, x, wm)
-    cu.matmul_forward(o_d, x_d, wm_d)
-    close(o_d, o)
+    for bias, bias_d in ((None, None), (bm, bm_d)):
+        npb.matmul_forward(o, x, wm, bias)
+        cu.matmul_forward(o_d, x_d, wm_d, bias_d)
+        close(o_d, o)
     for with_bias in (True, False):
         do, do_d = pair(rng, (B, T, OC))
         dx, dwm = np.empty_like(x), np.ones_like(wm)
@@ -115,23 +117,22 @@ def test_kernels_match_numpy(dev, shape):
         close(dwm_d, dwm)
         if with_bias:
             close(dbb_d, dbb)
-    # attention (flash: each query's log-sum-exp kept; qkv's bias added as q, k, v are read)
+    # attention (flash: each query's log-sum-exp kept)
     qkv, qkv_d = pair(rng, (B, T, 3 * C))
-    qb, qb_d = pair(rng, (3 * C,))
     lse, lse_d = np.empty((B, NH, T), np.float32), cp.empty((B, NH, T), np.float32)
-    npb.attention_forward(out, lse, qkv, qb, NH)
-    cu.attention_forward(out_d, lse_d, qkv_d, qb_d, NH)
+    npb.attention_forward(out, lse, qkv, NH)
+    cu.attention_forward(out_d, lse_d, qkv_d, NH)
     close(out_d, out)
     close(lse_d, lse)
     dq, dq_d = np.empty_like(qkv), cp.empty_like(qkv_d)
-    npb.attention_backward(dq, dout, qkv, qb, out, lse, NH)
-    cu.attention_backward(dq_d, dout_d, qkv_d, qb_d, out_d, lse_d, NH)
+    npb.attention_backward(dq, dout, qkv, out, lse, NH)
+    cu.attention_backward(dq_d, dout_d, qkv_d, out_d, lse_d, NH)
     close(dq_d, dq)
     # generation's step: the last position over the first n (KV cache), against the whole pass
     for n in (1, T):
         one, one_d = np.empty((1, 1, C), np.float32), cp.empty((1, 1, C), np.float32)
-        npb.attention_decode(one, qkv[0:1, :n], qb, NH)
-        cu.attention_decode(one_d, qkv_d[0:1, :n], qb_d, NH)
+        npb.attention_decode(one, qkv[0:1, :n], NH)
+        cu.attention_decode(one_d, qkv_d[0:1, :n], NH)
         close(one_d, one)
         np.testing.assert_allclose(one[0, 0], out[0, n - 1], rtol=RTOL, atol=ATOL)
     # gelu, residual
@@ -226,7 +227,7 @@ def test_bf16_trains_as_the_numpy_reference(device, tmp_path):
     assert losses(got.stdout) == pytest.approx(losses(ref.stdout), rel=1e-3)
 
 
-def test_tf32_reaches_cublas(device):
+def test_tf32_reaches_the_gemms(device):
     """--tf32 passes at its looser tolerance, and moves the logits far more than fp32 does."""
     _, fp32 = verify(device, FILES[0])
     res, tf32 = verify(device, FILES[0], "--tf32")
@@ -294,9 +295,8 @@ def test_out_of_memory_at_start_is_one_line(device):
     assert "out of memory at start" in res.stderr and "GiB of the GPU is free" in res.stderr
 
 
-@pytest.mark.parametrize("dtype,gemm,numerics", [("bf16", "gemmEx", "cuda-bf16"),
-                                                 ("fp32", "sgemm", "cuda-tf32")])
-def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
+@pytest.mark.parametrize("dtype,numerics", [("bf16", "cuda-bf16"), ("fp32", "cuda-tf32")])
+def test_bench_writes_json(device, tmp_path, dtype, numerics):
     out = tmp_path / "bench.json"
     res = run(device, "bench", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "32",
               "--steps", "2", "--warmup", "1", "--profile", "--dtype", dtype, "--out", out)
@@ -314,9 +314,16 @@ def test_bench_writes_json(device, tmp_path, dtype, gemm, numerics):
     assert kernels["attention_forward", f"flash_forward_{C // NH}"]["calls_per_step"] == L
     assert kernels["attention_backward", f"flash_dkdv_{C // NH}"]["calls_per_step"] == L
     assert not any("permute" in k for _, k in kernels), "a permute left in a training step"
-    assert kernels["matmul_forward", f"{gemm}_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
-    assert all(k.startswith(gemm) for op, k in kernels if op == "matmul_forward"), \
-        "a forward product launches more than its GEMM (a bias broadcast before it)"
+    assert kernels["matmul_forward", f"gemm_NT {BT}x{3 * C}x{C}"]["calls_per_step"] == L
+    assert all(k.startswith("gemm") for op, k in kernels if op == "matmul_forward"), \
+        "a forward product launches more than its GEMM (its bias not in the epilogue)"
+    # the bias gradients come from the weight-gradient GEMMs' epilogues: no column sums
+    assert {k for op, k in kernels if op == "matmul_backward_weight"} == {
+        f"gemm_TN {n}x{C}x{BT}" for n in (3 * C, C)} | {
+        f"gemm_TN {n}x{4 * C}x{BT}" for n in (C,)} | {
+        f"gemm_TN {4 * C}x{C}x{BT}", f"gemm_TN {50304}x{C}x{BT}", "bias_grad_add"}
+    assert kernels["matmul_backward_weight", "bias_grad_add"]["calls_per_step"] == 4 * L
+    assert {op for op, k in kernels if k.startswith("column_sum")} == {"layernorm_backward"}
     assert kernels["cross_entropy", "cross_entropy"]["calls_per_step"] == 1
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
@@ -358,7 +365,8 @@ def test_bf16_head_chunks_round_only_wtes_gradient_more(dev, monkeypatch):
 def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):
     """Each op of a d12 training step (B=4, T=1024, bf16; the head whole and in two vocab
     shards) launches at least 2 blocks per SM of an H100 (132 SMs) for every kernel whose
-    arrays hold more than 1 MB. Nothing runs: the launches are recorded, the GEMMs skipped,
+    arrays hold more than 1 MB, the bias epilogues' fallback kernels included. Nothing runs:
+    the launches are recorded, the GEMMs skipped (each saying its epilogue could not run),
     the arrays never written (so never touched on cudasim)."""
     import math
 
@@ -370,7 +378,8 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
         size = sum(a.nbytes for a in args if isinstance(a, cp.ndarray))
         launches.append((fn, math.prod(grid), size))
     monkeypatch.setattr(cu, "_launch", record)
-    monkeypatch.setattr(cu, "_gemm", lambda *a, **kw: None)
+    monkeypatch.setattr(cu, "_gemm", lambda *a, bias=None, bias_grad=None, **kw:
+                        "no epilogue" if bias is not None or bias_grad is not None else None)
     monkeypatch.setattr(cu, "_k", lambda *a: types.SimpleNamespace(
         max_dynamic_shared_size_bytes=1 << 20))
     B, T, C, NH, V, Vp, L = 4, 1024, 768, 12, 50257, 50304, 12
@@ -379,11 +388,12 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
     tokens = cp.zeros((B, T), np.int32)
     cu.encoder_forward(x(B, T, C), tokens, x(Vp, C), x(T, C))
     cu.layernorm_forward(x(B, T, C), f(B, T), f(B, T), x(B, T, C), x(C), x(C))
-    cu.attention_forward(x(B, T, C), f(B, NH, T), x(B, T, 3 * C), x(3 * C), NH)
-    cu.residual_layernorm_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(C), x(B, T, C),
-                                  f(B, T), f(B, T), x(C), x(C))
-    cu.gelu_forward(x(B, T, 4 * C), x(B, T, 4 * C), x(4 * C))
-    cu.residual_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(C))
+    cu.matmul_forward(x(B, T, 3 * C), x(B, T, C), x(3 * C, C), x(3 * C))
+    cu.attention_forward(x(B, T, C), f(B, NH, T), x(B, T, 3 * C), NH)
+    cu.residual_layernorm_forward(x(B, T, C), x(B, T, C), x(B, T, C), x(B, T, C), f(B, T),
+                                  f(B, T), x(C), x(C))
+    cu.gelu_forward(x(B, T, 4 * C), x(B, T, 4 * C))
+    cu.residual_forward(x(B, T, C), x(B, T, C), x(B, T, C))
     R = logit_rows(B * T, Vp)  # the head's positions per chunk (2 shards: R2)
     cu.cross_entropy(x(R, Vp), f(R), tokens.reshape(-1)[:R], V, 1.0 / (B * T))
     R2 = logit_rows(B * T, Vp // 2)
@@ -394,8 +404,8 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
     cu.loss_accumulate(cp.zeros(1, np.float64), f(B, T))
     for OC in (3 * C, C, 4 * C):
         cu.matmul_backward_weight(x(OC, C), x(OC), x(B, T, OC), x(B, T, C))
-    cu.attention_backward(x(B, T, 3 * C), x(B, T, C), x(B, T, 3 * C), x(3 * C), x(B, T, C),
-                          f(B, NH, T), NH)
+    cu.attention_backward(x(B, T, 3 * C), x(B, T, C), x(B, T, 3 * C), x(B, T, C), f(B, NH, T),
+                          NH)
     cu.gelu_backward(x(B, T, 4 * C), x(B, T, 4 * C), x(B, T, 4 * C))
     cu.layernorm_backward(x(B, T, C), x(C), x(C), x(B, T, C), x(B, T, C), x(C), f(B, T),
                           f(B, T))
@@ -406,7 +416,7 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
              1.0, master=f(n))
     names = {fn for fn, _, _ in launches}
     assert {"flash_forward_64", "flash_dq_64", "flash_dkdv_64", "cross_entropy", "classifier",
-            "layernorm_backward", "column_sum_x", "sum_squares_partial", "adamw",
+            "layernorm_backward", "column_sum_x", "bias_forward", "sum_squares_partial", "adamw",
             "encoder_backward_wte"} <= names, names
     few = {fn: blocks for fn, blocks, size in launches if size > 2 ** 20 and blocks < 2 * 132}
     assert not few, f"kernels moving > 1 MB on fewer than 264 blocks: {few}"
@@ -498,11 +508,11 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h, n in ((di_d, di, "dinp"), (dw_d, dw, "dlnw"), (db_d, db, "dlnb")):
         check(d, h, 1, n)
-    # matmul: GEMMs with float sums
-    wm, wm_d = pair((OC, C), 0.1)
+    # matmul: GEMMs with float sums, the bias added before the one rounding
+    (wm, wm_d), (bm, bm_d) = pair((OC, C), 0.1), pair((OC,))
     o, o_d = out((B, T, OC))
-    npb.matmul_forward(o, x, wm)  # (each op gets the same inputs on both sides)
-    cu.matmul_forward(o_d, x_d, wm_d)
+    npb.matmul_forward(o, x, wm, bm)  # (each op gets the same inputs on both sides)
+    cu.matmul_forward(o_d, x_d, wm_d, bm_d)
     check(o_d, o, 1, "matmul_forward")
     do, do_d = pair((B, T, OC))
     (dx, dx_d), (dwm, dwm_d), (dbb, dbb_d) = out((B, T, C)), pair((OC, C)), pair((OC,))
@@ -516,19 +526,19 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     # products, the kernel's forward relative to its running maximum (online softmax), the
     # reference's to the row's sum, so they round apart: within 2^-4 of the rms here (the
     # same inputs on both sides); test_flash.py bounds both against float64
-    (qkv, qkv_d), (qb, qb_d) = pair((B, T, 3 * C)), pair((3 * C,))
+    qkv, qkv_d = pair((B, T, 3 * C))
     (y, y_d), (lse, lse_d) = out((B, T, C)), out((B, NH, T), np.float32)
-    npb.attention_forward(y, lse, qkv, qb, NH)
-    cu.attention_forward(y_d, lse_d, qkv_d, qb_d, NH)
+    npb.attention_forward(y, lse, qkv, NH)
+    cu.attention_forward(y_d, lse_d, qkv_d, NH)
     check(y_d, y, 2, "attention out", cancel=2 ** -4)
     check(lse_d, lse, what="lse")
     dq, dq_d = out((B, T, 3 * C))
-    npb.attention_backward(dq, dout, qkv, qb, y, lse, NH)
-    cu.attention_backward(dq_d, dout_d, qkv_d, qb_d, cp.asarray(y), cp.asarray(lse), NH)
+    npb.attention_backward(dq, dout, qkv, y, lse, NH)
+    cu.attention_backward(dq_d, dout_d, qkv_d, cp.asarray(y), cp.asarray(lse), NH)
     check(dq_d, dq, 2, "dqkv", cancel=2 ** -4)
     one, one_d = out((1, 1, C))
-    npb.attention_decode(one, qkv[0:1], qb, NH)
-    cu.attention_decode(one_d, qkv_d[0:1], qb_d, NH)
+    npb.attention_decode(one, qkv[0:1], NH)
+    cu.attention_decode(one_d, qkv_d[0:1], NH)
     check(one_d, one, 1, "attention_decode")
     # elementwise
     for fn, args, args_d in (("gelu_forward", (x,), (x_d,)),
@@ -666,9 +676,10 @@ def test_adamw_packs_equal_the_element_wise_path_and_numpy(dev, dtype):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("lo", [0, 1], ids=["aligned", "misaligned"])
-def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
-    """The layernorms (with the residual add before), GELU with its bias, the bias column
-    sums, the fused classifier, the embedding and its gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
+def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, lo):
+    """The layernorms (with the residual add before), a matmul with its bias and its bias
+    gradient (the GEMM's epilogues on aligned vectors, the fallback kernels on misaligned
+    ones), the fused classifier, the embedding and its gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
     from cupygpt.backends import numpy_backend as npb
@@ -701,22 +712,36 @@ def test_row_and_column_kernels_on_odd_shapes(dev, dtype, lo):
     cu.layernorm_backward(di_d, dw_d, db_d, dout_d, x_d, w_d, m_d, r_d)
     for d, h, what in ((di_d, di, "dinp"), (dw_d, dw, "dlnw"), (db_d, db, "dlnb")):
         check(d, h, what)
-    # the residual add with a projection's bias, alone and with the next layernorm
-    (a, a_d), (bb, bb_d), (bias, bias_d) = pair(N, C), pair(N, C), pair(C)
+    # the residual add, alone and with the next layernorm
+    (a, a_d), (bb, bb_d) = pair(N, C), pair(N, C)
     (res, res_d), (ln, ln_d) = pair(N, C), pair(N, C)
-    npb.residual_forward(res, a, bb, bias)
-    cu.residual_forward(res_d, a_d, bb_d, bias_d)
-    check(res_d, res, "residual_forward with bias")
-    npb.residual_layernorm_forward(res, a, bb, bias, ln, m, r, w, b)
-    cu.residual_layernorm_forward(res_d, a_d, bb_d, bias_d, ln_d, m_d, r_d, w_d, b_d)
+    npb.residual_forward(res, a, bb)
+    cu.residual_forward(res_d, a_d, bb_d)
+    check(res_d, res, "residual_forward")
+    npb.residual_layernorm_forward(res, a, bb, ln, m, r, w, b)
+    cu.residual_layernorm_forward(res_d, a_d, bb_d, ln_d, m_d, r_d, w_d, b_d)
     for d, h, what in ((res_d, res, "residual"), (ln_d, ln, "its layernorm"), (r_d, r, "rstd")):
         check(d, h, what)
-    # GELU with fc's bias: the pre-activation updated in place
-    (f, f_d), (fb, fb_d), (g, g_d) = pair(N, C), pair(C), pair(N, C)
-    npb.gelu_forward(g, f, fb)
-    cu.gelu_forward(g_d, f_d, fb_d)
-    check(f_d, f, "fch + bias")
-    check(g_d, g, "gelu")
+    # a matmul and its bias, then its weight and bias gradients: the epilogues, but for a
+    # misaligned bias (BIAS's fallback kernel; BGRADB writes an aligned scratch), then on
+    # cudasim both fallbacks, as with a cuBLASLt that has no algorithm with an epilogue
+    def matmul(fallbacks):
+        cu.epilogue_fallbacks.clear()
+        (wm, wm_d), (bm, bm_d), (mo, mo_d) = pair(C, C, scale=0.2), pair(C), pair(N, C)
+        npb.matmul_forward(mo, x, wm, bm)
+        cu.matmul_forward(mo_d, x_d, wm_d, bm_d)
+        check(mo_d, mo, "matmul + bias")
+        (dwm, dwm_d), (dbm, dbm_d) = pair(C, C), pair(C)
+        npb.matmul_backward_weight(dwm, dbm, dout, x)
+        cu.matmul_backward_weight(dwm_d, dbm_d, dout_d, x_d)
+        check(dwm_d, dwm, "dw")
+        check(dbm_d, dbm, "dbias")
+        assert {e for e, _ in cu.epilogue_fallbacks} == fallbacks
+    matmul({"BIAS"} if lo else set())
+    if simulated(device):
+        monkeypatch.setenv("CUDASIM_LT_NO_EPILOGUE", "1")
+        cu._plans.clear()
+        matmul({"BIAS", "BGRADB"})
     # the fused classifier: 100 columns, 93 real tokens (the rest padding), dlogits in place
     tgt = rng.integers(0, 93, N).astype(np.int32)
     for dloss in (None, 1.0 / N):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import load_cudasim, requires_sim
+from cupygpt.precision import BF16
 
 pytestmark = requires_sim
 
@@ -89,6 +90,120 @@ def test_gemm_is_column_major_and_checked(sim):
         call(4, 3, 5, 3, 5, 4)  # ld smaller than the rows
     with pytest.raises(RuntimeError, match="outside the device allocation"):
         call(4, 3, 5, 4, 5, 4, Bm=cp.zeros((4, 4), np.float32))  # B too small for k=5
+
+
+def test_cupys_cublas_refuses_a_capture_with_cupys_words(sim):
+    """CuPy 14's cuBLAS wrappers set the handle's stream on each call and refuse a stream
+    that captures: the GPU's first run failed there, so cudasim must too."""
+    cp, _ = sim
+    one = np.array(1.0, np.float32)
+    A, C = cp.asarray(np.ones((4, 4), np.float32)), cp.zeros((4, 4), np.float32)
+    stream = cp.cuda.Stream(non_blocking=True).use()
+    stream.begin_capture()
+    try:
+        with pytest.raises(NotImplementedError, match="calling cuBLAS API during stream "
+                                                      "capture is currently unsupported"):
+            cp.cublas.sgemmStridedBatched(1, 0, 0, 4, 4, 4, one.ctypes.data, A.data.ptr, 4, 0,
+                                          A.data.ptr, 4, 0, one.ctypes.data, C.data.ptr, 4, 0, 1)
+    finally:
+        stream.end_capture()
+        cp.cuda.Stream(null=True).use()
+
+
+@pytest.fixture()
+def lt():
+    """cudasim's cupy, the cuda backend on it, and cudasim's cuBLASLt, on a fresh stream."""
+    cp, cu = load_cudasim()
+    cu.configure()
+    return cp, cu, cu.lt
+
+
+def test_cublaslt_matmuls_capture_once_planned(lt):
+    """A matmul's plan is made eagerly; in a capture it is recorded and replays; a shape
+    first met inside a capture is refused, and so is any cuBLASLt setup there."""
+    cp, cu, lib = lt
+    rng = np.random.default_rng(0)
+    a, w, b = (rng.normal(size=s).astype(np.float32) for s in ((6, 8), (5, 8), (5,)))
+    x, wd, bd, out = cp.asarray(a), cp.asarray(w), cp.asarray(b), cp.zeros((6, 5), np.float32)
+    cu.matmul_forward(out, x, wd, bd)
+    np.testing.assert_allclose(cp.asnumpy(out), a @ w.T + b, rtol=1e-6)
+    out.fill(0)
+    stream = cp.cuda.get_current_stream()
+    graph = cu.capture(lambda: cu.matmul_forward(out, x, wd, bd))
+    assert not cp.asnumpy(out).any()  # recorded, not run
+    cu.replay(graph)
+    np.testing.assert_allclose(cp.asnumpy(out), a @ w.T + b, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="first seen while the stream captures"):
+        cu.capture(lambda: cu.matmul_forward(out[:3], x[:3], wd))
+    stream.begin_capture()
+    try:
+        for setup in (lib.create, lib.matmul_preference_create,
+                      lambda: lib.matrix_layout_create(0, 4, 4, 4)):
+            with pytest.raises(RuntimeError, match="capturing"):
+                setup()
+    finally:
+        stream.end_capture()
+
+
+def test_cublaslt_refuses_what_the_library_refuses(lt):
+    """Attributes of the wrong size, an algorithm chosen for another descriptor or changed
+    since, a workspace smaller than asked or misaligned, pointers less aligned than the
+    algorithm was chosen for, a bias vector of another type than the descriptor says."""
+    cp, cu, lib = lt
+    A = cp.asarray(np.ones((8, 8), np.float32))
+    D = cp.zeros((8, 8), np.float32)
+    cu.matmul_forward(D, A, A)  # makes the handle and the workspace
+    h, ws = cu._lt["handle"], cu._lt["workspace"]
+    key = next(k for k in cu._plans if k[1] == lib.Epilogue.DEFAULT)
+    plan = cu._plans[key]
+    one = np.array(1.0, np.float32)
+
+    def call(desc=plan["desc"], algo=plan["algo"].ctypes.data, ws_ptr=ws.data.ptr,
+             ws_size=cu.LT_WORKSPACE, a=A.data.ptr):
+        lay = plan["layouts"]
+        lib.matmul(h, desc, one.ctypes.data, a, lay[0], A.data.ptr, lay[1], one.ctypes.data,
+                   D.data.ptr, lay[2], D.data.ptr, lay[2], algo, ws_ptr, ws_size,
+                   cp.cuda.get_current_stream().ptr)
+    call()
+    np.testing.assert_allclose(cp.asnumpy(D), 8 * np.ones((8, 8)) + 8, rtol=1e-6)
+    size = np.array(0, np.int64)
+    with pytest.raises(lib.cuBLASLtError, match="wants 4"):
+        lib.matmul_desc_set_attribute(plan["desc"], lib.MatmulDescAttribute.TRANSA,
+                                      size.ctypes.data, 8)
+    other = lib.matmul_desc_create(68, 0)
+    with pytest.raises(lib.cuBLASLtError, match="not chosen by the heuristic"):
+        call(desc=other)
+    with pytest.raises(lib.cuBLASLtError, match="asked"):
+        call(ws_size=1024)
+    with pytest.raises(lib.cuBLASLtError, match="workspace .* not 256-byte aligned"):
+        call(ws_ptr=ws.data.ptr + 16, ws_size=cu.LT_WORKSPACE - 256)
+    with pytest.raises(lib.cuBLASLtError, match=r"A at .* not \d+-byte aligned"):
+        call(a=cp.asarray(np.ones(65, np.float32))[1:].data.ptr)
+    t = np.array(lib.Epilogue.BIAS, np.uint32)
+    lib.matmul_desc_set_attribute(plan["desc"], lib.MatmulDescAttribute.EPILOGUE,
+                                  t.ctypes.data, 4)
+    with pytest.raises(lib.cuBLASLtError, match="not chosen"):  # the plan's desc, changed
+        call()
+
+
+def test_a_bias_of_another_type_than_the_descriptors_is_refused(lt):
+    cp, cu, lib = lt
+    x, w = cp.asarray(np.ones((4, 8), BF16)), cp.asarray(np.ones((8, 8), BF16))
+    out = cp.zeros((4, 8), BF16)
+    cu.matmul_forward(out, x, w, cp.asarray(np.ones(8, BF16)))
+    assert (cp.asnumpy(out).astype(np.float32) == 9).all()
+    plan = next(p for k, p in cu._plans.items() if k[1] == lib.Epilogue.BIAS)
+    wrong = cp.asarray(np.ones(8, np.float32))
+    ptr = np.array(wrong.data.ptr, np.int64)
+    lib.matmul_desc_set_attribute(plan["desc"], lib.MatmulDescAttribute.BIAS_POINTER,
+                                  ptr.ctypes.data, 8)
+    with pytest.raises(lib.cuBLASLtError, match="float32 allocation; the descriptor says "
+                                                "bfloat16"):
+        lay, one = plan["layouts"], np.array(1.0, np.float32)
+        lib.matmul(cu._lt["handle"], plan["desc"], one.ctypes.data, w.data.ptr, lay[0],
+                   x.data.ptr, lay[1], one.ctypes.data, out.data.ptr, lay[2], out.data.ptr,
+                   lay[2], plan["algo"].ctypes.data, cu._lt["workspace"].data.ptr,
+                   cu.LT_WORKSPACE, cp.cuda.get_current_stream().ptr)
 
 
 def test_graph_capture_rules(sim):

@@ -16,11 +16,11 @@ SIZES = (8, 16, 32, 64, 96, 128)   # the fixtures' head sizes (8, 16) and every 
 LENGTHS = (1, 17, 64, 128, 1000)   # 1000: not a multiple of any tile
 
 
-def materialized(qkv, bias, dy, NH):
+def materialized(qkv, dy, NH):
     """(y, dqkv) in float64 through the whole (T, T) attention."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
-    x = qkv.astype(np.float64) + bias.astype(np.float64)
+    x = qkv.astype(np.float64)
     q, k, v = (x.reshape(B, T, 3, NH, HS)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(HS)
     s[..., np.triu(np.ones((T, T), bool), 1)] = -np.inf
@@ -35,21 +35,20 @@ def materialized(qkv, bias, dy, NH):
 
 
 def inputs(B, T, NH, HS, dtype, seed=0):
-    """qkv (without its bias), the bias, dy."""
+    """qkv (its bias in), dy."""
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(B, T, 3 * NH * HS)).astype(dtype),
-            (rng.normal(size=3 * NH * HS) * 0.5).astype(dtype),
             rng.normal(size=(B, T, NH * HS)).astype(dtype))
 
 
-def run(be, qkv, bias, dy, NH, asarray=np.asarray, asnumpy=np.asarray):
+def run(be, qkv, dy, NH, asarray=np.asarray, asnumpy=np.asarray):
     B, T, C3 = qkv.shape
     wide = np.float64 if qkv.dtype == np.float64 else np.float32  # the run's wide type
     y, lse = asarray(np.zeros((B, T, C3 // 3), qkv.dtype)), asarray(np.zeros((B, NH, T), wide))
     dqkv = asarray(np.full((B, T, C3), 7.0, qkv.dtype))  # every element is written
-    q, b, d = asarray(qkv), asarray(bias), asarray(dy)
-    be.attention_forward(y, lse, q, b, NH)
-    be.attention_backward(dqkv, d, q, b, y, lse, NH)
+    q, d = asarray(qkv), asarray(dy)
+    be.attention_forward(y, lse, q, NH)
+    be.attention_backward(dqkv, d, q, y, lse, NH)
     return asnumpy(y), asnumpy(dqkv)
 
 
@@ -62,9 +61,9 @@ def error(got, want):
 def test_numpy_blocks_of_queries_equal_the_whole_attention(T):
     """T = 300: three blocks of ATT_ROWS queries, the last one short."""
     assert npb.ATT_ROWS < 300 < 3 * npb.ATT_ROWS
-    qkv, bias, dy = inputs(2, T, 3, 16, np.float64)
-    y, dqkv = run(npb, qkv, bias, dy, 3)
-    want_y, want_d = materialized(qkv, bias, dy, 3)
+    qkv, dy = inputs(2, T, 3, 16, np.float64)
+    y, dqkv = run(npb, qkv, dy, 3)
+    want_y, want_d = materialized(qkv, dy, 3)
     assert error(y, want_y) < 1e-13 and error(dqkv, want_d) < 1e-13
 
 
@@ -80,18 +79,18 @@ def test_flash_kernels_fp32_equal_the_whole_attention(dev, HS, T):
     """Exact fp32 (TF32 off, verify's arithmetic): within 1e-5 of the largest value; B * NH
     = 3, a multiple of nothing."""
     dev.cu.configure(tf32=False)
-    qkv, bias, dy = inputs(3, T, 1, HS, np.float32)
-    y, dqkv = run(dev.cu, qkv, bias, dy, 1, dev.cp.asarray, dev.cp.asnumpy)
-    want_y, want_d = materialized(qkv, bias, dy, 1)
+    qkv, dy = inputs(3, T, 1, HS, np.float32)
+    y, dqkv = run(dev.cu, qkv, dy, 1, dev.cp.asarray, dev.cp.asnumpy)
+    want_y, want_d = materialized(qkv, dy, 1)
     assert error(y, want_y) < 1e-5 and error(dqkv, want_d) < 1e-5, (error(y, want_y),
                                                                     error(dqkv, want_d))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_misaligned_views_take_the_element_wise_loads_with_the_same_bits(dev, dtype):
-    """qkv, its bias, y, dy and dqkv each one element into their buffers (no 16-byte
-    access aligned: the element-wise loads and stores, qkv's bias added as q, k, v are
-    read) give the aligned run's bits, for a padded head size (24) and a full one (64)."""
+    """qkv, y, dy and dqkv each one element into their buffers (no 16-byte access aligned:
+    the element-wise loads and stores) give the aligned run's bits, for a padded head size
+    (24) and a full one (64)."""
     cp = dev.cp
     dev.cu.configure(tf32=False)
 
@@ -114,10 +113,10 @@ def test_flash_kernels_bf16_are_as_close_as_the_reference(dev, HS, T):
     kernels are within 1.5x the reference's own distance (plus a step of the rms), and the
     output within 4 steps of each row's rms."""
     NH = 1 if T == 1000 else 3  # (one head at T = 1000: cudasim's time)
-    qkv, bias, dy = inputs(1, T, NH, HS, BF16)
-    y, dqkv = run(dev.cu, qkv, bias, dy, NH, dev.cp.asarray, dev.cp.asnumpy)
-    ref_y, ref_d = run(npb, qkv, bias, dy, NH)
-    want_y, want_d = materialized(qkv, bias, dy, NH)
+    qkv, dy = inputs(1, T, NH, HS, BF16)
+    y, dqkv = run(dev.cu, qkv, dy, NH, dev.cp.asarray, dev.cp.asnumpy)
+    ref_y, ref_d = run(npb, qkv, dy, NH)
+    want_y, want_d = materialized(qkv, dy, NH)
     for got, ref, want, what in ((y, ref_y, want_y, "y"), (dqkv, ref_d, want_d, "dqkv")):
         step = 2.0 ** (np.floor(np.log2(np.sqrt(np.mean(want ** 2)))) - 7)
         worst = np.abs(got.astype(np.float64) - want).max()
@@ -132,11 +131,11 @@ def test_flash_kernels_tf32(dev, HS):
     """fp32 training's arithmetic: the products on TF32 tensor cores (10-bit mantissas)."""
     dev.cu.configure(tf32=True)
     try:
-        qkv, bias, dy = inputs(2, 70, 2, HS, np.float32)
-        y, dqkv = run(dev.cu, qkv, bias, dy, 2, dev.cp.asarray, dev.cp.asnumpy)
+        qkv, dy = inputs(2, 70, 2, HS, np.float32)
+        y, dqkv = run(dev.cu, qkv, dy, 2, dev.cp.asarray, dev.cp.asnumpy)
     finally:
         dev.cu.configure(tf32=False)
-    want_y, want_d = materialized(qkv, bias, dy, 2)
+    want_y, want_d = materialized(qkv, dy, 2)
     assert error(y, want_y) < 5e-3 and error(dqkv, want_d) < 5e-3
     assert error(y, want_y) > 1e-6, "TF32 rounds its inputs: exactly fp32 means it did not run"
 

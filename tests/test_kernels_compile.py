@@ -119,9 +119,9 @@ def test_every_backend_kernel_exists():
 # accesses must be 16 bytes wide (L: loads, S: stores) on the aligned path.
 WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f32": "L",
                  "layernorm_forward": "LS", "residual_layernorm_forward": "LS",
-                 "residual_bias_forward": "LS", "layernorm_backward": "LS",
+                 "layernorm_backward": "LS", "bias_forward": "LS",
                  "cross_entropy": "LS", "classifier_stats": "L", "classifier": "LS",
-                 "gelu_forward": "LS", "gelu_bias_forward": "LS",
+                 "gelu_forward": "LS",
                  "gelu_backward": "LS", "residual_forward": "LS",
                  "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS",
                  "adamw": "LS", "encoder_forward": "LS", "encoder_backward_wpe": "LS",

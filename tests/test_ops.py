@@ -55,11 +55,10 @@ def test_layernorm():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_matmul(bias):
-    """With bias: the bias gradient of a product whose bias the next op adds (attention,
-    the residual add, GELU)."""
-    inp, wt, b, w = r(B, T, C), r(OC, C), r(OC) if bias else 0.0, r(B, T, OC)
+    """With bias: the product's bias (added by the matmul) and its gradient."""
+    inp, wt, b, w = r(B, T, C), r(OC, C), r(OC) if bias else None, r(B, T, OC)
     out = np.empty((B, T, OC))
-    f = lambda: (be.matmul_forward(out, inp, wt), ((out + b) * w).sum())[1]  # noqa: E731
+    f = lambda: (be.matmul_forward(out, inp, wt, b), (out * w).sum())[1]  # noqa: E731
     dinp, dw = np.full_like(inp, 7.0), np.zeros_like(wt)  # dinp is overwritten
     db = np.zeros(OC) if bias else None
     be.matmul_backward_input(dinp, w, wt)
@@ -71,10 +70,9 @@ def test_matmul(bias):
 
 
 def test_attention():
-    """qkv's bias is added as q, k, v are read: its gradient is dqkv's column sums."""
-    qkv, bias, w = r(B, T, 3 * C), r(3 * C), r(B, T, C)
+    qkv, w = r(B, T, 3 * C), r(B, T, C)
     out, lse = np.empty((B, T, C)), np.empty((B, NH, T))
-    f = lambda: (be.attention_forward(out, lse, qkv, bias, NH), (out * w).sum())[1]  # noqa
+    f = lambda: (be.attention_forward(out, lse, qkv, NH), (out * w).sum())[1]  # noqa
     f()
     first = out.copy()
     qkv[:, -1] += 1.0  # the last position's q, k, v: no earlier output may move (causal)
@@ -82,9 +80,8 @@ def test_attention():
     np.testing.assert_array_equal(out[:, :-1], first[:, :-1])
     assert not np.allclose(out[:, -1], first[:, -1])
     dqkv = np.full_like(qkv, 7.0)  # overwritten
-    be.attention_backward(dqkv, w, qkv, bias, out, lse, NH)
+    be.attention_backward(dqkv, w, qkv, out, lse, NH)
     close(dqkv, numgrad(f, qkv))
-    close(dqkv.sum((0, 1)), numgrad(f, bias))
 
 
 def test_gelu():

@@ -3,8 +3,8 @@
 Conventions every backend keeps (the model relies on them):
 - arrays are the backend's own (numpy.ndarray / cupy.ndarray), C-contiguous views into
   the flat buffers; shapes are written next to each function;
-- forward functions overwrite their outputs (gelu_forward given fc's bias also adds it to
-  its input in place: the pre-activation backward reads);
+- forward functions overwrite their outputs; a bias is added by the matmul that makes the
+  product (matmul_forward's bias, rounded once with it), never by the op that reads it;
 - backward functions overwrite the input gradient of a matmul, GELU, attention, and
   accumulate (+=) into every parameter gradient and into layernorm's and the encoder's
   input gradients, so the residual stream's gradient and micro-batch gradients add up.

@@ -1,8 +1,16 @@
 """The CUDA backend: the NumPy reference's interface over CuPy arrays, with our kernels
-(kernels_cu/, cupy.RawModule) and cuBLAS matmuls, in fp32 (TF32 is a cuBLAS math mode) or
-bf16 (llm.c's mainline: bf16 storage, fp32 math, GEMMs with fp32 compute). Each kernel
-file is compiled once per storage type; a launch takes the bf16 build when any of its
-arrays is bf16.
+(kernels_cu/, cupy.RawModule) and cuBLASLt matmuls (nvmath-python's bindings), in fp32
+(TF32 is a cuBLASLt compute type) or bf16 (llm.c's mainline: bf16 storage, fp32 math,
+GEMMs with fp32 compute). Each kernel file is compiled once per storage type; a launch
+takes the bf16 build when any of its arrays is bf16.
+
+Matmuls go through cuBLASLt, not CuPy's cuBLAS wrappers: those set the handle's stream on
+every call, which CuPy refuses while a stream captures a CUDA graph. Everything cuBLASLt
+needs but a capture may not do (the handle, the workspace, each shape's descriptor,
+layouts and heuristic-chosen algorithm) is made on a matmul's first call, in the eager
+first step; a captured step only calls cublasLtMatmul. Biases are the GEMMs' epilogues:
+forward BIAS (added before the output is rounded), backward BGRADB (the bias gradient
+from the weight-gradient GEMM, into a float scratch added into the gradient buffer).
 
 Attention keeps q, k, v and its other temporaries in backend workspaces (reused by every
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
@@ -19,7 +27,7 @@ import time
 
 import cupy as cp
 import numpy as np
-from cupy_backends.cuda.libs import cublas
+from nvmath.bindings import cublasLt as lt
 
 from .. import CupyGPTError
 from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
@@ -40,10 +48,10 @@ TF32_PEAK = {"H100 SXM": 494.7, "H100 NVL": 417.5, "H100 PCIe": 378.0, "H100": 4
              "H200": 494.7, "A100": 156.0, "L40S": 183.0}
 BF16_PEAK = {k: 2 * v for k, v in TF32_PEAK.items()}  # the same tables: twice TF32's
 
-CUBLAS_TF32_TENSOR_OP_MATH = 3  # cublas_api.h; CuPy's cublas module does not export it
-# cudaDataType (library_types.h) and cuBLAS's compute type and default algorithm, for gemmEx
+# cudaDataType (library_types.h) and cublasComputeType_t (cublas_api.h): fp32 math, exact or
+# with TF32 tensor cores
 CUDA_TYPE = {np.dtype(np.float32): 0, BF16: 14}
-CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
 tf32 = False
 _modules, _functions, _workspace = {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
@@ -57,14 +65,12 @@ def device_name():
 
 def configure(tf32=False, device_of=None, ranks_here=1):
     """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
-    (training) or off (verify), on CuPy's cuBLAS handle; all work goes to one non-blocking
-    stream (the legacy default stream cannot be captured into a CUDA graph)."""
+    (training) or off (verify); all work goes to one non-blocking stream (the legacy
+    default stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
     cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount()) if device_of else 0).use()
     cp.cuda.Stream(non_blocking=True).use()
-    h = cp.cuda.device.get_cublas_handle()
-    cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
-    cublas.setMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH if tf32 else cublas.CUBLAS_DEFAULT_MATH)
+    _plans.clear()  # (their compute type follows tf32)
 
 
 _files = {}  # kernel name: its .cu file
@@ -179,31 +185,147 @@ def _ws(key, n, dtype=np.float32, zeroed=False):
     return buf[:n]
 
 
-def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0,
-          alpha=1.0):
-    """Row-major C (M,N) = alpha op(A) @ op(B) + beta * C, batched with element strides.
-    fp32: sgemm (TF32 when the handle's math mode says so); bf16 A and B: gemmEx with fp32
-    compute, C bf16 (rounded once, beta's C read in) or float.
+# --- matmuls (cuBLASLt) ----------------------------------------------------------------
 
-    cuBLAS is column-major: a row-major matrix is its transpose there, so we ask for
-    C^T = op(B)^T op(A)^T, i.e. swap the operands and keep each one's transpose flag.
-    """
-    h = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(h, cp.cuda.get_current_stream().ptr)
-    al, be = _scalar(alpha).ctypes.data, (_ONE if beta else _ZERO).ctypes.data
-    shape = f"{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
-    if A.dtype == B.dtype == C.dtype == np.float32:
-        args = (h, tb, ta, N, M, K, al, B.data.ptr, ldb, sB, A.data.ptr, lda, sA, be,
-                C.data.ptr, ldc, sC, batch)
-        if _trace is None:
-            return cublas.sgemmStridedBatched(*args)
-        return _traced("sgemm_" + shape, cublas.sgemmStridedBatched, *args)
-    ex_args = (h, tb, ta, N, M, K, al, B.data.ptr, CUDA_TYPE[B.dtype], ldb, sB, A.data.ptr,
-               CUDA_TYPE[A.dtype], lda, sA, be, C.data.ptr, CUDA_TYPE[C.dtype], ldc, sC, batch,
-               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+LT_WORKSPACE = 32 * 2**20  # cuBLAS's recommended workspace on Hopper; one for every matmul
+LT_ALIGN = 256             # the workspace's alignment (what cuBLAS asks of one)
+BIAS_ALIGN = 16            # an epilogue's bias vector: 16-byte aligned, else the fallback
+_lt = {}                   # "handle", "workspace": made on the first matmul, before a capture
+_plans = {}                # a matmul's shape, types, epilogue and alignments -> its plan
+epilogue_fallbacks = {}    # (epilogue, why) -> calls made without it (bench reports them)
+
+
+def _lt_ready():
+    if not _lt:
+        _lt["handle"] = lt.create()
+        raw = _ws("cublaslt", LT_WORKSPACE + LT_ALIGN, np.uint8)
+        start = -raw.data.ptr % LT_ALIGN
+        _lt["workspace"] = raw[start:start + LT_WORKSPACE]
+    return _lt["handle"]
+
+
+def _set(setter, obj, attr, value, dtype_of):
+    v = np.array(value, dtype_of(attr))
+    setter(obj, attr, v.ctypes.data, v.nbytes)
+
+
+def _alignment(ptr):
+    """The largest power of two up to 256 that divides ptr (cuBLASLt's default assumes 256)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def _layout(dtype, rows, cols, ld, batch, stride):
+    layout = lt.matrix_layout_create(CUDA_TYPE[np.dtype(dtype)], rows, cols, ld)
+    if batch > 1:
+        _set(lt.matrix_layout_set_attribute, layout, lt.MatrixLayoutAttribute.BATCH_COUNT,
+             batch, lt.get_matrix_layout_attribute_dtype)
+        _set(lt.matrix_layout_set_attribute, layout,
+             lt.MatrixLayoutAttribute.STRIDED_BATCH_OFFSET, stride,
+             lt.get_matrix_layout_attribute_dtype)
+    return layout
+
+
+def _plan(key, epilogue, bias_ptr):
+    """The descriptor, layouts and algorithm of a column-major D (m,n) = alpha op(A) op(B)
+    + beta C: made once (never while a stream captures: cuBLASLt's setup is not graph
+    work). The heuristic's first algorithm, with no in-place split-K (its partial sums
+    would meet in an order that varies); None when no algorithm takes the epilogue."""
+    h = _lt_ready()
+    (ta, tb, m, n, k, lda, ldb, ldc, batch, sA, sB, sC, at, bt, ct, aligns) = key
+    desc = lt.matmul_desc_create(COMPUTE_32F_FAST_TF32 if tf32 and at == np.float32 else
+                                 COMPUTE_32F, CUDA_TYPE[np.dtype(np.float32)])
+    d = lt.get_matmul_desc_attribute_dtype
+    _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSA, ta, d)
+    _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSB, tb, d)
+    if epilogue != lt.Epilogue.DEFAULT:
+        _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.EPILOGUE, epilogue, d)
+        _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.BIAS_POINTER,
+             bias_ptr, d)
+        if epilogue == lt.Epilogue.BGRADB:  # the float scratch bias_grad_add reads
+            _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.BIAS_DATA_TYPE,
+                 CUDA_TYPE[np.dtype(np.float32)], d)
+    layouts = (_layout(at, *((m, k) if ta == N_ else (k, m)), lda, batch, sA),
+               _layout(bt, *((k, n) if tb == N_ else (n, k)), ldb, batch, sB),
+               _layout(ct, m, n, ldc, batch, sC))
+    pref = lt.matmul_preference_create()
+    p = lt.get_matmul_preference_attribute_dtype
+    _set(lt.matmul_preference_set_attribute, pref,
+         lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, LT_WORKSPACE, p)
+    _set(lt.matmul_preference_set_attribute, pref,
+         lt.MatmulPreferenceAttribute.REDUCTION_SCHEME_MASK,
+         lt.ReductionScheme.MASK & ~lt.ReductionScheme.INPLACE, p)
+    for attr, align in zip(("A", "B", "C", "D"), aligns + aligns[2:]):
+        _set(lt.matmul_preference_set_attribute, pref,
+             getattr(lt.MatmulPreferenceAttribute, f"MIN_ALIGNMENT_{attr}_BYTES"), align, p)
+    found = np.zeros(1, lt.matmul_heuristic_result_dtype)
+    count = np.zeros(1, np.int32)
+    lt.matmul_algo_get_heuristic(h, desc, layouts[0], layouts[1], layouts[2], layouts[2],
+                                 pref, 1, found.ctypes.data, count.ctypes.data)
+    lt.matmul_preference_destroy(pref)
+    if count[0] == 0 or found["state"][0] != 0:
+        lt.matmul_desc_destroy(desc)
+        for layout in layouts:
+            lt.matrix_layout_destroy(layout)
+        if epilogue == lt.Epilogue.DEFAULT:
+            raise CupyGPTError(f"cuBLASLt has no algorithm for the matmul {key}")
+        return None
+    return {"desc": desc, "layouts": layouts, "algo": found}
+
+
+def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0,
+          alpha=1.0, bias=None, bias_grad=None):
+    """Row-major C (M,N) = alpha op(A) @ op(B) + beta * C (+ bias (N)), batched with element
+    strides, through cuBLASLt: fp32 (TF32 tensor cores when tf32), or bf16 A and B with fp32
+    compute and C bf16 (rounded once, the bias in first; beta's C read in) or float.
+    bias_grad (float, N): the column sums of op(A), written (BGRADB's, not added).
+    Returns the epilogue that could not run (the caller adds its term), or None.
+
+    cuBLASLt is column-major: a row-major matrix is its transpose there, so we ask for
+    C^T = op(B)^T op(A)^T, i.e. swap the operands and keep each one's transpose flag (the
+    bias runs along C^T's rows; op(A)^T is the k x N operand B there, so its bias gradient
+    is BGRADB's)."""
+    vec = bias if bias is not None else bias_grad
+    key = (tb, ta, N, M, K, ldb, lda, ldc, batch, sB, sA, sC, B.dtype, A.dtype, C.dtype,
+           tuple(_alignment(x.data.ptr) for x in (B, A, C)))
+    plan, missing = None, None
+    if vec is not None:
+        epilogue = lt.Epilogue.BIAS if bias is not None else lt.Epilogue.BGRADB
+        if vec.data.ptr % BIAS_ALIGN:
+            why = f"its vector is not {BIAS_ALIGN}-byte aligned"
+        elif bias is not None and bias.dtype != C.dtype:
+            why = "its bias and output types differ"
+        else:
+            plan = _cached(key, epilogue, vec.data.ptr)
+            why = "cuBLASLt has no algorithm with it for this shape and these types"
+        if plan is None:
+            missing = epilogue
+            epilogue_fallbacks[epilogue.name, why] = \
+                epilogue_fallbacks.get((epilogue.name, why), 0) + 1
+    plan = plan or _cached(key, lt.Epilogue.DEFAULT, 0)
+    args = (_lt_ready(), plan["desc"], _scalar(alpha).ctypes.data,
+            B.data.ptr, plan["layouts"][0], A.data.ptr, plan["layouts"][1],
+            (_ONE if beta else _ZERO).ctypes.data, C.data.ptr, plan["layouts"][2],
+            C.data.ptr, plan["layouts"][2], plan["algo"].ctypes.data,
+            _lt["workspace"].data.ptr, LT_WORKSPACE, cp.cuda.get_current_stream().ptr)
     if _trace is None:
-        return cublas.gemmStridedBatchedEx(*ex_args)
-    return _traced("gemmEx_" + shape, cublas.gemmStridedBatchedEx, *ex_args)
+        lt.matmul(*args)
+    else:
+        shape = f"{'NT'[ta]}{'NT'[tb]} {M}x{N}x{K}" + (f"x{batch}" if batch > 1 else "")
+        _traced("gemm_" + shape, lt.matmul, *args)
+    return missing
+
+
+def _cached(key, epilogue, bias_ptr):
+    """The plan of key with this epilogue and bias vector: made on first use, refused
+    while the stream captures (nothing but cublasLtMatmul may run in a graph)."""
+    full = (key, epilogue, bias_ptr)
+    if full not in _plans:
+        if cp.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(f"a matmul first seen while the stream captures a CUDA graph "
+                               f"({key}, {epilogue.name}): its cuBLASLt plan must be made in "
+                               f"an eager step first")
+        _plans[full] = _plan(key, epilogue, bias_ptr)
+    return _plans[full]
 
 
 _scalars = {}  # alpha values by value: cuBLAS reads them through a host pointer
@@ -277,8 +399,8 @@ def stamp_seconds(marks):
 
 def capture(fn):
     """Records fn's launches on the current stream as a CUDA graph (nothing runs yet).
-    cuBLAS needs no workspace set for this: since CUDA 12.2 it takes its workspace with
-    cudaMallocAsync, which the capture records; and a step is captured only once."""
+    Every matmul in fn must have run eagerly once (its cuBLASLt plan is made then; the
+    workspace is our own, allocated with the first); a step is captured only once."""
     stream = cp.cuda.get_current_stream()
     stream.begin_capture()
     try:
@@ -309,9 +431,11 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
     at most 256 columns, plus a row of 4C) and their counters, the norm's, and the embedding
-    backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS)."""
+    backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS), the
+    bias gradients' float scratch (4C, the widest) and cuBLASLt's workspace."""
     ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
-    out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C)
+    out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C
+               + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
@@ -376,17 +500,19 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op
-def matmul_forward(out, inp, w):
+def matmul_forward(out, inp, w, bias=None):
     OC, C = w.shape
-    _gemm(N_, T_, inp.size // C, OC, C, inp, C, w, C, out, OC)
+    if _gemm(N_, T_, inp.size // C, OC, C, inp, C, w, C, out, OC, bias=bias):
+        _ew("bias_forward", out.size, out, bias, np.int64(out.size), _i(OC),
+            per_thread=16 // out.dtype.itemsize)
 
 
-def _qkv_split(qkv, bias, NH):
+def _qkv_split(qkv, NH):
     B, T, C3 = qkv.shape
     C = C3 // 3
     n = B * T * C
     q, k, v = (_ws(key, n, qkv.dtype) for key in ("q", "k", "v"))
-    _ew("permute_qkv", n, q, k, v, qkv, bias, _i(B), _i(T), _i(NH), _i(C // NH))
+    _ew("permute_qkv", n, q, k, v, qkv, _i(B), _i(T), _i(NH), _i(C // NH))
     return B, T, C, C // NH, q, k, v
 
 
@@ -406,15 +532,15 @@ def _flash(kind, qkv, NH, *args):
 
 
 @_op
-def attention_forward(out, lse, qkv, bias, NH):
-    _flash("forward", qkv, NH, out, lse, qkv, bias)
+def attention_forward(out, lse, qkv, NH):
+    _flash("forward", qkv, NH, out, lse, qkv)
 
 
 @_op
-def attention_decode(out, qkv, bias, NH):
+def attention_decode(out, qkv, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
-    _, n, C, HS, q, k, v = _qkv_split(qkv, bias, NH)
+    _, n, C, HS, q, k, v = _qkv_split(qkv, NH)
     scores, att = _ws("dec_scores", NH * n), _ws("dec_att", NH * n, qkv.dtype)
     # per head: the last query row (1, HS) @ k^T (HS, n); heads are n*HS apart in q, k, v
     _gemm(N_, T_, 1, n, HS, q[(n - 1) * HS:], HS, k, HS, scores, n, batch=NH, sA=n * HS,
@@ -425,29 +551,20 @@ def attention_decode(out, qkv, bias, NH):
 
 
 @_op
-def gelu_forward(out, inp, bias=None):
-    if bias is None:
-        _packed("gelu_forward", out, inp)
-    else:
-        _ew("gelu_bias_forward", out.size, out, inp, bias, np.int64(out.size), _i(bias.size),
-            per_thread=16 // out.dtype.itemsize)
+def gelu_forward(out, inp):
+    _packed("gelu_forward", out, inp)
 
 
 @_op
-def residual_forward(out, a, b, bias=None):
-    if bias is None:
-        _packed("residual_forward", out, a, b)
-    else:
-        C = out.shape[-1]
-        _rows("residual_bias_forward", out.size // C, out, a, b, bias, _i(out.size // C), _i(C))
+def residual_forward(out, a, b):
+    _packed("residual_forward", out, a, b)
 
 
 @_op
-def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
+def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
     C = res.shape[-1]
     N = res.size // C
-    _rows("residual_layernorm_forward", N, res, a, b, bias, out, mean, rstd, w, lnb, _i(N),
-          _i(C))
+    _rows("residual_layernorm_forward", N, res, a, b, out, mean, rstd, w, lnb, _i(N), _i(C))
 
 
 @_op
@@ -487,13 +604,15 @@ COLUMN_BLOCKS = 528  # column sums: at least this many blocks (4 per SM of an H1
 
 def _column_sum(out, inp, N, OC, out_b=None, split=None):
     """out (OC) += column sums of inp (N, OC), deterministically, in one launch (reduce.cu);
-    with out_b, columns [split, OC) go to out_b instead."""
+    with out_b, columns [split, OC) go to out_b instead. inp float: layernorm's partials
+    (column_sum_f32), else a gradient of the run's type where a bias gradient's epilogue
+    could not run (column_sum_x)."""
     per_thread = 16 // inp.dtype.itemsize
     tiles = -(-OC // (GEOMETRY["COL_TILE"] * per_thread))
     R = max(1, min(-(-COLUMN_BLOCKS // tiles), N // GEOMETRY["ROW_LANES"]))
     per = -(-N // R)
     R = -(-N // per)  # (no empty chunk)
-    _launch("column_sum_x" if inp.dtype == out.dtype else "column_sum_f32", (tiles, R),
+    _launch("column_sum_f32" if inp.dtype == np.float32 else "column_sum_x", (tiles, R),
             (GEOMETRY["COL_TILE"], GEOMETRY["ROW_LANES"]), out, out if out_b is None else out_b,
             _i(OC if split is None else split), inp, _i(N), _i(OC), _i(per), _ws("colsum", R * OC),
             _ws("colsum_done", tiles, np.int32, zeroed=True))
@@ -531,18 +650,24 @@ def matmul_backward_input(dinp, dout, w):
 
 @_op
 def matmul_backward_weight(dw, db, dout, inp):
+    """dw += dout^T inp; db += dout's column sums, from the GEMM's BGRADB epilogue (it
+    writes them: a float scratch, added into db once, as the column sums would add), or
+    the column sums' kernel where the epilogue cannot run."""
     OC, C = dw.shape
     N = inp.size // C
-    _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0)
-    if db is not None:
+    g = None if db is None else _ws("bias_grad", OC)
+    if _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0, bias_grad=g):
         _column_sum(db, dout, N, OC)
+    elif db is not None:
+        _launch("bias_grad_add", (-(-OC // GEOMETRY["EW_THREADS"]),), (GEOMETRY["EW_THREADS"],),
+                db, g, _i(OC))
 
 
 @_op
-def attention_backward(dqkv, dout, qkv, bias, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, out, lse, NH):
     D = _ws("flash_D", lse.size)  # rowsum(dout * out): flash_dq writes it, flash_dkdv reads
-    _flash("dq", qkv, NH, dqkv, D, dout, qkv, bias, out, lse)
-    _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, bias, lse)
+    _flash("dq", qkv, NH, dqkv, D, dout, qkv, out, lse)
+    _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, lse)
 
 
 @_op

@@ -245,10 +245,12 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op("out")
-def matmul_forward(out, inp, w):
-    """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T. The biases are added by the ops that read
-    the products next (attention, the residual add, GELU)."""
+def matmul_forward(out, inp, w, bias=None):
+    """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T (+ bias (OC)), the sum rounded once to out's
+    type (the CUDA backend's GEMM epilogue adds the bias before it stores)."""
     np.matmul(_rows(inp), w.T, out=_rows(out))
+    if bias is not None:
+        out += bias
 
 
 # Attention goes by blocks of ATT_ROWS queries, as flash attention does (no (T, T) tensor
@@ -265,15 +267,6 @@ def _heads(x, B, T, NH):
 def _qkv(qkv, NH):
     B, T, C3 = qkv.shape
     return (_heads(qkv.reshape(B, T, 3, C3 // 3)[:, :, i], B, T, NH) for i in range(3))
-
-
-def _biased(qkv, bias):
-    """qkv + qkv's bias (3C), in scratch: the GEMM leaves the bias out, attention adds it as
-    it reads q, k, v (stored: the kernels round the sum as they load it)."""
-    x = _ws("qkv_biased", qkv.shape, qkv.dtype)
-    np.add(qkv, bias, out=x)
-    _stored(x)
-    return x
 
 
 def _scores(q, k, t0, t1, scale):
@@ -293,11 +286,11 @@ def _probs(q, k, lse, t0, t1, scale):
 
 
 @_op("out", "lse")
-def attention_forward(out, lse, qkv, bias, NH):
-    """Causal self-attention. qkv (B,T,3C) and its bias (3C) -> out (B,T,C); lse (B,NH,T)
+def attention_forward(out, lse, qkv, NH):
+    """Causal self-attention. qkv (B,T,3C), its bias in -> out (B,T,C); lse (B,NH,T)
     float: each query row's log of its sum of exp(scores), all backward keeps."""
     B, T, C3 = qkv.shape
-    q, k, v = _qkv(_biased(qkv, bias), NH)
+    q, k, v = _qkv(qkv, NH)
     scale = 1.0 / math.sqrt(q.shape[-1])
     y = _heads(out, B, T, NH)
     for t0 in range(0, T, ATT_ROWS):
@@ -313,12 +306,12 @@ def attention_forward(out, lse, qkv, bias, NH):
 
 
 @_op("out")
-def attention_decode(out, qkv, bias, NH):
+def attention_decode(out, qkv, NH):
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
     _, n, C3 = qkv.shape
     HS = C3 // 3 // NH
-    x = _biased(qkv, bias).reshape(n, 3, NH, HS)
+    x = qkv.reshape(n, 3, NH, HS)
     q, k, v = x[-1, 0][:, None, :], x[:, 1].transpose(1, 2, 0), x[:, 2].transpose(1, 0, 2)
     s = (q @ k) * (1.0 / math.sqrt(HS))       # (NH, 1, n)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -327,14 +320,10 @@ def attention_decode(out, qkv, bias, NH):
     out.reshape(NH, HS)[...] = (p @ v)[:, 0]  # (NH, 1, HS)
 
 
-@_op("out", "inp")
-def gelu_forward(out, inp, bias=None):
+@_op("out")
+def gelu_forward(out, inp):
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
-    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies. With bias
-    (fc's, folded in here), inp += bias first, stored in place: backward reads it."""
-    if bias is not None:
-        inp += bias
-        _stored(inp)
+    x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
     t = _gelu_tanh(inp)
     t += 1.0
     np.multiply(inp, 0.5, out=out)
@@ -353,19 +342,15 @@ def _gelu_tanh(inp):
 
 
 @_op("out")
-def residual_forward(out, a, b, bias=None):
-    """out = a + b, or a + (b + bias): a row-parallel projection's bias is added here."""
-    if bias is None:
-        np.add(a, b, out=out)
-    else:
-        np.add(b, bias, out=out)
-        out += a
+def residual_forward(out, a, b):
+    """out = a + b."""
+    np.add(a, b, out=out)
 
 
-def residual_layernorm_forward(res, a, b, bias, out, mean, rstd, w, lnb):
-    """res = a + (b + bias), stored; out, mean, rstd: the layernorm of res as stored. The
-    CUDA kernel fuses the two; here they are the two ops (and profile as such)."""
-    residual_forward(res, a, b, bias)
+def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
+    """res = a + b, stored; out, mean, rstd: the layernorm of res as stored. The CUDA
+    kernel fuses the two; here they are the two ops (and profile as such)."""
+    residual_forward(res, a, b)
     layernorm_forward(out, mean, rstd, res, w, lnb)
 
 
@@ -469,11 +454,11 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op("dqkv")
-def attention_backward(dqkv, dout, qkv, bias, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, out, lse, NH):
     """dqkv (B,T,3C) from dout (B,T,C), with forward's out and lse: each block's
     probabilities made again, D = rowsum(dout * out) in place of the sum over keys."""
     B, T, C3 = qkv.shape
-    q, k, v = _qkv(_biased(qkv, bias), NH)
+    q, k, v = _qkv(qkv, NH)
     dq, dk, dv = _qkv(dqkv, NH)
     scale = 1.0 / math.sqrt(q.shape[-1])
     do = _heads(dout, B, T, NH)

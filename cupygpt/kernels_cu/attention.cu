@@ -11,16 +11,15 @@ __device__ __forceinline__ long long qkv_offset(long long i, int T, int NH, int 
     return b * T * 3 * C + (long long)t * 3 * C + h * HS + d;
 }
 
-// q, k, v = qkv's plus qkv's bias (3, NH, HS), rounded to floatX (as flash attention's loads).
+// q, k, v (NH, n, HS each) from qkv (its GEMM added the bias).
 extern "C" __global__ void permute_qkv(floatX* q, floatX* k, floatX* v, const floatX* qkv,
-                                       const floatX* bias, int B, int T, int NH, int HS) {
+                                       int B, int T, int NH, int HS) {
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)B * NH * T * HS) return;
     long long src = qkv_offset(i, T, NH, HS), C = (long long)NH * HS;
-    long long hd = i / ((long long)HS * T) % NH * HS + i % HS;  // (h, d) in a section
-    store(&q[i], load(qkv[src]) + load(bias[hd]));
-    store(&k[i], load(qkv[src + C]) + load(bias[C + hd]));
-    store(&v[i], load(qkv[src + 2 * C]) + load(bias[2 * C + hd]));
+    q[i] = qkv[src];
+    k[i] = qkv[src + C];
+    v[i] = qkv[src + 2 * C];
 }
 
 // Generation's one new query per head (the KV cache holds every earlier key): att[row, j] =

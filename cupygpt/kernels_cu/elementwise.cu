@@ -42,29 +42,28 @@ extern "C" __global__ void residual_forward(floatX* out, const floatX* a, const 
     map2(out, a, b, n, [](float x, float y) { return x + y; });
 }
 
-// fc's bias folded into GELU: inp (N,OC, the GEMM's product) += bias, stored in place (the
-// pre-activation backward reads), and out = gelu of the stored value (what recompute's
-// gelu_forward gets from it). PACK elements per thread, 16-byte accesses where the run is
-// whole, in one row and aligned (OC a multiple of PACK).
-extern "C" __global__ void gelu_bias_forward(floatX* out, floatX* inp, const floatX* bias,
-                                             long long n, int OC) {
+// The bias of a matmul whose GEMM could not add it in its epilogue (cuda_backend.py says
+// when): out (N,OC) += bias (OC), rounded once. PACK elements per thread, 16-byte accesses
+// where the pack is whole, in one row and aligned.
+extern "C" __global__ void bias_forward(floatX* out, const floatX* bias, long long n, int OC) {
     long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * PACK;
     if (i >= n) return;
     int c = i % OC;
-    if (i + PACK <= n && c + PACK <= OC && aligned16(out + i) && aligned16(inp + i) &&
-        aligned16(bias + c)) {
+    if (i + PACK <= n && c + PACK <= OC && aligned16(out + i) && aligned16(bias + c)) {
         float x[PACK], b[PACK];
-        load_pack(x, inp + i, PACK, true);
+        load_pack(x, out + i, PACK, true);
         load_pack(b, bias + c, PACK, true);
-        for (int k = 0; k < PACK; k++) x[k] = stored(x[k] + b[k]);
-        store_pack(inp + i, x, PACK, true);
-        for (int k = 0; k < PACK; k++) x[k] = gelu(x[k]);
+        for (int k = 0; k < PACK; k++) x[k] += b[k];
         store_pack(out + i, x, PACK, true);
         return;
     }
-    for (long long j = i; j < i + PACK && j < n; j++) {
-        float x = stored(load(inp[j]) + load(bias[j % OC]));
-        store(&inp[j], x);
-        store(&out[j], gelu(x));
-    }
+    for (long long j = i; j < i + PACK && j < n; j++)
+        store(&out[j], load(out[j]) + load(bias[j % OC]));
+}
+
+// db (n) += g (n, float): a bias gradient the weight-gradient GEMM's epilogue wrote (it
+// overwrites), added into the gradient buffer as micro-batches add, rounded once.
+extern "C" __global__ void bias_grad_add(floatX* db, const float* g, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) store(&db[i], load(db[i]) + g[i]);
 }

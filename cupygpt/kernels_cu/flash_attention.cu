@@ -1,6 +1,6 @@
 // Causal self-attention for training, FlashAttention-2's way: no (T, T) tensor anywhere.
-// q, k, v are read straight from qkv (B, T, 3, NH, HS), qkv's bias added as they are read
-// (the GEMM leaves it out), y written straight as (B, T, NH, HS) and dq, dk, dv straight
+// q, k, v are read straight from qkv (B, T, 3, NH, HS), already biased (qkv's GEMM adds the
+// bias in its epilogue), y written straight as (B, T, NH, HS) and dq, dk, dv straight
 // into dqkv: no permutes. Forward keeps each query's log-sum-exp
 // (lse, (B, NH, T) float); backward makes the probabilities again from it, tile by tile,
 // with D = rowsum(dy * y) in place of the sum over keys.
@@ -159,28 +159,20 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// dst (rows x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1, plus
-// bias[column] where given (qkv's bias, added where q, k, v are read: the sum is rounded to
-// floatX, as the NumPy reference stores it); zeros past T and HS. 16 bytes at a time when
-// src (and bias) are 16-byte aligned (HS and C are multiples of 8, so then every row is),
-// else one element at a time.
+// dst (rows x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1;
+// zeros past T and HS. 16 bytes at a time when src is 16-byte aligned (HS and C are
+// multiples of 8, so then every row is), else one element at a time.
 template <int HSP>
 __device__ void load_rows(floatX* dst, const floatX* src, long long stride, int r0, int rows,
-                          int T, int HS, const floatX* bias = nullptr) {
+                          int T, int HS) {
     constexpr int LD = HSP + SKEW, PER = HSP / PACK;
-    bool wide = aligned16(src) && (bias == nullptr || aligned16(bias));
+    bool wide = aligned16(src);
     for (int i = threadIdx.x; i < rows * PER; i += blockDim.x) {
         int r = i / PER, c = i % PER * PACK;
         Pack* d = reinterpret_cast<Pack*>(dst + r * LD + c);
         const floatX* s = src + (r0 + r) * stride + c;
         if (r0 + r >= T || c >= HS) {
             for (int e = 0; e < PACK; e++) d->v[e] = floatX(0.f);
-        } else if (bias) {
-            float f[PACK], fb[PACK];
-            load_pack(f, s, HS - c, wide);  // (HS - c >= PACK: a runtime count, so the
-            load_pack(fb, bias + c, HS - c, wide);  // compiler cannot merge the two paths)
-            for (int e = 0; e < PACK; e++) f[e] += fb[e];
-            store_pack(d->v, f, PACK, true);
         } else if (wide) {
             *d = *reinterpret_cast<const Pack*>(s);
         } else {
@@ -232,7 +224,7 @@ __device__ __forceinline__ unsigned smem_need(int own, int extra_floats) {
 }
 
 template <int HSP, int M>
-__device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, const floatX* bias,
+__device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
                               float scale, int T, int NH, int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
@@ -244,13 +236,13 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, const 
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS, bias + h * HS);
+    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();  // the last tile's readers are done
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS, bias + C + h * HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS, bias + 2 * C + h * HS);
+        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
+        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
         __syncthreads();
         if (k0 > r0 + 16 * w + 15) continue;  // every key is after this warp's queries
         float s[FC / 8][4], mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f};
@@ -302,7 +294,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv, const 
 // first D = rowsum(dy * y) of its rows, written for flash_dkdv.
 template <int HSP, int M>
 __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floatX* qkv,
-                         const floatX* bias, const floatX* y, const float* lse, float scale,
+                         const floatX* y, const float* lse, float scale,
                          int T, int NH, int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
@@ -315,7 +307,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS, bias + h * HS);
+    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
     load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, r0, FR, T, HS);
     __syncthreads();
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
@@ -337,8 +329,8 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
     }
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS, bias + C + h * HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS, bias + 2 * C + h * HS);
+        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
+        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
         __syncthreads();
         if (k0 > r0 + 16 * w + 15) continue;
         float s[FC / 8][4], dp[FC / 8][4];
@@ -364,7 +356,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
 // rows (keys) against a query tile's columns; dv = P^T dy, dk = dS^T q.
 template <int HSP, int M>
 __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, const floatX* qkv,
-                           const floatX* bias, const float* lse, float scale, int T, int NH,
+                           const float* lse, float scale, int T, int NH,
                            int HS) {
     constexpr int LD = HSP + SKEW;
     DYNAMIC_SHARED(smem);
@@ -378,13 +370,13 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
     int b = blockIdx.y / NH, h = blockIdx.y % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS, bias + C + h * HS);
-    load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FR, T, HS, bias + 2 * C + h * HS);
+    load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS);
+    load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FR, T, HS);
     int key[2] = {k0 + 16 * w + g, k0 + 16 * w + g + 8};
     float dk[HSP / 8][4] = {}, dv[HSP / 8][4] = {};
     for (int t0 = k0; t0 < T; t0 += FC) {  // FR is a multiple of FC: t0 starts a tile
         __syncthreads();
-        load_rows<HSP>(Qs, base, 3 * C, t0, FC, T, HS, bias + h * HS);
+        load_rows<HSP>(Qs, base, 3 * C, t0, FC, T, HS);
         load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, t0, FC, T, HS);
         for (int i = threadIdx.x; i < FC; i += blockDim.x) {
             bool in = t0 + i < T;
@@ -438,87 +430,72 @@ FLASH_BY_MATH(flash_dkdv)
 
 // Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py).
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
-                                           const floatX* bias, float scale, int T, int NH,
-                                           int HS, int tf32) {
-    flash_forward_by_math<16>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
+                                           float scale, int T, int NH, int HS, int tf32) {
+    flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_16(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* bias,
-                                      const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const floatX* bias,
-                                        const float* lse, float scale,
+                                        const floatX* qkv, const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_32(floatX* out, float* lse, const floatX* qkv,
-                                           const floatX* bias, float scale, int T, int NH,
-                                           int HS, int tf32) {
-    flash_forward_by_math<32>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
+                                           float scale, int T, int NH, int HS, int tf32) {
+    flash_forward_by_math<32>(tf32, out, lse, qkv, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_32(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* bias,
-                                      const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const floatX* bias,
-                                        const float* lse, float scale,
+                                        const floatX* qkv, const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_64(floatX* out, float* lse, const floatX* qkv,
-                                           const floatX* bias, float scale, int T, int NH,
-                                           int HS, int tf32) {
-    flash_forward_by_math<64>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
+                                           float scale, int T, int NH, int HS, int tf32) {
+    flash_forward_by_math<64>(tf32, out, lse, qkv, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_64(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* bias,
-                                      const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const floatX* bias,
-                                        const float* lse, float scale,
+                                        const floatX* qkv, const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_96(floatX* out, float* lse, const floatX* qkv,
-                                           const floatX* bias, float scale, int T, int NH,
-                                           int HS, int tf32) {
-    flash_forward_by_math<96>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
+                                           float scale, int T, int NH, int HS, int tf32) {
+    flash_forward_by_math<96>(tf32, out, lse, qkv, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_96(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* bias,
-                                      const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<96>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<96>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_96(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const floatX* bias,
-                                        const float* lse, float scale,
+                                        const floatX* qkv, const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<96>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<96>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_128(floatX* out, float* lse, const floatX* qkv,
-                                           const floatX* bias, float scale, int T, int NH,
-                                           int HS, int tf32) {
-    flash_forward_by_math<128>(tf32, out, lse, qkv, bias, scale, T, NH, HS);
+                                           float scale, int T, int NH, int HS, int tf32) {
+    flash_forward_by_math<128>(tf32, out, lse, qkv, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dq_128(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* bias,
-                                      const floatX* y, const float* lse,
+                                      const floatX* qkv, const floatX* y, const float* lse,
                                       float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<128>(tf32, dqkv, D, dy, qkv, bias, y, lse, scale, T, NH, HS);
+    flash_dq_by_math<128>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_dkdv_128(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const floatX* bias,
-                                        const float* lse, float scale,
+                                        const floatX* qkv, const float* lse, float scale,
                                         int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<128>(tf32, dqkv, D, dy, qkv, bias, lse, scale, T, NH, HS);
+    flash_dkdv_by_math<128>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }

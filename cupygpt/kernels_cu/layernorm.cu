@@ -48,39 +48,30 @@ extern "C" __global__ void layernorm_forward(floatX* out, float* mean, float* rs
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
-// The warp's row of res = a + (b + bias) (a row-parallel projection's output, its bias
-// added here, onto the residual stream), stored.
+// The warp's row of res = a + b (a row-parallel projection's output, its bias added by
+// its GEMM, onto the residual stream), stored.
 __device__ __forceinline__ void residual_row(floatX* res, const floatX* a, const floatX* b,
-                                             const floatX* bias, int C, int lane) {
+                                             int C, int lane) {
     for (int c = lane * PACK; c < C; c += WARP * PACK) {
-        bool vec = whole(c, C, res + c, a + c, b + c, bias + c);
-        float x[PACK], y[PACK], z[PACK];
+        bool vec = whole(c, C, res + c, a + c, b + c);
+        float x[PACK], y[PACK];
         load_pack(x, a + c, C - c, vec);
         load_pack(y, b + c, C - c, vec);
-        load_pack(z, bias + c, C - c, vec);
-        for (int k = 0; k < PACK; k++) x[k] += y[k] + z[k];
+        for (int k = 0; k < PACK; k++) x[k] += y[k];
         store_pack(res + c, x, C - c, vec);
     }
-}
-
-extern "C" __global__ void residual_bias_forward(floatX* res, const floatX* a, const floatX* b,
-                                                 const floatX* bias, int N, int C) {
-    int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    if (row < N) residual_row(res + (long long)row * C, a + (long long)row * C,
-                              b + (long long)row * C, bias, C, lane);
 }
 
 // The residual row, then out = layernorm(res) from the stored values, as layernorm_forward
 // computes it (each lane reads back the columns it wrote itself: no barrier needed).
 extern "C" __global__ void residual_layernorm_forward(floatX* res, const floatX* a,
-                                                      const floatX* b, const floatX* bias,
-                                                      floatX* out, float* mean, float* rstd,
+                                                      const floatX* b, floatX* out, float* mean, float* rstd,
                                                       const floatX* w, const floatX* lnb,
                                                       int N, int C) {
     int row = blockIdx.x * ROW_WARPS + threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (row >= N) return;
     long long base = (long long)row * C;
-    residual_row(res + base, a + base, b + base, bias, C, lane);
+    residual_row(res + base, a + base, b + base, C, lane);
     float m, r;
     layernorm_row(out + base, m, r, res + base, w, lnb, C, lane);
     if (lane == 0) { mean[row] = m; rstd[row] = r; }

@@ -2,22 +2,24 @@
 
 Put this folder first on PYTHONPATH and `import cupy` gets this module, so the real
 backend code runs unchanged: its kernels_cu sources compiled by g++ (sim.h, one fiber
-per CUDA thread), its cuBLAS calls done by NumPy from the very pointers, leading
-dimensions and strides it passes, its CUDA graphs recorded and replayed. It is strict
+per CUDA thread), its cuBLASLt matmuls done by NumPy from the very pointers, layouts and
+attributes it passes (nvmath/bindings/cublasLt.py here), its CUDA graphs recorded and
+replayed. It is strict
 where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
 
 - kernel arguments must have exactly the C parameter's type (np.int32 for int, a device
   array of float32 for float*, ...), pointers must be C-contiguous device arrays;
 - launch shapes must be within CUDA's limits;
 - a gemm's leading dimensions are checked as cuBLAS does, and every matrix it touches
-  must lie inside one live device allocation;
+  must lie inside one live device allocation; CuPy's own cuBLAS wrappers refuse to run
+  while the current stream captures, with CuPy 14's message;
 - `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
 - while a stream captures, allocating, copying to or from the host, synchronizing or
   testing values is an error (as it is in CUDA), and a replayed graph reuses the
   arguments it captured, pointers included, so a freed buffer is reported.
-TF32 math mode rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
+TF32 compute rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
 bf16 is ml_dtypes.bfloat16, as in CuPy: device arrays of it, `__nv_bfloat16*` kernel
-parameters (cuda_bf16.h here gives g++ CUDA's type), and gemmEx with fp32 compute.
+parameters (cuda_bf16.h here gives g++ CUDA's type), and GEMMs with fp32 compute.
 It reports CUDASIM_DEVICES GPUs (default 1): the nccl transport, which wants one per
 rank, runs with it set to the number of ranks (cudasim_nccl.py is its NCCL).
 """
@@ -49,10 +51,13 @@ MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
 
 # --- streams and graphs ------------------------------------------------------------------
 
+_streams = {}  # a stream's handle (ptr) -> weakref to it, for calls that pass the handle
+
 class Stream:
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
         self._recording = None
+        _streams[self.ptr] = weakref.ref(self)
 
     def use(self):
         _state["stream"] = self
@@ -106,11 +111,19 @@ class Graph:
 
 def _enqueue(op):
     """Runs op now, or records it when the current stream is capturing."""
-    rec = _state["stream"]._recording
-    if rec is None:
+    _enqueue_on(_state["stream"].ptr, op)
+
+
+def _enqueue_on(stream_ptr, op):
+    """Runs op now, or records it when the stream (by its handle, as a library call gets
+    it) is capturing."""
+    stream = _streams.get(stream_ptr, lambda: None)()
+    if stream is None:
+        raise RuntimeError(f"cudaErrorInvalidResourceHandle: no live stream {stream_ptr:#x}")
+    if stream._recording is None:
         op()
     else:
-        rec.append(op)
+        stream._recording.append(op)
 
 
 def _not_capturing(what):
@@ -153,6 +166,14 @@ def _forget(start):
     i = bisect.bisect_left(_starts, start)
     if i < len(_starts) and _starts[i] == start:
         _starts.pop(i)
+
+
+def _owner_array(ptr):
+    """The live device array whose allocation holds ptr (None: none does)."""
+    i = bisect.bisect_right(_starts, ptr) - 1
+    if i < 0 or _owner(ptr) is None:
+        return None
+    return _allocs[_starts[i]][1]()
 
 
 def _owner(ptr, nbytes=1):
@@ -494,59 +515,34 @@ def _tf32(a):
     return ((u + np.uint32(0xFFF) + ((u >> 13) & 1)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
+def _set_stream(handle, stream):
+    """CuPy 14's cublas.setStream: refused while that stream captures (CuPy's own words),
+    and every CuPy cuBLAS wrapper calls it with the current stream first, so no cuBLAS call
+    through CuPy can be captured. The backend calls cuBLASLt instead (nvmath stand-in)."""
+    s = _streams.get(stream, lambda: None)()
+    if s is not None and s.is_capturing():
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently "
+                                  "unsupported")
+
+
 def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
                            strideB, beta, C, ldc, strideC, batchCount):
+    _set_stream(handle, _state["stream"].ptr)
     a_ = ctypes.c_float.from_address(alpha).value  # host pointer mode: read at call time
     b_ = ctypes.c_float.from_address(beta).value
     opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A")
     opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, strideB, batchCount, "B")
     outC = _matrix(C, m, n, ldc, strideC, batchCount, "C")
-    tf32 = _cublas_mode["math"] == 3  # cuBLAS's CUBLAS_TF32_TENSOR_OP_MATH
 
     def run():
         x = opA if transa == 0 else opA.transpose(0, 2, 1)
         y = opB if transb == 0 else opB.transpose(0, 2, 1)
-        x, y = (_tf32(x), _tf32(y)) if tf32 else (np.ascontiguousarray(x), np.ascontiguousarray(y))
         r = np.float32(a_) * np.matmul(x, y)
         outC[...] = r if b_ == 0 else r + np.float32(b_) * outC  # beta 0: C is not read
     _enqueue(run)
 
 
-_CUDA_TYPES = {0: np.float32, 14: BF16}  # cudaDataType: CUDA_R_32F, CUDA_R_16BF
-
-
-def _gemm_strided_batched_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA,
-                             B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount,
-                             computeType, algo):
-    """cuBLAS's mixed-precision GEMM with CUBLAS_COMPUTE_32F (68): the inputs widened to
-    float32 (bf16 products are exact there), float32 sums, alpha and beta * C (C read in
-    when beta is not 0) in float32, and C rounded once to its type (to nearest even)."""
-    if computeType != 68 or Atype != Btype:
-        raise RuntimeError(f"cudasim: gemmEx with compute type {computeType}, types "
-                           f"{Atype}/{Btype}: not emulated (only CUBLAS_COMPUTE_32F, A and B "
-                           f"alike)")
-    a_ = ctypes.c_float.from_address(alpha).value
-    b_ = ctypes.c_float.from_address(beta).value
-    opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A",
-                  _CUDA_TYPES[Atype])
-    opB = _matrix(B, *((k, n) if transb == 0 else (n, k)), ldb, strideB, batchCount, "B",
-                  _CUDA_TYPES[Btype])
-    outC = _matrix(C, m, n, ldc, strideC, batchCount, "C", _CUDA_TYPES[Ctype])
-
-    def run():
-        x = (opA if transa == 0 else opA.transpose(0, 2, 1)).astype(np.float32)
-        y = (opB if transb == 0 else opB.transpose(0, 2, 1)).astype(np.float32)
-        r = np.float32(a_) * np.matmul(x, y)
-        outC[...] = r if b_ == 0 else r + np.float32(b_) * outC.astype(np.float32)
-    _enqueue(run)
-
-
-_cublas_mode = {"math": 0}
-cublas = types.SimpleNamespace(
-    CUBLAS_POINTER_MODE_HOST=0, CUBLAS_DEFAULT_MATH=0,
-    setPointerMode=lambda handle, mode: None, setStream=lambda handle, stream: None,
-    setMathMode=lambda handle, mode: _cublas_mode.update(math=mode),
-    sgemmStridedBatched=_sgemm_strided_batched, gemmStridedBatchedEx=_gemm_strided_batched_ex)
+cublas = types.SimpleNamespace(setStream=_set_stream, sgemmStridedBatched=_sgemm_strided_batched)
 
 
 # --- the cupy.cuda namespace ---------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""cudasim's nvmath.bindings: cublasLt only (what the CUDA backend imports)."""
