@@ -1,32 +1,71 @@
-// Column sums (bias and layernorm weight gradients): out (OC) += sum over N rows of in (N,OC);
+// Column sums (layernorm's weight and bias gradients; a matmul's bias gradient where its
+// GEMM's epilogue could not make it): out (OC) += sum over N rows of in (N,OC);
 // and the gradient norm's sum of squares. Deterministic partial sums finished in a fixed
 // order instead of float atomics, so a step's gradients (and its clipping) are reproducible.
 #include "common.cuh"
 
 // One launch. Grid (column tiles, R row chunks), block (COL_TILE, ROW_LANES): a thread
-// takes VEC(T) adjacent columns (one 16-byte load per row where aligned, else one at a
-// time) and every ROW_LANES-th row of its block's chunk; the lanes are summed in lane
+// takes VEC(T) adjacent columns (16-byte loads where aligned, else one at a time) and
+// every ROW_LANES-th row of its block's chunk; the lanes are summed in lane
 // order into partial[chunk, c]. The block of a tile that finishes last (counter
 // done[tile], left at 0 for the next launch) sums the tile's R partials in chunk order and
 // adds them to out, rounding once: columns [0, split) go to out_a, the rest to out_b (two
 // gradients from one pass). in is floatX (a gradient) or float (layernorm's partials).
 
+// 16 bytes at p (16-byte aligned): from L2 when L2 (the finish reads partials other blocks
+// wrote: never a stale L1 line).
+template <bool L2, class T>
+__device__ __forceinline__ Vec<T> load16(const T* p) {
+    Vec<T> v;
+    if constexpr (L2) *reinterpret_cast<float4*>(&v) = __ldcg(reinterpret_cast<const float4*>(p));
+    else v = *reinterpret_cast<const Vec<T>*>(p);
+    return v;
+}
+
+// A row's P columns (P / VEC(T) aligned 16-byte runs) into v, and v added into s.
+template <int P, bool L2, class T>
+__device__ __forceinline__ void load_row(Vec<T> (&v)[P / VEC(T)], const T* p) {
+    for (int w = 0; w < P / VEC(T); w++) v[w] = load16<L2>(p + w * VEC(T));
+}
+
+template <int P, class T>
+__device__ __forceinline__ void add_row(float* s, const Vec<T> (&v)[P / VEC(T)]) {
+    for (int w = 0; w < P / VEC(T); w++)
+        for (int k = 0; k < VEC(T); k++) s[w * VEC(T) + k] += load(v[w].v[k]);
+}
+
 // Sums rows r0, r0 + ROW_LANES, ... < r1 of columns [c, c + P) of in (rows ld apart) into
-// s, with 16-byte loads where VECTOR (the first pass), P is VEC(T) and they are aligned,
-// else one __ldcg at a time (the finish reads partials other blocks wrote: from L2, never
-// a stale L1 line); then the block's lanes in lane order into y = 0's s.
-template <int P, bool VECTOR, class T>
+// s, then the block's lanes in lane order into y = 0's s. Whether every row's P columns are
+// whole aligned 16-byte runs (P a multiple of VEC(T)) is decided once, before the loop: then
+// four rows' loads are in flight at a time, else one element at a time. Each column adds
+// the rows in row order either way (the same bits). L2: loads from L2 (the finish).
+template <int P, bool L2, class T>
 __device__ void lane_sums(float* s, const T* in, long long ld, int OC, int c, int r0, int r1,
                           float (*lanes)[COL_TILE * 8]) {
+    static_assert(P % VEC(T) == 0, "a thread's columns are whole 16-byte runs");
     for (int k = 0; k < P; k++) s[k] = 0.f;
-    for (int r = r0 + threadIdx.y; r < r1; r += ROW_LANES) {
-        const T* row = in + r * ld + c;
-        if (VECTOR && P == VEC(T) && c + P <= OC && aligned16(row)) {
-            Vec<T> v = *reinterpret_cast<const Vec<T>*>(row);
-            for (int k = 0; k < P; k++) s[k] += load(v.v[k]);
-        } else {
-            for (int k = 0; k < P && c + k < OC; k++) s[k] += load(__ldcg(row + k));
+    int r = r0 + threadIdx.y;
+    if (c + P <= OC && aligned16(in + c) && ld % VEC(T) == 0) {
+        const T* col = in + c;
+        for (; r + 3 * ROW_LANES < r1; r += 4 * ROW_LANES) {
+            Vec<T> a[P / VEC(T)], b[P / VEC(T)], d[P / VEC(T)], e[P / VEC(T)];
+            load_row<P, L2>(a, col + r * ld);
+            load_row<P, L2>(b, col + (r + ROW_LANES) * ld);
+            load_row<P, L2>(d, col + (r + 2 * ROW_LANES) * ld);
+            load_row<P, L2>(e, col + (r + 3 * ROW_LANES) * ld);
+            add_row<P>(s, a);
+            add_row<P>(s, b);
+            add_row<P>(s, d);
+            add_row<P>(s, e);
         }
+        for (; r < r1; r += ROW_LANES) {
+            Vec<T> a[P / VEC(T)];
+            load_row<P, L2>(a, col + r * ld);
+            add_row<P>(s, a);
+        }
+    } else {
+        for (; r < r1; r += ROW_LANES)
+            for (int k = 0; k < P && c + k < OC; k++) s[k] += load(__ldcg(in + r * ld + c + k));
     }
     for (int k = 0; k < P; k++) lanes[threadIdx.y][threadIdx.x * P + k] = s[k];
     __syncthreads();
@@ -44,7 +83,7 @@ __device__ void column_sum(floatX* out_a, floatX* out_b, int split, const T* in,
     int c = (blockIdx.x * COL_TILE + threadIdx.x) * P, R = gridDim.y;
     int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
     float s[P];
-    lane_sums<P, true>(s, in, OC, OC, c, r0, r1, lanes);
+    lane_sums<P, false>(s, in, OC, OC, c, r0, r1, lanes);
     if (threadIdx.y == 0)
         for (int k = 0; k < P && c + k < OC; k++) partial[(long long)blockIdx.y * OC + c + k] = s[k];
     __threadfence();  // (the partials visible to every block before the count says so)
@@ -52,7 +91,7 @@ __device__ void column_sum(floatX* out_a, floatX* out_b, int split, const T* in,
     if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&done[blockIdx.x], 1) == R - 1;
     __syncthreads();
     if (!last) return;
-    lane_sums<P, false>(s, (const float*)partial, OC, OC, c, 0, R, lanes);
+    lane_sums<P, true>(s, (const float*)partial, OC, OC, c, 0, R, lanes);
     if (threadIdx.y != 0) return;
     for (int k = 0; k < P && c + k < OC; k++) {
         floatX* o = c + k < split ? &out_a[c + k] : &out_b[c + k - split];

@@ -74,6 +74,7 @@ inline int atomicAdd(int* p, int v) {
 inline void __threadfence() {}  // one block at a time: every write is already visible
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
+struct alignas(16) float4 { float x, y, z, w; };  // CUDA's vector type (16-byte loads)
 
 // CUDA's bit casts between float and its 32 bits
 inline unsigned __float_as_uint(float f) {
