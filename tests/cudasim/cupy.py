@@ -14,7 +14,11 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
 - `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
 - while a stream captures, allocating, copying to or from the host, synchronizing or
   testing values is an error (as it is in CUDA), and a replayed graph reuses the
-  arguments it captured, pointers included, so a freed buffer is reported.
+  arguments it captured, pointers included, so a freed buffer is reported;
+- with CUDASIM_ORDER=random (the streams section), stream work runs on a device thread,
+  streams interleaved at random and the host seeing work only after waiting for it, and
+  each grid's blocks run in a random order (sim_runtime.h), so a missing wait between
+  streams, or blocks that write each other's memory, change results from run to run.
 TF32 math mode rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
 bf16 is ml_dtypes.bfloat16, as in CuPy: device arrays of it, `__nv_bfloat16*` kernel
 parameters (cuda_bf16.h here gives g++ CUDA's type), and gemmEx with fp32 compute.
