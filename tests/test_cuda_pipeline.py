@@ -106,8 +106,8 @@ def test_grid_over_nvshmem_verifies_in_any_order(grid):
     """The grids above on cudasim under CUDASIM_ORDER=random: each PE's streams (the
     compute stream's tp collectives and handoffs, the side stream's overlapped dp sum)
     interleaved at random, the host seeing work only after waiting for it, blocks in any
-    order, so a missing wait or a slot reused too early shows (a GPU of 4 PEs got every
-    gradient of --dp 2 --tp 2 wrong there, which this does not reproduce: shared/gpu/h200-2026-11-26)."""
+    order, so a missing wait or a slot reused too early shows (4 PEs on one H200 got every
+    gradient of --dp 2 --tp 2 wrong, which this does not reproduce: shared/gpu/h200-*)."""
     if cudasim_missing():
         pytest.skip(cudasim_missing())
     env = {**device_env("sim"), "CUDASIM_DEVICES": "4", "CUDASIM_LAG_S": "0.002",

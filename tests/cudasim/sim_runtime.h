@@ -214,9 +214,9 @@ const char* run_fibers(dim3 block, bool reverse) {
 // streams, cupy.py) a fresh random permutation per launch, since a GPU promises none
 // (CUDASIM_SEED fixes it). An empty vector: the grid's own order.
 std::vector<long long> block_order(long long n) {
-    static const bool shuffle = getenv("CUDASIM_ORDER") && !strcmp(getenv("CUDASIM_ORDER"), "random");
-    static std::mt19937_64 rng(getenv("CUDASIM_SEED") ? strtoull(getenv("CUDASIM_SEED"), nullptr, 10)
-                                                      : std::random_device{}());
+    static const char *order_env = getenv("CUDASIM_ORDER"), *seed = getenv("CUDASIM_SEED");
+    static const bool shuffle = order_env && !strcmp(order_env, "random");
+    static std::mt19937_64 rng(seed ? strtoull(seed, nullptr, 10) : std::random_device{}());
     std::vector<long long> order;
     if (!shuffle) return order;
     order.resize(n);
