@@ -55,6 +55,9 @@ KNOWN = {}
 STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
               ("cupy", "_Kernel"): ("cupy", "RawKernel"),
               ("nvshmem.core", "_Symmetric"): ("cuda.core", "Buffer")}
+# cudasim's own machinery, which the backend never reaches (CUDASIM_ORDER=random's device
+# thread, its queued work, a stream wait's condition): no real place to stand for
+MACHINERY = {"_Device", "_Work", "_Reached"}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,7 @@ def test_cudasim_offers_nothing_the_real_packages_lack(real):
     mods = cf.standins(SIM)
     stands_for = {getattr(mods[m], name): place for (m, name), place in STANDS_FOR.items()}
     entries, unplaced = cf.offered(mods, stands_for)
+    unplaced = [c for c in unplaced if c not in MACHINERY]
     assert not unplaced, f"cudasim classes at no real place: {unplaced}; add them to STANDS_FOR"
     rep = cf.check_offer(entries)
     assert not unknown_errors(rep), "\n".join(unknown_errors(rep))

@@ -4,14 +4,18 @@ CPU, cuBLAS and CUDA graphs emulated; runs everywhere, CI included) and a real G
 files, TF32, graph replay, training, resume, the out-of-memory refusal and bench (pipelines:
 test_cuda_pipeline.py)."""
 import json
+import os
 import re
+import subprocess
+import sys
 import types
 
 import numpy as np
 import pytest
 
 from cupygpt.precision import BF16
-from conftest import DEVICES, cli, device_env, load_cudasim, losses, run_verify, simulated
+from conftest import (DEVICES, ROOT, cli, device_env, load_cudasim, losses, requires_sim,
+                      run_verify, simulated)
 from test_verify import FILES
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 24: flash attention's 32
@@ -360,6 +364,33 @@ def test_bf16_head_chunks_round_only_wtes_gradient_more(dev, monkeypatch):
     """The head a chunk of positions at a time, on the CUDA backend (test_model's check)."""
     from test_model import check_bf16_chunks
     check_bf16_chunks(dev.cu, monkeypatch)
+
+
+@requires_sim
+def test_bf16_head_chunks_hold_in_any_block_order():
+    """The same check 20 times on cudasim under CUDASIM_ORDER=random (each grid's blocks in
+    a random order, streams interleaved at random), in a process of its own (the order is
+    fixed when the kernels load). It failed every time when the attention of heads of 4
+    ran: bf16's 16-byte stores reached into the next head's columns, so the blocks of two
+    heads overwrote each other in whichever order they ran (a GPU runs them at once)."""
+    script = ("import sys; sys.path.insert(0, 'tests'); import pytest\n"
+              "from conftest import load_cudasim\nfrom test_model import check_bf16_chunks\n"
+              "cp, cu = load_cudasim()\ncu.configure()\nfor _ in range(20):\n"
+              "    with pytest.MonkeyPatch.context() as mp:\n        check_bf16_chunks(cu, mp)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600, env={**os.environ, "CUDASIM_ORDER": "random"})
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_attention_refuses_heads_its_kernels_do_not_hold(dev):
+    """Heads of 4 (not a multiple of 8): one error naming the head size, not a result
+    that depends on which head's blocks ran last."""
+    from cupygpt import CupyGPTError
+    cp, cu = dev.cp, dev.cu
+    qkv, bias = cp.zeros((1, 5, 3 * 8), BF16), cp.zeros(3 * 8, BF16)
+    out, lse = cp.zeros((1, 5, 8), BF16), cp.zeros((1, 2, 5), np.float32)
+    with pytest.raises(CupyGPTError, match="multiples of 8 up to 128; this model's is 4"):
+        cu.attention_forward(out, lse, qkv, bias, 2)
 
 
 def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):

@@ -276,3 +276,26 @@ def test_ldmatrix_gives_the_ptx_fragment_layout(sim):
                 assert got[lane, m] == int(lo) | int(hi) << 16, (trans, lane, m)
     with pytest.raises(RuntimeError, match="not 16-byte aligned"):
         fn((1,), (32,), (out, cp.asarray(M.ravel()), np.int32(0), np.int32(1)))
+
+
+@requires_sim
+def test_random_order_runs_streams_in_any_order(monkeypatch):
+    """Under CUDASIM_ORDER=random a stream's work may run before another stream's work
+    issued earlier, unless it waits for an event of that stream (as on a GPU)."""
+    monkeypatch.setenv("CUDASIM_ORDER", "random")
+    cp, _ = load_cudasim()
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    x, got = cp.zeros(1, np.float32), cp.zeros(1, np.float32)
+    stale = {False: 0, True: 0}
+    for i in range(1, 201):
+        for wait in (False, True):
+            with a:
+                x.fill(i)
+            if wait:
+                b.wait_event(a.record())
+            with b:
+                got[...] = x
+            b.synchronize()
+            stale[wait] += int(cp.asnumpy(got)[0]) != i
+            a.synchronize()
+    assert stale[False] > 0 and stale[True] == 0, stale

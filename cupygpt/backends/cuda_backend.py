@@ -521,6 +521,9 @@ def _flash(kind, qkv, NH, *args):
     built for the smallest head size of FLASH_HEAD_SIZES that holds HS."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
+    why = attention_refuses(HS)
+    if why:  # its 16-byte accesses would reach into the next head's columns: refused
+        raise CupyGPTError(why)
     hsp = next(n for n in FLASH_HEAD_SIZES if n >= HS)
     x, warps, name = qkv.dtype.itemsize, GEOMETRY["FLASH_WARPS"], f"flash_{kind}_{hsp}"
     smem = flash_smem_bytes(kind, hsp, x, x == 4 and not tf32)

@@ -16,7 +16,11 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
 - `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
 - while a stream captures, allocating, copying to or from the host, synchronizing or
   testing values is an error (as it is in CUDA), and a replayed graph reuses the
-  arguments it captured, pointers included, so a freed buffer is reported.
+  arguments it captured, pointers included, so a freed buffer is reported;
+- with CUDASIM_ORDER=random (the streams section), stream work runs on a device thread,
+  streams interleaved at random and the host seeing work only after waiting for it, and
+  each grid's blocks run in a random order (sim_runtime.h), so a missing wait between
+  streams, or blocks that write each other's memory, change results from run to run.
 TF32 compute rounds the gemm inputs to TF32 (10-bit mantissa), as tensor cores do.
 bf16 is ml_dtypes.bfloat16, as in CuPy: device arrays of it, `__nv_bfloat16*` kernel
 parameters (cuda_bf16.h here gives g++ CUDA's type), and GEMMs with fp32 compute.
@@ -24,14 +28,17 @@ It reports CUDASIM_DEVICES GPUs (default 1): the nccl transport, which wants one
 rank, runs with it set to the number of ranks (cudasim_nccl.py is its NCCL).
 """
 import bisect
+import collections
 import ctypes
 import hashlib
 import importlib.util
 import os
+import random
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import weakref
@@ -50,14 +57,30 @@ MEMORY = int(float(os.environ.get("CUDASIM_MEMORY_GIB", "80")) * GIB)
 
 
 # --- streams and graphs ------------------------------------------------------------------
+#
+# CUDASIM_ORDER picks when stream work runs:
+# - unset (or ""): when it is issued, on the calling thread; streams and waits are
+#   trivially in order (fast, but it cannot show a missing wait between streams);
+# - "random": a device thread runs each stream's work in issue order, picking at random
+#   among the streams whose next operation may run (an event waited on has run; a wait on
+#   a memory word is satisfied), and now and then idling so the host runs ahead. So one
+#   stream's work may land arbitrarily early or late against another's, and the host sees
+#   a stream's work only after waiting for it (synchronize, done, a device-to-host copy):
+#   what CUDA promises, no more. CUDASIM_SEED fixes the choices (default: random).
+ORDER = os.environ.get("CUDASIM_ORDER", "")
+if ORDER not in ("", "random"):
+    raise ValueError(f"CUDASIM_ORDER={ORDER!r}: '' (run when issued) or 'random'")
+# the longest a stream operation may wait (a deadlock past it is reported)
+WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
+_streams = weakref.WeakValueDictionary()  # ptr -> Stream, for handles passed as integers
 
-_streams = {}  # a stream's handle (ptr) -> weakref to it, for calls that pass the handle
 
 class Stream:
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
         self._recording = None
-        _streams[self.ptr] = weakref.ref(self)
+        self._last = None  # under CUDASIM_ORDER=random: the last work issued here
+        _streams[self.ptr] = self
 
     def use(self):
         _state["stream"] = self
@@ -72,6 +95,7 @@ class Stream:
 
     def synchronize(self):
         _not_capturing("stream synchronize")
+        _finished(self._last)
 
     def record(self, event=None):
         event = event or Event()
@@ -79,11 +103,15 @@ class Stream:
         return event
 
     def wait_event(self, event):
-        pass  # the work the event marks has run: cudasim runs stream work when issued
+        """Work issued here after this waits for the event's last record (a record issued
+        while this stream captures is part of the graph, and so is in its order)."""
+        mark = event._mark
+        if _DEVICE is not None and mark is not None:
+            _enqueue(lambda: None, ready=lambda: mark.done, stream=self)
 
     @property
-    def done(self):  # cudasim runs stream work when it is issued
-        return True
+    def done(self):
+        return _finished(self._last, block=False)
 
     def is_capturing(self):
         return self._recording is not None
@@ -101,29 +129,115 @@ class Stream:
 
 class Graph:
     def __init__(self, ops):
-        self._ops = ops
+        self._ops = ops  # (op, ready) as _enqueue took them
 
     def launch(self, stream=None):
         _not_capturing("graph launch")
-        for op in self._ops:
-            op()
+        for op, ready in self._ops:
+            _enqueue(op, ready, stream=stream or _state["stream"])
 
 
-def _enqueue(op):
-    """Runs op now, or records it when the current stream is capturing."""
-    _enqueue_on(_state["stream"].ptr, op)
+class _Work:
+    """One stream operation: op runs once ready() (None: at once) is true."""
+
+    def __init__(self, op, ready, keep):
+        self.op, self.ready, self.keep, self.done = op, ready, keep, False
 
 
-def _enqueue_on(stream_ptr, op):
-    """Runs op now, or records it when the stream (by its handle, as a library call gets
-    it) is capturing."""
-    stream = _streams.get(stream_ptr, lambda: None)()
-    if stream is None:
-        raise RuntimeError(f"cudaErrorInvalidResourceHandle: no live stream {stream_ptr:#x}")
-    if stream._recording is None:
-        op()
+class _Device:
+    """CUDASIM_ORDER=random's GPU: one thread running every stream's queue (above)."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.queues = collections.defaultdict(collections.deque)  # Stream -> its _Work
+        self.cv = threading.Condition()
+        self.error = None
+        threading.Thread(target=self.run, daemon=True, name="cudasim-device").start()
+
+    def put(self, stream, work):
+        with self.cv:
+            self.queues[stream].append(work)
+            stream._last = work
+            self.cv.notify_all()
+
+    def _pick(self):
+        """A random stream's next work among those that may run, or None."""
+        heads = [q for q in self.queues.values() if q and (q[0].ready is None or q[0].ready())]
+        return self.rng.choice(heads) if heads else None
+
+    def run(self):
+        while True:
+            with self.cv:
+                q = self._pick()
+                while q is None:  # idle, or every head waits (on a peer's signal: poll)
+                    self.cv.wait(1e-4 if any(self.queues.values()) else None)
+                    q = self._pick()
+                work = q[0]
+            if self.rng.random() < 0.05:
+                time.sleep(self.rng.random() * 2e-3)  # the host runs ahead meanwhile
+            try:
+                if self.error is None:  # after a fault nothing more runs (a sticky error)
+                    work.op()
+            except BaseException as e:  # noqa: BLE001 (reported at the host's next wait)
+                self.error = e
+            with self.cv:
+                q.popleft()
+                work.done, work.keep = True, None
+                self.cv.notify_all()
+
+    def wait(self, work, block):
+        """Whether work (None: nothing issued) has run; with block, waits for it first.
+        A fault on the device raises here, as CUDA reports it at the next synchronize."""
+        with self.cv:
+            deadline = time.monotonic() + WAIT_S
+            while block and work is not None and not work.done and self.error is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cudasim: a stream waited {WAIT_S:g}s: a deadlock")
+                self.cv.wait(0.05)
+            if self.error is not None:
+                raise RuntimeError(f"cudasim: a stream operation failed: {self.error}") \
+                    from self.error
+            return work is None or work.done
+
+
+_DEVICE = _Device(int(os.environ["CUDASIM_SEED"]) if os.environ.get("CUDASIM_SEED")
+                  else None) if ORDER == "random" else None
+
+
+def _enqueue(op, ready=None, keep=None, stream=None):
+    """Issues op on stream (default: the current one) once ready() (a memory word's wait)
+    holds: recorded when the stream captures, else run now (waiting for ready() here, up to
+    WAIT_S) or, under CUDASIM_ORDER=random, queued for the device thread. keep: what must
+    stay alive until it runs (as CuPy's pool keeps a freed block for its stream)."""
+    stream = stream or _state["stream"]
+    if stream._recording is not None:
+        stream._recording.append((op, ready))
+    elif _DEVICE is not None:
+        _DEVICE.put(stream, _Work(op, ready, keep))
     else:
-        stream._recording.append(op)
+        deadline = time.monotonic() + WAIT_S
+        while ready is not None and not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cudasim: a stream wait ({ready}) waited {WAIT_S:g}s: a "
+                                   f"deadlock")
+            time.sleep(1e-5)
+        op()
+
+
+def _finished(work, block=True):
+    """Whether work issued on a stream has run (waiting for it with block)."""
+    return True if _DEVICE is None else _DEVICE.wait(work, block)
+
+
+def _host_reads(stream=None):
+    """The host is about to read device memory after stream's (default: the current
+    one's) work, as a device-to-host copy on it would."""
+    _finished((stream or _state["stream"])._last)
+
+
+def _stream_of(handle):
+    """The Stream a raw handle (its ptr) names."""
+    return _streams[int(handle)]
 
 
 def _not_capturing(what):
@@ -139,16 +253,20 @@ def get_current_stream():
 class Event:
     def __init__(self):
         self._t = None
+        self._mark = None  # the work of its last record (CUDASIM_ORDER=random)
 
     def record(self, stream=None):
-        _enqueue(lambda: setattr(self, "_t", time.perf_counter()))
+        stream = stream or _state["stream"]
+        _enqueue(lambda: setattr(self, "_t", time.perf_counter()), stream=stream)
+        self._mark = stream._last if stream._recording is None else None
 
     def synchronize(self):
         _not_capturing("event synchronize")
+        _finished(self._mark)
 
     @property
     def done(self):
-        return True
+        return _finished(self._mark, block=False)
 
 
 def get_elapsed_time(start_event, end_event):
@@ -159,13 +277,15 @@ def get_elapsed_time(start_event, end_event):
 
 _allocs = {}    # start address -> (end address, weakref to the owning array)
 _starts = []    # sorted keys of _allocs
+_table = threading.RLock()  # the two above (CUDASIM_ORDER=random's device thread reads them)
 
 
 def _forget(start):
-    _allocs.pop(start, None)
-    i = bisect.bisect_left(_starts, start)
-    if i < len(_starts) and _starts[i] == start:
-        _starts.pop(i)
+    with _table:
+        _allocs.pop(start, None)
+        i = bisect.bisect_left(_starts, start)
+        if i < len(_starts) and _starts[i] == start:
+            _starts.pop(i)
 
 
 def _owner_array(ptr):
@@ -178,19 +298,21 @@ def _owner_array(ptr):
 
 def _owner(ptr, nbytes=1):
     """The live allocation holding [ptr, ptr + nbytes), or None."""
-    i = bisect.bisect_right(_starts, ptr) - 1
-    if i < 0:
-        return None
-    start = _starts[i]
-    end, ref = _allocs[start]
+    with _table:
+        i = bisect.bisect_right(_starts, ptr) - 1
+        if i < 0:
+            return None
+        start = _starts[i]
+        end, ref = _allocs[start]
     return (start, end) if ptr + nbytes <= end and ref() is not None else None
 
 
 def _register(start, nbytes, owner):
     """Device memory [start, start + nbytes), alive as long as owner is."""
-    _forget(start)
-    _allocs[start] = (start + nbytes, weakref.ref(owner, lambda _, s=start: _forget(s)))
-    bisect.insort(_starts, start)
+    with _table:
+        _forget(start)
+        _allocs[start] = (start + nbytes, weakref.ref(owner, lambda _, s=start: _forget(s)))
+        bisect.insort(_starts, start)
 
 
 class ndarray(np.ndarray):
@@ -210,25 +332,35 @@ class ndarray(np.ndarray):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
     def set(self, arr, stream=None):
+        """A host-to-device copy on the stream (the host array is read now, as CUDA stages
+        pageable memory)."""
         _not_capturing("host-to-device copy")
         if not isinstance(arr, np.ndarray) or arr.dtype != self.dtype:
             raise TypeError(f"set: {type(arr).__name__} {getattr(arr, 'dtype', '')} into a "
                             f"{self.dtype} array (CuPy wants the same dtype)")
         if arr.shape != self.shape or not self.flags.c_contiguous:
             raise ValueError(f"set: shape {arr.shape} into {self.shape} (or a strided array)")
-        np.copyto(self.view(np.ndarray), arr)
+        host = np.array(arr, copy=True)
+        _enqueue(lambda: np.copyto(self.view(np.ndarray), host), keep=self, stream=stream)
 
     def get(self, stream=None):
+        _host_reads(stream)
         return asnumpy(self)
 
+    def copy(self, order="C"):
+        """A device copy (after the current stream's work)."""
+        _host_reads()
+        return np.ndarray.copy(self, order)
+
     def fill(self, value):
-        _enqueue(lambda: np.ndarray.fill(self, value))
+        _enqueue(lambda: np.ndarray.fill(self, value), keep=self)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kw):
         """NumPy arithmetic on device arrays runs at once, so a graph would not hold it:
         refused while capturing (CuPy's would be a recorded kernel; cudasim records only
         kernels, cuBLAS calls, copies, fills, += and the ops it wraps)."""
         _not_capturing(f"numpy.{ufunc.__name__} on device arrays (not recorded)")
+        _host_reads()  # it reads device memory now: after the stream's work
         host = [x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs]
         outs = kw.get("out")
         if outs:
@@ -248,24 +380,37 @@ class ndarray(np.ndarray):
     def __iadd__(self, other):
         """An elementwise kernel on the stream, like CuPy's."""
         src = other.view(np.ndarray) if isinstance(other, ndarray) else other
-        _enqueue(lambda: np.add(self.view(np.ndarray), src, out=self.view(np.ndarray)))
+        _enqueue(lambda: np.add(self.view(np.ndarray), src, out=self.view(np.ndarray)),
+                 keep=(self, other))
         return self
+
+    def __getitem__(self, key):
+        """A view, or an element read on the host (after the stream's work, as CuPy's copy
+        of it to the host)."""
+        got = np.ndarray.__getitem__(self, key)
+        if isinstance(got, np.ndarray):
+            return got
+        _host_reads()
+        return np.ndarray.__getitem__(self, key)
 
     def __setitem__(self, key, value):
         """A device copy (or fill), on the stream like CuPy's: recorded while capturing,
         read from the source when it runs; a host array is a host-to-device copy."""
         if isinstance(value, np.ndarray) and not isinstance(value, ndarray):
             _not_capturing("host-to-device copy")
-            return np.ndarray.__setitem__(self.view(np.ndarray), key, value)
+            value = np.array(value, copy=True)  # read now, written in stream order
         src = value.view(np.ndarray) if isinstance(value, ndarray) else value
-        _enqueue(lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, src))
+        _enqueue(lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, src),
+                 keep=(self, value))
 
     def all(self):
+        _host_reads()
         return asarray(np.ndarray.all(self.view(np.ndarray)))
 
 
 def _in_use():
-    return sum(end - start for start, (end, ref) in _allocs.items() if ref() is not None)
+    with _table:
+        return sum(end - start for start, (end, ref) in _allocs.items() if ref() is not None)
 
 
 def _alloc(shape, dtype, value):
@@ -316,12 +461,14 @@ def from_dlpack(array, *, copy=None):
 
 
 def add(a, b, out):
-    _enqueue(lambda: np.add(a.view(np.ndarray), b.view(np.ndarray), out=out.view(np.ndarray)))
+    _enqueue(lambda: np.add(a.view(np.ndarray), b.view(np.ndarray), out=out.view(np.ndarray)),
+             keep=(a, b, out))
     return out
 
 
 def asnumpy(a):
     _not_capturing("device-to-host copy")
+    _host_reads()
     return np.array(a.view(np.ndarray) if isinstance(a, ndarray) else a, copy=True)
 
 
@@ -490,7 +637,7 @@ class _Kernel:
             err = self._fn(gx, gy, gz, bx, by, bz, int(shared_mem), argv)
             if err:
                 raise RuntimeError(f"kernel {self.name}: {err.decode()}")
-        _enqueue(run)
+        _enqueue(run, keep=args)
 
 
 # --- cuBLAS ------------------------------------------------------------------------------
@@ -519,7 +666,7 @@ def _set_stream(handle, stream):
     """CuPy 14's cublas.setStream: refused while that stream captures (CuPy's own words),
     and every CuPy cuBLAS wrapper calls it with the current stream first, so no cuBLAS call
     through CuPy can be captured. The backend calls cuBLASLt instead (nvmath stand-in)."""
-    s = _streams.get(stream, lambda: None)()
+    s = _streams.get(stream)
     if s is not None and s.is_capturing():
         raise NotImplementedError("calling cuBLAS API during stream capture is currently "
                                   "unsupported")

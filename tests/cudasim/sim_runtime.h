@@ -2,7 +2,9 @@
 // A fiber switch saves the callee-saved registers on the old stack and swaps stack
 // pointers (x86-64 System V): ucontext's switch costs a system call, ~20x slower.
 #include <stdio.h>
+#include <stdlib.h>
 
+#include <random>
 #include <vector>
 
 #if !defined(__x86_64__)
@@ -59,7 +61,7 @@ void* scheduler_sp;
 Fiber* cur;
 const std::function<void()>* kernel;
 int live, nthreads, nwarps;
-bool direct, cooperative;  // running threads as plain calls / block 0 met a barrier
+bool direct, cooperative;  // running threads as plain calls / the first block met a barrier
 char error[512];
 struct DirectBarrier {};  // thrown when a plain call meets a barrier
 
@@ -208,8 +210,24 @@ const char* run_fibers(dim3 block, bool reverse) {
     return nullptr;
 }
 
-// Blocks run one after another. Block 0 runs as fibers; if it met no barrier, the kernel
-// has none, and the other blocks' threads run as plain calls (much faster).
+// The order blocks run in: the grid's (x fastest), or under CUDASIM_ORDER=random (as the
+// streams, cupy.py) a fresh random permutation per launch, since a GPU promises none
+// (CUDASIM_SEED fixes it). An empty vector: the grid's own order.
+std::vector<long long> block_order(long long n) {
+    static const char *order_env = getenv("CUDASIM_ORDER"), *seed = getenv("CUDASIM_SEED");
+    static const bool shuffle = order_env && !strcmp(order_env, "random");
+    static std::mt19937_64 rng(seed ? strtoull(seed, nullptr, 10) : std::random_device{}());
+    std::vector<long long> order;
+    if (!shuffle) return order;
+    order.resize(n);
+    for (long long i = 0; i < n; i++) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+}
+
+// Blocks run one after another (block_order). The first to run goes as fibers; if it met
+// no barrier, the kernel has none, and the other blocks' threads run as plain calls (much
+// faster).
 const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
                    const std::function<void()>& body) {
     nthreads = block.x * block.y * block.z;
@@ -225,29 +243,30 @@ const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
     block_dim = block;
     error[0] = 0;
     direct = cooperative = false;
-    long long nblock = 0;
-    for (unsigned bz = 0; bz < grid.z; bz++)
-        for (unsigned by = 0; by < grid.y; by++)
-            for (unsigned bx = 0; bx < grid.x; bx++, nblock++) {
-                block_idx = {bx, by, bz};
-                bool reverse = nblock & 1;
-                if (nblock == 0 || cooperative) {
-                    if (run_fibers(block, reverse)) return error;
-                    direct = !cooperative;
-                    continue;
-                }
-                try {
-                    for (int k = 0; k < nthreads; k++) {
-                        thread_idx = thread_of(k, block, reverse);
-                        body();
-                    }
-                } catch (DirectBarrier&) {
-                    if (!error[0])
-                        snprintf(error, sizeof error, "block (%u,%u,%u) met a barrier that "
-                                 "block 0 did not; cudasim cannot run this kernel", bx, by, bz);
-                    return error;
-                }
+    long long blocks = (long long)grid.x * grid.y * grid.z;
+    std::vector<long long> order = block_order(blocks);
+    for (long long nblock = 0; nblock < blocks; nblock++) {
+        long long b = order.empty() ? nblock : order[nblock];
+        unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / grid.x / grid.y;
+        block_idx = {bx, by, bz};
+        bool reverse = nblock & 1;
+        if (nblock == 0 || cooperative) {
+            if (run_fibers(block, reverse)) return error;
+            direct = !cooperative;
+            continue;
+        }
+        try {
+            for (int k = 0; k < nthreads; k++) {
+                thread_idx = thread_of(k, block, reverse);
+                body();
             }
+        } catch (DirectBarrier&) {
+            if (!error[0])
+                snprintf(error, sizeof error, "block (%u,%u,%u) met a barrier that "
+                         "the first block did not; cudasim cannot run this kernel", bx, by, bz);
+            return error;
+        }
+    }
     return nullptr;
 }
 }  // namespace sim

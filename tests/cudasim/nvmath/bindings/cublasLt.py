@@ -19,7 +19,8 @@ Strict where cuBLASLt is, and where a mistake would only show on a GPU:
   CUBLAS_COMPUTE_32F only;
 - nothing but matmul may be called while the current stream captures a CUDA graph: a
   handle, descriptor, layout, preference or heuristic made there is refused (a plan must
-  be made before the capture), and matmul is recorded on the stream it is given.
+  be made before the capture), and matmul is recorded on the stream it is given (run
+  there in the stream's order, under CUDASIM_ORDER=random too).
 CUDASIM_LT_NO_EPILOGUE=1 makes the heuristic find no algorithm for any epilogue (the
 backend's fallback kernels then run, as on a library without them).
 """
@@ -333,4 +334,7 @@ def matmul(light_handle, compute_desc, alpha, a, adesc, b, bdesc, beta, c, cdesc
         elif epilogue == Epilogue.BGRADB:
             bias[...] = y[0].sum(0, dtype=np.float32)
         outD[...] = r
-    _cp._enqueue_on(stream, run)
+    if int(stream) not in _cp._streams:
+        raise _error("CUBLAS_STATUS_INVALID_VALUE", f"no live stream {int(stream):#x}")
+    keep = [_cp._owner_array(p) for p in (a, b, d, workspace)] + [bias]
+    _cp._enqueue(run, keep=keep, stream=_cp._stream_of(stream))

@@ -6,8 +6,11 @@ put is a copy into the peer's mapping and a signal an 8-byte store into it (x86 
 the two in order). Any address inside an allocation is symmetric (a Buffer made from
 it reaches the same offset on the peer), as in NVSHMEM. Allocations and frees are
 collective, as in NVSHMEM: every PE must make the same ones in the same order. With it
-come the pieces of cuda.core and cuda.bindings.driver the transport uses; cuStreamWaitValue64 waits on the host, since
-cudasim runs every stream operation when it is issued, and then lags (LAG_S).
+come the pieces of cuda.core and cuda.bindings.driver the transport uses. Puts, signals and
+cuStreamWaitValue64 are operations of the stream they name: run when issued (the calling
+thread waits for the word), or under CUDASIM_ORDER=random in that stream's order on
+cudasim's device thread, where a wait holds only its own stream; a satisfied wait lags
+LAG_S more.
 """
 import atexit
 import bisect
@@ -25,7 +28,6 @@ import numpy as np
 
 from .direct import SignalOp
 
-WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 # A satisfied wait holds its PE back a little, so a sender that does not wait for its
 # receiver (flow control) runs ahead and overwrites a slot before it is read.
 LAG_S = float(os.environ.get("CUDASIM_LAG_S", "0.02"))
@@ -144,13 +146,14 @@ def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream
     def op():
         ctypes.memmove(to, src.handle, n)
         _signal(signal_var, signal_val, signal_op, remote_pe)
-    cupy._enqueue(op)
+    cupy._enqueue(op, keep=src, stream=cupy._stream_of(stream.handle))
 
 
 def signal_op(signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
     if stream is None:
         raise RuntimeError("signal_op needs a stream")
-    cupy._enqueue(lambda: _signal(signal_var, signal_val, signal_op, remote_pe))
+    cupy._enqueue(lambda: _signal(signal_var, signal_val, signal_op, remote_pe),
+                  stream=cupy._stream_of(stream.handle))
 
 
 def free(buffer):
@@ -198,16 +201,30 @@ class Stream:
         return (0, self.handle)
 
 
+class _Reached:
+    """cuStreamWaitValue64's condition: the word at addr is >= value, and has been for
+    LAG_S (measured from when a wait first saw it; each run of the wait starts afresh, so
+    a replayed graph lags as its first run)."""
+
+    def __init__(self, addr, value):
+        self.word, self.value, self.since = ctypes.c_uint64.from_address(int(addr)), value, None
+
+    def __call__(self):
+        if self.word.value < self.value:
+            return False
+        self.since = self.since or time.monotonic()
+        return time.monotonic() - self.since >= LAG_S
+
+    def passed(self):
+        self.since = None
+
+    def __str__(self):
+        return f"cuStreamWaitValue64 for {self.value} (has {self.word.value})"
+
+
 def _wait_value64(stream, addr, value, flags):
-    def op():
-        word, deadline = ctypes.c_uint64.from_address(int(addr)), time.monotonic() + WAIT_S
-        while word.value < value:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cudasim: cuStreamWaitValue64 waited {WAIT_S:g}s for "
-                                   f"{value} (has {word.value}): a deadlock")
-            time.sleep(1e-5)
-        time.sleep(LAG_S)
-    cupy._enqueue(op)
+    reached = _Reached(addr, value)
+    cupy._enqueue(reached.passed, ready=reached, stream=cupy._stream_of(stream))
     return (0,)
 
 
