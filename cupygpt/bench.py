@@ -64,7 +64,7 @@ def _bench(sess, dtype, on_step):
            "mfu": mfu(be, cfg, T, dtype, B * T, ms / 1e3),
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
            "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,
-           "planned_memory_bytes": run.memory,
+           "planned_memory_bytes": run.memory, "fallbacks": be.fallbacks(),
            "grid": {"dp": sess.mesh.dp, "tp": sess.mesh.tp, "pp": sess.mesh.pp,
                     "micro_batches": c.pipeline.micro_batches, "zero": c.grid.zero,
                     "overlap": run.overlap},

@@ -219,6 +219,7 @@ def bench_line(r, out):
              + (f"; without overlapping the replicas' gradient sum "
                 f"{r['ms_per_step_no_overlap']:.2f} ms" if "ms_per_step_no_overlap" in r
                 else "") + f"; wrote {out}"]
+    lines += [f"  fallback: {why}" for why in r["fallbacks"]]
     lines += [f"  {row['op']:<20}{row['ms_per_step']:>9.3f} ms {100 * row['share']:>5.1f}%"
               for row in r.get("per_op", [])]
     lines += [f"  {row['op'] + ': ' + row['kernel']:<48} x{row['calls_per_step']:<4}"

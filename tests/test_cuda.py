@@ -328,6 +328,7 @@ def test_bench_writes_json(device, tmp_path, dtype, numerics):
         f"gemm_TN {4 * C}x{C}x{BT}", f"gemm_TN {50304}x{C}x{BT}", "bias_grad_add"}
     assert kernels["matmul_backward_weight", "bias_grad_add"]["calls_per_step"] == 4 * L
     assert {op for op, k in kernels if k.startswith("column_sum")} == {"layernorm_backward"}
+    assert r["fallbacks"] == [] and "fallback" not in res.stdout
     assert kernels["cross_entropy", "cross_entropy"]["calls_per_step"] == 1
     assert kernels["adamw", "adamw"]["calls_per_step"] == 1
     assert sum(k["share"] for k in r["per_kernel"]) == pytest.approx(1.0)
@@ -336,6 +337,25 @@ def test_bench_writes_json(device, tmp_path, dtype, numerics):
     launches = sum(k["calls_per_step"] for k in r["per_kernel"])
     attention = sum(k["calls_per_step"] for k in r["per_kernel"] if k["op"].startswith("attention"))
     assert attention == 3 * L and launches <= 30 * L + 20, launches
+
+
+@requires_sim
+def test_bench_says_which_epilogue_fell_back(tmp_path):
+    """On a cuBLASLt with no algorithm for an epilogue (cudasim's CUDASIM_LT_NO_EPILOGUE)
+    the step still trains, the bias kernels adding what the epilogues would, and bench
+    names each fallback and why."""
+    out = tmp_path / "bench.json"
+    res = cli("bench", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "32", "--steps", "1",
+              "--warmup", "1", "--profile", "--dtype", "bf16", "--out", out,
+              env={**device_env("sim"), "CUDASIM_LT_NO_EPILOGUE": "1"})
+    assert res.returncode == 0, res.stderr
+    r = json.loads(out.read_text())
+    assert [f.split(":")[0] for f in r["fallbacks"]] == ["BGRADB epilogue", "BIAS epilogue"]
+    assert all("cuBLASLt has no algorithm with it" in f for f in r["fallbacks"])
+    assert "  fallback: BIAS epilogue: cuBLASLt has no algorithm" in res.stdout
+    kernels = {(k["op"], k["kernel"]) for k in r["per_kernel"]}
+    assert {("matmul_forward", "bias_forward"), ("matmul_backward_weight", "column_sum_x")} \
+        <= kernels
 
 
 def test_a_pack_of_minus_inf_logits_adds_nothing(dev):
@@ -387,10 +407,10 @@ def test_attention_refuses_heads_its_kernels_do_not_hold(dev):
     that depends on which head's blocks ran last."""
     from cupygpt import CupyGPTError
     cp, cu = dev.cp, dev.cu
-    qkv, bias = cp.zeros((1, 5, 3 * 8), BF16), cp.zeros(3 * 8, BF16)
+    qkv = cp.zeros((1, 5, 3 * 8), BF16)
     out, lse = cp.zeros((1, 5, 8), BF16), cp.zeros((1, 2, 5), np.float32)
     with pytest.raises(CupyGPTError, match="multiples of 8 up to 128; this model's is 4"):
-        cu.attention_forward(out, lse, qkv, bias, 2)
+        cu.attention_forward(out, lse, qkv, 2)
 
 
 def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypatch):

@@ -210,8 +210,11 @@ def _set(setter, obj, attr, value, dtype_of):
 
 
 def _alignment(ptr):
-    """The largest power of two up to 256 that divides ptr (cuBLASLt's default assumes 256)."""
-    return min(256, ptr & -ptr) if ptr else 256
+    """The alignment a plan asks of a matrix at ptr: 16 bytes (what Hopper's TMA loads want;
+    cuBLASLt assumes 256 unless told), or less where ptr has less. Capped so that the views
+    of one shape (micro-batch slots, chunks) share one plan: a shape first met inside a
+    capture cannot be planned there."""
+    return min(16, ptr & -ptr) if ptr else 16
 
 
 def _layout(dtype, rows, cols, ld, batch, stride):
@@ -269,7 +272,7 @@ def _plan(key, epilogue, bias_ptr):
         if epilogue == lt.Epilogue.DEFAULT:
             raise CupyGPTError(f"cuBLASLt has no algorithm for the matmul {key}")
         return None
-    return {"desc": desc, "layouts": layouts, "algo": found}
+    return {"desc": desc, "layouts": layouts, "algo": found, "bias": bias_ptr}
 
 
 def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0, sC=0,
@@ -301,6 +304,11 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
             missing = epilogue
             epilogue_fallbacks[epilogue.name, why] = \
                 epilogue_fallbacks.get((epilogue.name, why), 0) + 1
+        elif plan["bias"] != vec.data.ptr:  # (host memory only: allowed in a capture, and
+            plan["bias"] = vec.data.ptr      # the captured call keeps the pointer it saw)
+            _set(lt.matmul_desc_set_attribute, plan["desc"],
+                 lt.MatmulDescAttribute.BIAS_POINTER, plan["bias"],
+                 lt.get_matmul_desc_attribute_dtype)
     plan = plan or _cached(key, lt.Epilogue.DEFAULT, 0)
     args = (_lt_ready(), plan["desc"], _scalar(alpha).ctypes.data,
             B.data.ptr, plan["layouts"][0], A.data.ptr, plan["layouts"][1],
@@ -316,9 +324,9 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
 
 
 def _cached(key, epilogue, bias_ptr):
-    """The plan of key with this epilogue and bias vector: made on first use, refused
-    while the stream captures (nothing but cublasLtMatmul may run in a graph)."""
-    full = (key, epilogue, bias_ptr)
+    """The plan of key with this epilogue (its bias pointer first set to bias_ptr): made
+    on first use, refused while the stream captures (cuBLASLt's setup is no graph work)."""
+    full = (key, epilogue)
     if full not in _plans:
         if cp.cuda.get_current_stream().is_capturing():
             raise RuntimeError(f"a matmul first seen while the stream captures a CUDA graph "
@@ -438,6 +446,13 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
                + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
+
+
+def fallbacks():
+    """Each bias epilogue a matmul ran without (its term added by a kernel after the GEMM):
+    which, why, and how many calls."""
+    return [f"{epilogue} epilogue: {why}; a kernel added its term instead ({n} calls)"
+            for (epilogue, why), n in sorted(epilogue_fallbacks.items())]
 
 
 def attention_refuses(head_size):

@@ -80,6 +80,11 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 
 
+def fallbacks():
+    """Nothing here runs a slower way than planned."""
+    return []
+
+
 def attention_refuses(head_size):
     """Why this backend cannot run attention heads of head_size, or None: it runs any."""
     return None
