@@ -78,8 +78,9 @@ def sh(cmd, cap, log, cwd, budget, env=None):
             kill_group(proc)
     text = open(log, errors="replace").read()
     if rc == 124 and timeout < cap:
-        raise BudgetSpent(f"{os.path.basename(log)} cut at the budget's end after "
-                          f"{timeout:.0f} s")
+        # named as its log is (e.g. verify_tiny_tf32): the log itself goes with the work dir
+        raise BudgetSpent(f"cut at the budget's end after {timeout:.0f} s, in "
+                          + os.path.basename(log).split(".")[0])
     return rc, text + (f"\ntimed out after {timeout:.0f}s" if rc == 124 else "")
 
 
@@ -156,7 +157,7 @@ def readme(out, work, plan, budget):
         os.makedirs(run)
         start = time.monotonic()
         rc, text = sh(pre + CLI + words[at + 2:] + list(plan["train_args"]), 600,
-                      os.path.join(run, "output.log"), run, budget)
+                      run + ".log", run, budget)
         res = {"seconds": round(time.monotonic() - start, 1)}
         if rc != 0:
             res["error"] = last_line(text, rc)
@@ -272,7 +273,8 @@ class PeersBuild:
         except subprocess.TimeoutExpired:
             self.stop()
             if timeout < cap:
-                raise BudgetSpent(f"llm.c's build cut at the budget's end after {timeout:.0f} s")
+                raise BudgetSpent(f"cut at the budget's end after {timeout:.0f} s, in "
+                                  "llm.c's build")
             # past its cap: run-peers.sh builds what is missing itself, and says so
 
     def stop(self):

@@ -3,6 +3,7 @@ the benchmarks and the nvshmem pipeline, into one report. Without a GPU it refus
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -86,6 +87,21 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     assert again["ran_at"]["sanitizer"] > r["ran_at"]["sanitizer"]
     assert again["ran_at"]["verify"] == r["ran_at"]["verify"], "a part not run keeps its call"
     assert again["skipped"] == r["skipped"], "the peers' skip stays until they run again"
+
+
+@requires_sim
+def test_a_budget_too_small_for_any_part_skips_each_and_exits_1(tmp_path):
+    """The command's own path: the report written, every part skipped and why, none run."""
+    from cupygpt.gpucheck import PARTS, PLANS
+    res = cli("gpucheck", "--quick", "--budget", "1", "--out", tmp_path, env=device_env("sim"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    r = json.loads((tmp_path / "report.json").read_text())
+    assert set(r) & set(PARTS) == set() and r["elapsed_s"] == {p: 0 for p in PARTS}
+    assert r["skipped"].pop("peers") == "no --peers DIR given"
+    for part, why in r["skipped"].items():
+        assert re.fullmatch(rf"needs about {PLANS['quick']['need'][part]} s, [01] s of the "
+                            "budget left", why), (part, why)
+    assert "result: INCOMPLETE: verify: skipped (needs about 10 s" in res.stdout
 
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
@@ -314,9 +330,9 @@ def test_a_run_past_the_budget_is_cut_with_the_processes_it_started(tmp_path):
     is an error of that run."""
     from cupygpt.gpucheck_parts import Budget, BudgetSpent, sh
     start = time.monotonic()
-    with pytest.raises(BudgetSpent, match=r"^log cut at the budget's end after 2 s$"):
+    with pytest.raises(BudgetSpent, match=r"^cut at the budget's end after 2 s, in run$"):
         sh(["bash", "-c", f"sleep 60 & echo $! > {tmp_path}/pid; wait"], 600,
-           str(tmp_path / "log"), str(tmp_path), Budget(2))
+           str(tmp_path / "run.log"), str(tmp_path), Budget(2))
     assert time.monotonic() - start < 10
     status = f"/proc/{(tmp_path / 'pid').read_text().strip()}/status"
     for _ in range(50):  # killed: gone, or a zombie until its new parent reaps it
