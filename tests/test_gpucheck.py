@@ -460,6 +460,24 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     assert report["ratios"] == {} and "| - | - |" in md, "bench ran in another call"
 
 
+def test_peers_cut_at_the_budgets_end_keep_those_that_finished(tmp_path, monkeypatch):
+    from cupygpt import gpucheck
+    peers_dir = tmp_path / "peers"
+    peers_dir.mkdir()
+    (peers_dir / "run-peers.sh").write_text(FAKE_PEERS + "sleep 60\n")  # torch.compile's
+    monkeypatch.setenv("PATH", tools(tmp_path, nvcc="exit 0\n", nvidia_smi="echo 'NVIDIA H200'\n")
+                       + os.pathsep + os.environ["PATH"])
+    monkeypatch.setattr(gpucheck, "versions", lambda: {"device": "NVIDIA H200"})
+    start = time.monotonic()
+    report, md = gpucheck.gpucheck(str(tmp_path / "report"), "quick", ("peers",), budget=8,
+                                   peers_dir=str(peers_dir))
+    assert time.monotonic() - start < 12
+    assert report["peers"]["llm.c train_gpt2.cu (bf16)"]["ms_per_step"] == 14.19
+    assert len(report["peers"]) == 6
+    assert re.fullmatch(r"cut at the budget's end after \d s, in peers", report["skipped"]["peers"])
+    assert gpucheck.verdict(report).startswith("FAIL: verify: not run"), "and not for the peers"
+
+
 def test_peers_output_without_step_times_or_a_line_is_an_error():
     from cupygpt.gpucheck_parts import parse_peers
     text = ('{"peer": "llm.c train_gpt2.cu (bf16)", "B": 4, "T": 1024, "ms_per_step": null, '
