@@ -18,7 +18,7 @@ from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .paths import TEXT_CAP, check_outputs, read_bounded
 from .hellaswag import from_jsonl, write_eval
-from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, problems
+from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, verdict
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
 from .plot import plot as run_plot
@@ -209,22 +209,34 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
 
 @click.command()
 @click.option("--out", default="gpu_report", show_default=True, help="report directory")
+@click.option("--budget", default=420.0, show_default=True,
+              help="seconds the whole check may take: each run gets what is left, and a "
+                   "part that cannot fit is skipped, the report saying why")
+@click.option("--peers", "peers_dir", default=None,
+              help="a copy of shared/peers: llm.c's build starts at once, in the background, "
+                   "and the peers (llm.c, PyTorch) run after bench at its B and T, for ratios "
+                   "measured side by side")
 @click.option("--quick", is_flag=True, help="benchmark the tiny preset at short T (minutes)")
 @click.option("--part", "parts", multiple=True, type=click.Choice(list(GPUCHECK_PARTS)),
               help="run only these parts, merged into the report in --out (default: all)")
-@click.option("--mps", is_flag=True, help="also run the pipeline under a CUDA MPS server "
-              "that the check starts and stops (NVSHMEM's full multi-PE-per-GPU mode)")
 @entry
-def gpucheck(out, quick, parts, mps):
-    """The GPU check: all GPU tests, verify, compute-sanitizer, the benchmarks and a pipeline
-    run, in one report; exit 0 only when every part has run and passed."""
+def gpucheck(out, budget, peers_dir, quick, parts):
+    """The GPU check: verify, README's training commands, all GPU tests, the benchmarks and
+    their peers, a pipeline run (also under MPS) and compute-sanitizer, the most valuable
+    first, within --budget seconds, in one report; exit 0 only when every part has run and
+    passed."""
     one_process("gpucheck")
+    if not budget > 0 or math.isinf(budget):  # nan too
+        raise CupyGPTError("must be a positive number of seconds", "budget", budget)
+    if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
+        raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
+                           "peers_dir", peers_dir)
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
-    report, md = run_check(out, "quick" if quick else "full", parts, mps)
+    report, md = run_check(out, "quick" if quick else "full", parts, budget, peers_dir)
     click.echo(md)
-    sys.exit(1 if problems(report) else 0)
+    sys.exit(0 if verdict(report) == "PASS" else 1)
 
 
 @click.command()

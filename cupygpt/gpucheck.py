@@ -1,34 +1,50 @@
-"""The GPU check: every GPU test, verify against llm.c's references, compute-sanitizer over
-our kernels, the benchmarks and a pipeline run, into one report (report.json + report.md).
-Each piece runs in its own process, so one failure is reported and the rest still runs.
+"""The GPU check: verify against llm.c's references, README's training commands, every
+GPU test, the benchmarks beside their peers (llm.c, PyTorch), a pipeline run and
+compute-sanitizer over our kernels, into one report (report.json + report.md), in that
+order (the most valuable first) and within a budget of seconds: a lent GPU comes for about
+15 minutes, its start included. Each piece runs in its own process, so one failure is
+reported and the rest still runs; each is bounded by what is left of the budget, and one
+that cannot fit is skipped, the report saying why.
 
 The report is rewritten after each result, and a run of some parts (--part) merges into
-the report already in the directory: a machine that allows ten minutes per command runs
-the check in pieces, and a run cut short keeps what it finished. The directory holds five
-files (report.json, report.md, the test and the two sanitizer logs); the runs' own outputs
-go to a temporary one, which is also where they run. What each part runs is in
+the report already in the directory: a run cut short keeps what it finished. The directory
+holds five files (report.json, report.md, the test and the two sanitizer logs); the runs'
+own outputs go to a temporary one, which is also where they run. What each part runs is in
 gpucheck_parts.py; here are the plans, the order of the parts and the report."""
+import datetime
 import json
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 
-from .gpucheck_parts import benches, pipeline, run_tests, sanitize, verify
+from .gpucheck_parts import (Budget, BudgetSpent, PeersBuild, Skip, benches, peers, pipeline,
+                             readme, run_tests, sanitize, verify)
 
 # What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
 # one runs in minutes anywhere, cudasim included (a dry run of the check itself, which the
 # tests run: every bench and pipeline run there, at the least size that still shows each).
 # verify: llm.c's reference files (cupygpt/reference), whose shapes differ (odd T, 16 heads).
 # warmup: untimed bench steps first; pipe_steps: the pipeline's median skips its first two.
+# train_args: added to README's training commands (the quick plan's tiny model, 2 steps).
+# need: the seconds one run of each part takes (full: measured on an H200, 2026-11-26;
+# quick: on cudasim, 2 busy cores): a run with less of the budget left is skipped.
 PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8, 16, 32),
-                  "steps": 10, "warmup": 3, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v")},
+                  "steps": 10, "warmup": 3, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v"),
+                  "train_args": (),
+                  "need": {"verify": 5, "readme": 40, "tests": 100, "bench": 15, "peers": 60,
+                           "pipeline": 20, "sanitizer": 10}},
          "quick": {"model": "tiny", "t_short": 16, "t_long": 32, "batches": (8,),
-                   "steps": 2, "warmup": 1, "pipe_steps": 4, "verify": ("tiny",)}}
+                   "steps": 2, "warmup": 1, "pipe_steps": 4, "verify": ("tiny",),
+                   "train_args": ("-e", "tiny", "-t", "16", "-n", "2"),
+                   "need": {"verify": 10, "readme": 10, "tests": 15, "bench": 6, "peers": 5,
+                            "pipeline": 10, "sanitizer": 3}}}
 
-PARTS = {"tests": run_tests, "verify": verify, "sanitizer": sanitize, "bench": benches,
-         "pipeline": pipeline}
+# In the order they run: the most valuable first, so that a short budget drops the least.
+PARTS = {"verify": verify, "readme": readme, "tests": run_tests, "bench": benches,
+         "peers": peers, "pipeline": pipeline, "sanitizer": sanitize}
 
 
 def versions():
@@ -56,31 +72,77 @@ def versions():
     return out
 
 
-def gpucheck(out, plan_name="full", parts=(), mps=False):
-    """Runs the named parts (none named: all) into out/report.{json,md}, keeping the other
-    parts of a report of the same plan already there; the report is rewritten after each
-    result."""
-    plan = {**PLANS[plan_name], "mps": mps}
+def gpucheck(out, plan_name="full", parts=(), budget=420, peers_dir=None,
+             clock=time.monotonic):
+    """Runs the named parts (none named: all) in PARTS' order into out/report.{json,md}
+    within `budget` seconds, keeping the other parts of a report of the same plan already
+    there; the report is rewritten after each result. With peers_dir (a copy of
+    shared/peers), llm.c's build starts now, in the background, and the peers run after
+    bench."""
+    budget_s, budget = budget, Budget(budget, clock)
+    plan = PLANS[plan_name]
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "report.json")
     report = json.load(open(path)) if os.path.exists(path) else {}
     if report.get("plan") != plan_name:
         report = {"plan": plan_name}
-    report["versions"] = versions()
+    report.update(versions=versions(), budget_s=budget_s)
+    # this call, named in each part it runs: bench and peers compare only within one call
+    call = datetime.datetime.now().isoformat(timespec="milliseconds")
+    todo = [part for part in PARTS if part in parts or not parts]
     with tempfile.TemporaryDirectory(prefix="gpucheck-") as work:
-        for part in PARTS:  # in this order whatever the order asked
-            if part in parts or not parts:
-                report[part], report["unfinished"] = {}, part
-                for result in PARTS[part](out, work, plan):
-                    report[part].update(result)
-                    write(out, report)
-                del report["unfinished"]
-                write(out, report)
+        build = PeersBuild(peers_dir, work, 4, plan["t_long"]) \
+            if peers_dir and "peers" in todo else None
+        try:
+            for part in todo:
+                run_part(report, part, out, work, {**plan, "peers": build}, budget, call, clock)
+        finally:
+            if build is not None:
+                build.stop()
     return report, summary(report)
+
+
+def run_part(report, part, out, work, plan, budget, call, clock):
+    """One part into the report: its results as they come, the runs it skipped (and why)
+    in report["skipped"], its seconds in report["elapsed_s"]."""
+    skipped = report.setdefault("skipped", {})
+    for key in [k for k in skipped if k.split(" ")[0] == part]:  # an earlier call's
+        del skipped[key]
+    report.pop(part, None)
+    report.setdefault("ran_at", {})[part] = call
+    report.setdefault("elapsed_s", {})[part] = 0.0
+    why = ("no --peers DIR given" if part == "peers" and plan["peers"] is None
+           else budget.short(plan["need"][part]))
+    if why:
+        skipped[part] = why
+        write(out, report)
+        return
+    report[part], report["unfinished"] = {}, part
+    start = clock()
+    try:
+        for result in PARTS[part](out, work, plan, budget):
+            if isinstance(result, Skip):  # the whole part, e.g. no GPU to build llm.c for
+                skipped[part] = result
+            else:
+                for key, value in result.items():
+                    if isinstance(value, Skip):
+                        skipped[f"{part} {key}"] = value
+                    else:
+                        report[part][key] = value
+            report["elapsed_s"][part] = round(clock() - start, 1)
+            write(out, report)
+    except BudgetSpent as e:
+        skipped[part] = str(e)
+    if part in skipped and not report[part]:  # as a part the budget skipped before it began
+        del report[part]
+    report["elapsed_s"][part] = round(clock() - start, 1)
+    del report["unfinished"]
+    write(out, report)
 
 
 def write(out, report):
     """Both files replaced whole, so a run killed mid-write leaves the previous report."""
+    report["ratios"] = ratios(report)
     for name, text in (("report.json", json.dumps(report, indent=1)),
                        ("report.md", summary(report))):
         with open(os.path.join(out, name + ".tmp"), "w") as f:
@@ -88,9 +150,37 @@ def write(out, report):
         os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
 
+def ratios(report):
+    """cupygpt's ms/step over each peer's at the same B, T and dtype (below 1: cupygpt is
+    the faster), each side's device named; only when bench and the peers ran in one call,
+    as times from different calls or machines do not compare. cupygpt's run is bench's
+    with graphs where it worked, else its eager one (the first in bench's order)."""
+    at = report.get("ran_at", {})
+    if "peers" not in at or at["peers"] != at.get("bench"):
+        return {}
+    ours = [(n, b) for n, b in report.get("bench", {}).items() if "error" not in b]
+    out = {}
+    for peer, p in report.get("peers", {}).items():
+        same = [(n, b) for n, b in ours if "error" not in p and
+                (b["B"], b["T"], b["dtype"]) == (p["B"], p["T"], p["dtype"])]
+        if same:
+            name, b = min(same, key=lambda nb: not nb[1]["graphs"])
+            out[peer] = {"cupygpt": name, "cupygpt_ms": b["ms_per_step_median"],
+                         "cupygpt_device": b["device"], "peer_ms": p["ms_per_step"],
+                         "peer_device": p["device"],
+                         "ratio": b["ms_per_step_median"] / p["ms_per_step"]}
+    return out
+
+
+def optional(key):
+    """The comparisons: a peer's failure or skip, or MPS's, is reported, never the check's."""
+    return key.split(" ")[0] == "peers" or key.endswith("_mps")
+
+
 def problems(report):
-    """Why the check fails, one line each; empty when every part ran and passed."""
-    out = [f"{part}: not run" for part in PARTS if part not in report]
+    """Why the check fails, one line each; empty when every part that ran passed."""
+    out = [f"{part}: not run" for part in PARTS if part not in report and not optional(part)
+           and part not in report.get("skipped", {})]
     if "unfinished" in report:
         out.append(f"{report['unfinished']}: cut short")
     t = report.get("tests", {})
@@ -103,59 +193,131 @@ def problems(report):
             out.append(f"sanitizer {tool}: {v if isinstance(v, str) else v['summary']}")
     out += [f"verify {name}: " + v.get("error", "outside README's tolerances")
             for name, v in report.get("verify", {}).items() if not v.get("ok")]
+    out += [f"readme `{cmd}`: {v['error']}" for cmd, v in report.get("readme", {}).items()
+            if "error" in v]
     out += [f"bench {name}: {b['error']}" for name, b in report.get("bench", {}).items()
             if "error" in b]
     # MPS is optional (NVSHMEM's limited mode is what must work): its run is reported only
     out += [f"pipeline {k}: {v['error']}" for k, v in report.get("pipeline", {}).items()
-            if isinstance(v, dict) and "error" in v and not k.endswith("_mps")]
+            if isinstance(v, dict) and "error" in v and not optional(k)]
     return out
 
 
+def unchecked(report):
+    """What the check skipped that it must run (the budget ran out), one line each."""
+    return [f"{key}: skipped ({why})" for key, why in report.get("skipped", {}).items()
+            if not optional(key)]
+
+
+def verdict(report):
+    """PASS, FAIL (with each problem, and what was skipped) or INCOMPLETE (nothing failed,
+    but some part was skipped): the report's result line; the check exits 0 on PASS."""
+    bad, cut = problems(report), unchecked(report)
+    if bad:
+        return "FAIL: " + "; ".join(bad + cut)
+    return "INCOMPLETE: " + "; ".join(cut) if cut else "PASS"
+
+
 def summary(r):
-    v, plan = r["versions"], PLANS[r["plan"]]
-    m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
-    bad = problems(r)
+    """report.md: the result line, the budget, what was skipped, then each part that ran,
+    in the order the parts run."""
+    v = r["versions"]
     lines = [f"# GPU check: {v.get('device', '?')} ({v.get('gpus', '?')} GPU), {r['plan']} plan",
              "versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if k != "device"),
-             "result: " + ("PASS" if not bad else "FAIL: " + "; ".join(bad))]
-    if "tests" in r and "error" not in r["tests"]:  # an error is in the result line
-        t = r["tests"]
-        lines.append(f"tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} "
-                     f"skipped, {t['errors']} errors" +
-                     (f" ({', '.join(t['failures'])})" if t.get("failures") else ""))
-    if "verify" in r:
-        lines += ["", "| verify (max abs diff vs PyTorch) | ok | logits | loss | grads (abs / rel "
-                  "to max) | AdamW step losses |", "|---|---|---|---|---|---|"]
-        for name, x in r["verify"].items():
-            lines.append(f"| {name} | {x['error'][:60]} | | | | |" if "error" in x else
-                         f"| {name} | {x['ok']} | {x['logits']:.2e} | {x['loss']:.2e} | "
-                         f"{x['grad_abs']:.2e} / {x['grad_rel']:.2e} | {x['steps']:.2e} |")
-    if "sanitizer" in r:
-        lines.append("compute-sanitizer: " + json.dumps(r["sanitizer"]))
-    if "bench" in r:
-        lines += ["", "| bench | ms/step | tok/s | MFU | host launch | peak GiB |",
-                  "|---|---|---|---|---|---|"]
-        for name, b in r["bench"].items():
-            if "error" in b:
-                lines.append(f"| {name} | {b['error'][:60]} | | | | |")
-                continue
-            mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
-            lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | "
-                         f"{mfu} | {100 * b['host_launch_fraction']:.1f}% | "
-                         f"{b['peak_memory_bytes'] / 2**30:.2f} |")
-        prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {})
-        if prof.get("per_op"):
-            lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
-            lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
-                      for p in prof["per_op"]]
-            lines += ["", "| op: kernel (top 20) | calls/step | ms/step | share |",
-                      "|---|---|---|---|"]
-            lines += [f"| {p['op']}: {p['kernel']} | {p['calls_per_step']} | "
-                      f"{p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
-                      for p in prof["per_kernel"][:20]]
-    if "pipeline" in r:
-        lines += ["", f"pipeline ({m}, B=4, T={ts}, 2 PEs over nvshmem): " +
-                  json.dumps({k: (v if not isinstance(v, dict) else
-                                  {kk: vv for kk, vv in v.items() if kk != "losses"})
-                              for k, v in r["pipeline"].items()})]
+             "result: " + verdict(r)]
+    if r.get("elapsed_s"):  # parts merged from several calls each count their own
+        lines.append(f"budget {r['budget_s']:g} s (this call's); elapsed: " +
+                     ", ".join(f"{p} {s:g} s" for p, s in r["elapsed_s"].items()) +
+                     f" (sum {sum(r['elapsed_s'].values()):.1f} s)")
+    if r.get("skipped"):
+        lines.append("skipped: " + "; ".join(f"{k} ({why})" for k, why in r["skipped"].items()))
+    for part, section in SECTIONS.items():
+        if r.get(part):
+            lines += [""] + section(r, PLANS[r["plan"]])
     return "\n".join(lines) + "\n"
+
+
+def verify_section(r, plan):
+    lines = ["| verify (max abs diff vs PyTorch) | ok | logits | loss | grads (abs / rel to "
+             "max) | AdamW step losses |", "|---|---|---|---|---|---|"]
+    for name, x in r["verify"].items():
+        lines.append(f"| {name} | {x['error'][:60]} | | | | |" if "error" in x else
+                     f"| {name} | {x['ok']} | {x['logits']:.2e} | {x['loss']:.2e} | "
+                     f"{x['grad_abs']:.2e} / {x['grad_rel']:.2e} | {x['steps']:.2e} |")
+    return lines
+
+
+def readme_section(r, plan):
+    extra = " ".join(plan["train_args"])
+    return [f"| README command{' (+ ' + extra + ')' if extra else ''} | result | train loss "
+            "| val loss | s |", "|---|---|---|---|---|"] + [
+        f"| `{cmd}` | {x.get('error', 'ok')[:60]} | " +
+        " | ".join(f"{x[k]:.4f}" if k in x else "-" for k in ("train_loss", "val_loss")) +
+        f" | {x['seconds']} |" for cmd, x in r["readme"].items()]
+
+
+def tests_section(r, plan):
+    t = r["tests"]
+    if "error" in t:  # it is in the result line
+        return []
+    how = "serial" if t["workers"] == 1 else f"{t['workers']} processes"
+    return [f"tests ({how}): {t['passed']} passed, {t['failed']} failed, "
+            f"{t['skipped']} skipped, {t['errors']} errors" +
+            (f" ({', '.join(t['failures'])})" if t.get("failures") else "")]
+
+
+def bench_section(r, plan):
+    m, tl = plan["model"], plan["t_long"]
+    lines = ["| bench | ms/step | tok/s | MFU | host launch | peak GiB |",
+             "|---|---|---|---|---|---|"]
+    for name, b in r["bench"].items():
+        if "error" in b:
+            lines.append(f"| {name} | {b['error'][:60]} | | | | |")
+            continue
+        mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
+        lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | "
+                     f"{mfu} | {100 * b['host_launch_fraction']:.1f}% | "
+                     f"{b['peak_memory_bytes'] / 2**30:.2f} |")
+    prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {})
+    if prof.get("per_op"):
+        lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
+                  for p in prof["per_op"]]
+        lines += ["", "| op: kernel (top 20) | calls/step | ms/step | share |",
+                  "|---|---|---|---|"]
+        lines += [f"| {p['op']}: {p['kernel']} | {p['calls_per_step']} | "
+                  f"{p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
+                  for p in prof["per_kernel"][:20]]
+    return lines
+
+
+def peers_section(r, plan):
+    rat = ratios(r)
+    lines = ["| peer (same call as bench) | device | B | T | dtype | ms/step | cupygpt's run "
+             "| cupygpt / peer |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in r["peers"].items():
+        if "error" in p:
+            lines.append(f"| {name} | {p['error'][:60]} | | | | | | |")
+            continue
+        x = rat.get(name)
+        lines.append(f"| {name} | {p['device']} | {p['B']} | {p['T']} | {p['dtype']} | "
+                     f"{p['ms_per_step']:.2f} | " +
+                     (f"{x['cupygpt']}: {x['cupygpt_ms']:.2f} ms on {x['cupygpt_device']} | "
+                      f"{x['ratio']:.2f} |" if x else "- | - |"))
+    return lines
+
+
+def pipeline_section(r, plan):
+    return [f"pipeline ({plan['model']}, B=4, T={plan['t_short']}, 2 PEs over nvshmem): " +
+            json.dumps({k: (v if not isinstance(v, dict) else
+                            {kk: vv for kk, vv in v.items() if kk != "losses"})
+                        for k, v in r["pipeline"].items()})]
+
+
+def sanitizer_section(r, plan):
+    return ["compute-sanitizer: " + json.dumps(r["sanitizer"])]
+
+
+SECTIONS = {"verify": verify_section, "readme": readme_section, "tests": tests_section,
+            "bench": bench_section, "peers": peers_section, "pipeline": pipeline_section,
+            "sanitizer": sanitizer_section}
