@@ -231,8 +231,10 @@ def _layout(dtype, rows, cols, ld, batch, stride):
 def _plan(key, epilogue, bias_ptr):
     """The descriptor, layouts and algorithm of a column-major D (m,n) = alpha op(A) op(B)
     + beta C: made once (never while a stream captures: cuBLASLt's setup is not graph
-    work). The heuristic's first algorithm, with no in-place split-K (its partial sums
-    would meet in an order that varies); None when no algorithm takes the epilogue."""
+    work). The heuristic's first algorithm, split-K only with a reduction pass over the
+    workspace, never in place in the output (a run must repeat its bits, and the in-place
+    scheme's order rests on counters between blocks); None when no algorithm takes the
+    epilogue."""
     h = _lt_ready()
     (ta, tb, m, n, k, lda, ldb, ldc, batch, sA, sB, sC, at, bt, ct, aligns) = key
     desc = lt.matmul_desc_create(COMPUTE_32F_FAST_TF32 if tf32 and at == np.float32 else
