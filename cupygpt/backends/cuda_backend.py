@@ -171,6 +171,14 @@ def _row_packs(rows, C, dtype):
     return rows * -(-C // (16 // np.dtype(dtype).itemsize))
 
 
+def _whole_packs(fn, C, *arrays):
+    """fn, or its _v entry where every row's packs of these arrays are whole aligned 16-byte
+    runs (C a multiple of a pack, each array 16-byte aligned): decided here, once per
+    launch, so the kernel's loads are straight-line code, several in flight."""
+    pack = 16 // arrays[0].dtype.itemsize
+    return fn + "_v" if C % pack == 0 and all(a.data.ptr % 16 == 0 for a in arrays) else fn
+
+
 def _rows(fn, rows, *args):
     warps = GEOMETRY["ROW_WARPS"]
     _launch(fn, ((rows + warps - 1) // warps,), (warps * GEOMETRY["WARP"],), *args)
@@ -513,7 +521,8 @@ def encoder_forward(out, inp, wte, wpe, v0=0):
 def layernorm_forward(out, mean, rstd, inp, w, b):
     C = inp.shape[-1]
     N = inp.size // C
-    _rows("layernorm_forward", N, out, mean, rstd, inp, w, b, _i(N), _i(C))
+    _rows(_whole_packs("layernorm_forward", C, out, inp, w, b), N, out, mean, rstd, inp, w, b,
+          _i(N), _i(C))
 
 
 @_op
@@ -584,30 +593,32 @@ def residual_forward(out, a, b):
 def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
     C = res.shape[-1]
     N = res.size // C
-    _rows("residual_layernorm_forward", N, res, a, b, out, mean, rstd, w, lnb, _i(N), _i(C))
+    _rows(_whole_packs("residual_layernorm_forward", C, res, a, b, out, w, lnb), N, res, a, b,
+          out, mean, rstd, w, lnb, _i(N), _i(C))
 
 
 @_op
 def classifier_stats(stats, logits, targets, v0, valid):
     Vs = logits.shape[-1]
-    _launch("classifier_stats", (logits.size // Vs,), (GEOMETRY["CLS_THREADS"],), stats, logits,
-            targets, _i(v0), _i(valid), _i(Vs))
+    _launch(_whole_packs("classifier_stats", Vs, logits), (logits.size // Vs,),
+            (GEOMETRY["CLS_THREADS"],), stats, logits, targets, _i(v0), _i(valid), _i(Vs))
 
 
 @_op
 def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
     Vs = logits.shape[-1]
     N = logits.size // Vs
-    _launch("classifier", (N,), (GEOMETRY["CLS_THREADS"],), logits, losses, stats, targets,
-            np.float32(dloss or 0.0), _i(dloss is not None), _i(v0), _i(valid), _i(Vs),
-            _i(stats.shape[0]), _i(N))
+    _launch(_whole_packs("classifier", Vs, logits), (N,), (GEOMETRY["CLS_THREADS"],), logits,
+            losses, stats, targets, np.float32(dloss or 0.0), _i(dloss is not None), _i(v0),
+            _i(valid), _i(Vs), _i(stats.shape[0]), _i(N))
 
 
 @_op
 def cross_entropy(logits, losses, targets, valid, dloss=None):
     Vs = logits.shape[-1]
-    _launch("cross_entropy", (logits.size // Vs,), (GEOMETRY["CLS_THREADS"],), logits, losses,
-            targets, np.float32(dloss or 0.0), _i(dloss is not None), _i(valid), _i(Vs))
+    _launch(_whole_packs("cross_entropy", Vs, logits), (logits.size // Vs,),
+            (GEOMETRY["CLS_THREADS"],), logits, losses, targets, np.float32(dloss or 0.0),
+            _i(dloss is not None), _i(valid), _i(Vs))
 
 
 @_op
@@ -658,7 +669,8 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
     N = inp.size // C
     R = -(-N // GEOMETRY["ROW_WARPS"])
     partial = _ws("ln_partial", R * 2 * C)
-    _rows("layernorm_backward", N, dinp, partial, dout, inp, w, mean, rstd, _i(N), _i(C))
+    _rows(_whole_packs("layernorm_backward", C, dinp, dout, inp, w), N, dinp, partial, dout,
+          inp, w, mean, rstd, _i(N), _i(C))
     _column_sum(dw, partial, R, 2 * C, db, C)
 
 
@@ -717,8 +729,9 @@ def sum_squares(acc, x, offset=0):
     groups = (offset % pack + x.size + pack - 1) // pack
     R = max(1, min(NORM_BLOCKS, (groups + threads - 1) // threads))
     partial = _ws("norm_partial", R, np.float64)
-    _launch("sum_squares_partial", (R,), (threads,), partial, x, np.int64(x.size),
-            np.int64(offset))
+    start = x.data.ptr - offset % pack * x.dtype.itemsize  # its first group's, in the buffer
+    _launch("sum_squares_partial_v" if start % 16 == 0 else "sum_squares_partial", (R,),
+            (threads,), partial, x, np.int64(x.size), np.int64(offset))
     _launch("sum_squares_finish", (1,), (threads,), acc, partial, _i(R))
 
 

@@ -87,11 +87,17 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
+#define LOG2E 1.4426950408889634f  // exp(x) = exp2(x * LOG2E): one MUFU.EX2, no IEEE expf
+
+// exp(x - m), as exp2 with log2(e) folded in (ml = m * LOG2E, computed once per m).
+__device__ __forceinline__ float exp_from(float x, float ml) { return exp2f(fmaf(x, LOG2E, -ml)); }
+
 // Online softmax state (running max m, sum s of exp(x - m)), merged across lanes.
 __device__ __forceinline__ void merge_max_sum(float& m, float& s, float m2, float s2) {
     float mn = fmaxf(m, m2);
     if (mn == -INFINITY) { m = mn; s = 0.f; return; }  // both empty: exp(-inf - -inf) is nan
-    s = s * expf(m - mn) + s2 * expf(m2 - mn);
+    float ml = mn * LOG2E;
+    s = s * exp_from(m, ml) + s2 * exp_from(m2, ml);
     m = mn;
 }
 

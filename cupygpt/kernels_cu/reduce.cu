@@ -143,22 +143,50 @@ __device__ __forceinline__ double block_sum_d(double s) {
     return s;
 }
 
-extern "C" __global__ void sum_squares_partial(double* partial, const floatX* x, long long n,
-                                               long long offset) {
+// A whole group's squares from one aligned 16-byte load (the _v entry's fast path).
+__device__ __forceinline__ float pack_squares(const floatX* p) {
+    Pack v = *reinterpret_cast<const Pack*>(p);
+    float s = 0.f;
+    for (int k = 0; k < PACK; k++) s += __fmul_rn(load(v.v[k]), load(v.v[k]));
+    return s;
+}
+
+// V: the groups are 16-byte aligned (x's flat buffer is; the host checks once per launch
+// and launches the _v entry): four whole groups at a time are straight-line loads, all in
+// flight before their sums, and only the partial groups at the two ends take the checked
+// path. Either way each thread adds its groups in the same order: the same bits.
+template <bool V>
+__device__ void sum_squares_groups(double* partial, const floatX* x, long long n,
+                                   long long offset) {
     long long lead = offset % PACK, groups = (lead + n + PACK - 1) / PACK;
+    long long whole0 = lead > 0, whole1 = (lead + n) / PACK;  // the whole groups' range
     long long stride = (long long)gridDim.x * blockDim.x;
     double s = 0.0;
     long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    for (; g + 3 * stride < groups; g += 4 * stride) {  // four 16-byte loads in flight
-        float a = group_squares(x, n, g * PACK - lead);
-        float b = group_squares(x, n, (g + stride) * PACK - lead);
-        float c = group_squares(x, n, (g + 2 * stride) * PACK - lead);
-        float d = group_squares(x, n, (g + 3 * stride) * PACK - lead);
-        s += a; s += b; s += c; s += d;
+    while (g < groups) {
+        if (V && g >= whole0 && g + 3 * stride < whole1) {
+            const floatX* p = x + g * PACK - lead;
+            float a = pack_squares(p), b = pack_squares(p + stride * PACK);
+            float c = pack_squares(p + 2 * stride * PACK), d = pack_squares(p + 3 * stride * PACK);
+            s += a; s += b; s += c; s += d;
+            g += 4 * stride;
+        } else {
+            s += group_squares(x, n, g * PACK - lead);
+            g += stride;
+        }
     }
-    for (; g < groups; g += stride) s += group_squares(x, n, g * PACK - lead);
     s = block_sum_d(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void sum_squares_partial(double* partial, const floatX* x, long long n,
+                                               long long offset) {
+    sum_squares_groups<false>(partial, x, n, offset);
+}
+
+extern "C" __global__ void sum_squares_partial_v(double* partial, const floatX* x, long long n,
+                                                 long long offset) {
+    sum_squares_groups<true>(partial, x, n, offset);
 }
 
 // Stage 2. Launch: one block of EW_THREADS; sums the R partials (thread t takes t, t + 256,
