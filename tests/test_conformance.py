@@ -56,8 +56,8 @@ STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
               ("cupy", "_Kernel"): ("cupy", "RawKernel"),
               ("nvshmem.core", "_Symmetric"): ("cuda.core", "Buffer")}
 # cudasim's own machinery, which the backend never reaches (CUDASIM_ORDER=random's device
-# thread, its queued work, a stream wait's condition): no real place to stand for
-MACHINERY = {"_Device", "_Work", "_Reached"}
+# thread, its queued work, a stream wait's condition, a capture sequence): no real place
+MACHINERY = {"_Device", "_Work", "_Reached", "_Capture"}
 
 
 @pytest.fixture(scope="module")
