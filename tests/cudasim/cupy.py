@@ -206,6 +206,8 @@ class Stream:
         see ndarray), not on the legacy stream, not twice."""
         if self.ptr == 0:
             raise RuntimeError("cannot capture on the default (legacy) stream")
+        if mode not in (None, runtime.streamCaptureModeRelaxed):  # global, thread-local
+            raise NotImplementedError("cudasim captures in CuPy's default mode, relaxed")
         if self._capture is not None:
             raise CUDARuntimeError(ILLEGAL_STATE)
         self._capture, self._joined = _Capture(self), {}
@@ -887,7 +889,7 @@ _POOL = _Pool()
 _state = {"device": 0, "stream": Stream(null=True)}
 memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
 runtime = types.SimpleNamespace(
-    CUDARuntimeError=CUDARuntimeError,
+    CUDARuntimeError=CUDARuntimeError, streamCaptureModeRelaxed=2,
     getDeviceCount=lambda: _DEVICES,
     memGetInfo=lambda: (MEMORY - _in_use(), MEMORY),
     getDeviceProperties=lambda device: {"name": _NAME, "totalGlobalMem": MEMORY},

@@ -234,6 +234,8 @@ class _Reached:
 
 
 def _wait_value64(stream, addr, value, flags):
+    if flags != _driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ:
+        raise NotImplementedError("cudasim's cuStreamWaitValue64 waits for >= only")
     reached = _Reached(addr, value)
     cupy._enqueue(reached.passed, ready=reached, stream=cupy._stream_of(stream))
     return (0,)
