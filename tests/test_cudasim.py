@@ -330,6 +330,23 @@ def test_events_in_a_capture(sim):
         stream.end_capture()
 
 
+def test_nccl_runs_on_the_stream_it_is_given(sim):
+    """NCCL enqueues on the stream its call names, not the current one, and may be
+    captured (NCCL 2.9+): a call naming a capturing stream is recorded, and each replay
+    runs it."""
+    cp, _ = sim
+    nccl = cp.cuda.nccl
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    a, out = cp.asarray(np.arange(4, dtype=np.float32)), cp.zeros(4, np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.begin_capture()  # the current stream (the legacy one) does not capture
+    comm.allReduce(a.data.ptr, out.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+    graph = stream.end_capture()
+    assert cp.asnumpy(out).tolist() == [0, 0, 0, 0]
+    graph.launch(stream)
+    assert cp.asnumpy(out).tolist() == [0, 1, 2, 3]
+
+
 def test_uninitialized_memory_is_poisoned(sim):
     cp, _ = sim
     assert np.isnan(cp.asnumpy(cp.empty(8, np.float32))).all()
