@@ -14,9 +14,13 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
   must lie inside one live device allocation; CuPy's own cuBLAS wrappers refuse to run
   while the current stream captures, with CuPy 14's message;
 - `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
-- while a stream captures, allocating, copying to or from the host, synchronizing or
-  testing values is an error (as it is in CUDA), and a replayed graph reuses the
-  arguments it captured, pointers included, so a freed buffer is reported;
+- a capture follows CuPy and CUDA (Stream, Event, ndarray.set and get below): a host copy
+  on a capturing stream is refused in CuPy's words, synchronizing or querying one is
+  CUDA's error and invalidates the capture, an event recorded in one is no graph node,
+  other streams join a capture by waiting on its events and must be joined back; cudasim
+  also refuses allocating while the current stream captures (CuPy's relaxed mode would
+  allow it: see ndarray); a replayed graph reuses the arguments it captured, pointers
+  included, so a freed buffer is reported;
 - with CUDASIM_ORDER=random (the streams section), stream work runs on a device thread,
   streams interleaved at random and the host seeing work only after waiting for it, and
   each grid's blocks run in a random order (sim_runtime.h), so a missing wait between
