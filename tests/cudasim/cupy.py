@@ -97,9 +97,11 @@ _CUDA_ERRORS = {
           "operation failed due to a previous error during capture"),
     902: ("cudaErrorStreamCaptureMerge",
           "operation would result in a merge of separate capture sequences"),
-    903: ("cudaErrorStreamCaptureUnmatched", "capture was not ended in the same stream as it began"),
+    903: ("cudaErrorStreamCaptureUnmatched",
+          "capture was not ended in the same stream as it began"),
     904: ("cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work"),
-    905: ("cudaErrorStreamCaptureIsolation", "dependency created on uncaptured work in another stream"),
+    905: ("cudaErrorStreamCaptureIsolation",
+          "dependency created on uncaptured work in another stream"),
     907: ("cudaErrorCapturedEvent",
           "operation not permitted on an event last recorded in a capturing stream"),
 }
