@@ -24,6 +24,7 @@ import inspect
 import os
 import re
 import sys
+import textwrap
 import types
 
 import numpy as np
@@ -574,6 +575,26 @@ def compare(mod, chain, obj, owner):
     if real_sig is None:
         return None, "the real one has neither a signature nor a docstring starting with one"
     return disagree(sim, real_sig), None
+
+
+def unread(entries):
+    """{"module.chain": [parameter, ...]} for each cudasim function or method offered whose
+    body never reads some of its parameters: a meaning of the real call that cudasim drops
+    (its NCCL once ran every call on the current stream, not the stream passed). Lambdas
+    are not read."""
+    out = {}
+    for mod, chain, obj, owner in entries:
+        fn = obj.__func__ if isinstance(obj, staticmethod) else obj
+        if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
+            continue
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+        if owner is not None and not isinstance(obj, staticmethod):
+            params = params[1:]
+        read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if [p for p in params if p not in read]:
+            out[f"{mod}.{chain}"] = [p for p in params if p not in read]
+    return out
 
 
 def check_offer(entries):

@@ -14,6 +14,7 @@ accepts and the real library rejects would pass CI and fail on a GPU. Here:
    and the members of the classes only calls return, placed by STANDS_FOR) exists at the
    same place in the real package; a function's parameters have the real names at the real
    places; a property is no method there, a function no attribute;
+   and each parameter a stand-in takes is read by it, or named in UNREAD with why;
 3. the checker reports a misspelt attribute, a wrong keyword and an extra positional
    argument made in the real source.
 
@@ -56,8 +57,8 @@ STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
               ("cupy", "_Kernel"): ("cupy", "RawKernel"),
               ("nvshmem.core", "_Symmetric"): ("cuda.core", "Buffer")}
 # cudasim's own machinery, which the backend never reaches (CUDASIM_ORDER=random's device
-# thread, its queued work, a stream wait's condition): no real place to stand for
-MACHINERY = {"_Device", "_Work", "_Reached"}
+# thread, its queued work, a stream wait's condition, a capture sequence): no real place
+MACHINERY = {"_Device", "_Work", "_Reached", "_Capture"}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,38 @@ def test_cudasim_offers_nothing_the_real_packages_lack(real):
     rep = cf.check_offer(entries)
     assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
     tell("cudasim's offer", rep)
+
+
+# Parameters cudasim's stand-ins take and never read, each with why that loses nothing the
+# backend relies on; any other unread parameter is a real call's meaning dropped (test below)
+UNREAD = {
+    "cupy_backends.cuda.libs.cublas.setStream": (["handle"], "one handle; only its refusal "
+                                                 "of a capturing stream is modelled"),
+    "cupy.array": (["copy"], "always a copy: the backend asks for one"),
+    "cupy.from_dlpack": (["copy"], "a view, as the backend asks (copy=False)"),
+    "nvshmem.core.init": (["device", "uid", "rank", "nranks"], "MPI-based init only: the "
+                          "communicator gives rank and size, cupy.cuda.Device the device"),
+    "nvshmem.core.buffer": (["release", "except_on_del"], "freed explicitly (free), as the "
+                            "transport does"),
+    "nvshmem.core.array": (["release", "morder", "except_on_del"], "C order, freed explicitly"),
+    "cupy.cuda.Stream.__init__": (["non_blocking"], "the legacy stream's implicit "
+                                  "synchronization is not modelled; the backend's streams are "
+                                  "all non-blocking"),
+    "cupy.cuda.memory.OutOfMemoryError.__init__": (["limit"], "CuPy's message names it only "
+                                                   "when a pool limit is set; none is"),
+    "cupy.cuda.nccl.NcclCommunicator.__init__": (["config"], "NCCL's tuning: no meaning on "
+                                                 "the CPU"),
+    "cuda.core.Buffer.from_handle": (["mr"], "no memory resource frees it: its owner keeps it"),
+}
+
+
+def test_cudasim_reads_every_parameter_it_takes(real):
+    """A parameter a stand-in takes and never reads is a meaning of the real call it drops
+    (cudasim's NCCL ran every call on the current stream, not the stream passed)."""
+    mods = cf.standins(SIM)
+    stands_for = {getattr(mods[m], name): place for (m, name), place in STANDS_FOR.items()}
+    entries, _ = cf.offered(mods, stands_for)
+    assert cf.unread(entries) == {k: params for k, (params, _) in UNREAD.items()}
 
 
 def test_the_offer_check_reports_what_cudasim_must_not_offer(real):

@@ -207,6 +207,9 @@ def test_a_bias_of_another_type_than_the_descriptors_is_refused(lt):
 
 
 def test_graph_capture_rules(sim):
+    """CuPy's own refusals in a capture (ndarray.set, get and fill, cupy#2079's host array
+    in __setitem__), which leave the capture valid, and cudasim's rule against allocating
+    there; the captured kernel reads its arguments at each replay."""
     cp, mod = sim
     f = mod.get_function("warp_sum")
     x, out = cp.asarray(np.ones(32, np.float32)), cp.zeros(32, np.float32)
@@ -216,10 +219,16 @@ def test_graph_capture_rules(sim):
     try:
         f((1,), (32,), (out, x, n))
         assert float(np.asarray(out.view(np.ndarray))[0]) == 0  # recorded, not run
-        for bad in (lambda: cp.zeros(4), lambda: x.set(np.zeros(32, np.float32)),
-                    lambda: cp.asnumpy(out), stream.synchronize):
-            with pytest.raises(RuntimeError, match="capturing"):
+        for bad, said in ((lambda: cp.zeros(4), "allocated while the stream is capturing"),
+                          (lambda: x.set(np.zeros(32, np.float32)), "so H2D transfers are "
+                                                                    "disallowed"),
+                          (lambda: cp.asnumpy(out), "so D2H transfers are disallowed"),
+                          (lambda: out.get(stream=stream), "so D2H transfers"),
+                          (lambda: out[3], "so D2H transfers")):
+            with pytest.raises(RuntimeError, match=said):
                 bad()
+        with pytest.raises(ValueError, match="non-scalar numpy.ndarray cannot be used for fill"):
+            x[...] = np.zeros(32, np.float32)  # refused with or without a capture
     finally:
         graph = stream.end_capture()
     x.set(np.full(32, 2, np.float32))
@@ -229,8 +238,113 @@ def test_graph_capture_rules(sim):
     with pytest.raises(RuntimeError, match="freed"):
         graph.launch(stream)
     cp.cuda.Stream(null=True).use()
-    with pytest.raises(RuntimeError, match="legacy default stream"):
+    with pytest.raises(RuntimeError, match="cannot capture on the default \\(legacy\\) stream"):
         cp.cuda.get_current_stream().begin_capture()
+
+
+def test_the_stream_a_copy_names_is_the_one_checked(sim):
+    """CuPy checks the stream ndarray.set and get are given: one that captures is refused
+    while the current stream does not, and a copy on another stream may run while the
+    current one captures (CuPy's capture mode is relaxed)."""
+    cp, _ = sim
+    a = cp.zeros(4, np.float32)
+    capturing, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    capturing.begin_capture()
+    try:
+        with pytest.raises(RuntimeError, match="H2D transfers are disallowed"):
+            a.set(np.ones(4, np.float32), stream=capturing)
+        with capturing:
+            a.set(np.ones(4, np.float32), stream=other)
+            assert a.get(stream=other).tolist() == [1, 1, 1, 1]
+    finally:
+        capturing.end_capture()
+
+
+def test_a_sync_in_a_capture_invalidates_it(sim):
+    """Synchronizing or querying a capturing stream is an error in CUDA and invalidates
+    the capture: every later use of the stream fails, is_capturing raises (CuPy's
+    streamIsCapturing), and end_capture fails; `done` (CuPy's unchecked streamQuery) is
+    False rather than an error."""
+    cp, mod = sim
+    f, out = mod.get_function("warp_sum"), cp.zeros(32, np.float32)
+    x = cp.asarray(np.ones(32, np.float32))
+    for invalid in ("synchronize", "done"):
+        stream = cp.cuda.Stream(non_blocking=True).use()
+        stream.begin_capture()
+        if invalid == "synchronize":
+            with pytest.raises(cp.cuda.runtime.CUDARuntimeError,
+                               match="cudaErrorStreamCaptureUnsupported"):
+                stream.synchronize()
+        else:
+            assert stream.done is False
+        with pytest.raises(RuntimeError, match="an error has invalidated the capture"):
+            stream.is_capturing()
+        with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+            f((1,), (32,), (out, x, np.int64(32)))
+        with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+            stream.end_capture()
+        assert not stream.is_capturing()
+    cp.cuda.Stream(null=True).use()
+
+
+def test_events_in_a_capture(sim):
+    """An event recorded in a capture is no graph node (a replay does not set it): its
+    query is never done, its synchronize and elapsed time are cudaErrorCapturedEvent. A
+    stream that waits on it joins the capture (a fork) and must be joined back; a
+    capturing stream may not wait on an event recorded outside the capture."""
+    cp, mod = sim
+    f, x = mod.get_function("warp_sum"), cp.asarray(np.ones(32, np.float32))
+    out, side_out = cp.zeros(32, np.float32), cp.zeros(32, np.float32)
+    stream, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    before = stream.record()
+    for join in (False, True):
+        with stream:
+            stream.begin_capture()
+            fork = stream.record()
+            assert fork.done is False
+            for bad in (fork.synchronize, lambda: cp.cuda.get_elapsed_time(before, fork)):
+                with pytest.raises(RuntimeError, match="cudaErrorCapturedEvent"):
+                    bad()
+            side.wait_event(fork)  # side now captures into the same graph
+            assert side.is_capturing()
+            with side:
+                f((1,), (32,), (side_out, x, np.int64(32)))
+            if join:
+                stream.wait_event(side.record())
+            f((1,), (32,), (out, x, np.int64(32)))
+            if not join:
+                with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnjoined"):
+                    stream.end_capture()
+                assert not side.is_capturing()
+                continue
+            graph = stream.end_capture()
+    assert cp.asnumpy(side_out)[0] == 0
+    graph.launch(stream)
+    assert cp.asnumpy(side_out)[0] == 32 and cp.asnumpy(out)[0] == 32  # both in the graph
+    with pytest.raises(RuntimeError, match="cudaErrorCapturedEvent"):
+        fork.synchronize()  # still last recorded in a capture
+    stream.begin_capture()
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureIsolation"):
+        stream.wait_event(before)
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+        stream.end_capture()
+
+
+def test_nccl_runs_on_the_stream_it_is_given(sim):
+    """NCCL enqueues on the stream its call names, not the current one, and may be
+    captured (NCCL 2.9+): a call naming a capturing stream is recorded, and each replay
+    runs it."""
+    cp, _ = sim
+    nccl = cp.cuda.nccl
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    a, out = cp.asarray(np.arange(4, dtype=np.float32)), cp.zeros(4, np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.begin_capture()  # the current stream (the legacy one) does not capture
+    comm.allReduce(a.data.ptr, out.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+    graph = stream.end_capture()
+    assert cp.asnumpy(out).tolist() == [0, 0, 0, 0]
+    graph.launch(stream)
+    assert cp.asnumpy(out).tolist() == [0, 1, 2, 3]
 
 
 def test_uninitialized_memory_is_poisoned(sim):

@@ -59,6 +59,13 @@ def _read(path, dtype):
     return out
 
 
+def _on(stream, op):
+    """op as work of the stream the call names (its handle), as NCCL enqueues it: in that
+    stream's order, recorded while it captures (NCCL is capturable since 2.9). Messages
+    are counted when they run, so each replay of a graph sends the next ones."""
+    cupy._enqueue(op, stream=cupy._stream_of(stream))
+
+
 class NcclCommunicator:
     def __init__(self, ndev, commId, rank, config=None):
         self._n, self._rank = ndev, rank
@@ -67,14 +74,20 @@ class NcclCommunicator:
 
     def send(self, sendbuf, count, datatype, peer, stream):
         src = _device(sendbuf, count, datatype)
-        k = self._sent[peer] = self._sent.get(peer, 0) + 1
-        cupy._enqueue(lambda: _write(f"{self._name}-p{self._rank}-{peer}-{k}", src))
+
+        def op():
+            k = self._sent[peer] = self._sent.get(peer, 0) + 1
+            _write(f"{self._name}-p{self._rank}-{peer}-{k}", src)
+        _on(stream, op)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         out = _device(recvbuf, count, datatype)
-        k = self._got[peer] = self._got.get(peer, 0) + 1
-        path = f"{self._name}-p{peer}-{self._rank}-{k}"
-        cupy._enqueue(lambda: np.copyto(out, _read(path, out.dtype).reshape(out.shape)))
+
+        def op():
+            k = self._got[peer] = self._got.get(peer, 0) + 1
+            np.copyto(out, _read(f"{self._name}-p{peer}-{self._rank}-{k}", out.dtype)
+                      .reshape(out.shape))
+        _on(stream, op)
 
     def _all(self, data):
         """Every member's data of this call, in member order."""
@@ -96,15 +109,15 @@ class NcclCommunicator:
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         assert op == NCCL_SUM, "cudasim's NCCL sums only"
         src, out = _device(sendbuf, count, datatype), _device(recvbuf, count, datatype)
-        cupy._enqueue(lambda: np.copyto(out, self._sum(src)))
+        _on(stream, lambda: np.copyto(out, self._sum(src)))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         assert op == NCCL_SUM, "cudasim's NCCL sums only"
         src = _device(sendbuf, recvcount * self._n, datatype)
         out, at = _device(recvbuf, recvcount, datatype), self._rank * recvcount
-        cupy._enqueue(lambda: np.copyto(out, self._sum(src)[at:at + recvcount]))
+        _on(stream, lambda: np.copyto(out, self._sum(src)[at:at + recvcount]))
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         src = _device(sendbuf, count, datatype)
         out = _device(recvbuf, count * self._n, datatype)
-        cupy._enqueue(lambda: np.copyto(out, np.concatenate(self._all(src))))
+        _on(stream, lambda: np.copyto(out, np.concatenate(self._all(src))))

@@ -14,9 +14,13 @@ where CUDA is unforgiving, so a mistake shows up here rather than on a lent GPU:
   must lie inside one live device allocation; CuPy's own cuBLAS wrappers refuse to run
   while the current stream captures, with CuPy 14's message;
 - `empty` memory is filled with NaN (ints with -1), so reading it before writing shows;
-- while a stream captures, allocating, copying to or from the host, synchronizing or
-  testing values is an error (as it is in CUDA), and a replayed graph reuses the
-  arguments it captured, pointers included, so a freed buffer is reported;
+- a capture follows CuPy and CUDA (Stream, Event, ndarray.set and get below): a host copy
+  on a capturing stream is refused in CuPy's words, synchronizing or querying one is
+  CUDA's error and invalidates the capture, an event recorded in one is no graph node,
+  other streams join a capture by waiting on its events and must be joined back; cudasim
+  also refuses allocating while the current stream captures (CuPy's relaxed mode would
+  allow it: see ndarray); a replayed graph reuses the arguments it captured, pointers
+  included, so a freed buffer is reported;
 - with CUDASIM_ORDER=random (the streams section), stream work runs on a device thread,
   streams interleaved at random and the host seeing work only after waiting for it, and
   each grid's blocks run in a random order (sim_runtime.h), so a missing wait between
@@ -75,10 +79,66 @@ WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 _streams = weakref.WeakValueDictionary()  # ptr -> Stream, for handles passed as integers
 
 
+class CUDARuntimeError(RuntimeError):
+    """CuPy's (cupy_backends.cuda.api.runtime, check_status): "name: CUDA's string"."""
+
+    def __init__(self, status):
+        super().__init__("%s: %s" % _CUDA_ERRORS[status])
+
+
+# cudaGetErrorName and cudaGetErrorString of the errors cudasim raises (CUDA's
+# driver_types.h; HIP's hip_error.cpp repeats the strings)
+_CUDA_ERRORS = {
+    400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    401: ("cudaErrorIllegalState", "the operation cannot be performed in the present state"),
+    600: ("cudaErrorNotReady", "device not ready"),
+    900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    901: ("cudaErrorStreamCaptureInvalidated",
+          "operation failed due to a previous error during capture"),
+    902: ("cudaErrorStreamCaptureMerge",
+          "operation would result in a merge of separate capture sequences"),
+    903: ("cudaErrorStreamCaptureUnmatched",
+          "capture was not ended in the same stream as it began"),
+    904: ("cudaErrorStreamCaptureUnjoined", "capturing stream has unjoined work"),
+    905: ("cudaErrorStreamCaptureIsolation",
+          "dependency created on uncaptured work in another stream"),
+    907: ("cudaErrorCapturedEvent",
+          "operation not permitted on an event last recorded in a capturing stream"),
+}
+CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED, CAPTURE_MERGE, CAPTURE_UNMATCHED = 900, 901, 902, 903
+CAPTURE_UNJOINED, CAPTURE_ISOLATION, CAPTURED_EVENT = 904, 905, 907
+NOT_READY, INVALID_HANDLE, ILLEGAL_STATE = 600, 400, 401
+
+
+class _Capture:
+    """One capture sequence, as CUDA keeps it (the programming guide's "CUDA Graphs":
+    "Cross-stream Dependencies and Events", "Prohibited and Unhandled Operations",
+    "Invalidation"): the work recorded, in issue order; the streams in it (the origin, and
+    each stream that waited on an event recorded in it: a fork, which must join the origin
+    again before the capture ends); and whether an invalid operation invalidated it: then
+    every further use of its streams fails, and so does end_capture."""
+
+    def __init__(self, origin):
+        self.ops, self.origin, self.invalid, self.open = [], origin, False, True
+        self.issued = {origin: 0}  # stream -> work it issued in the capture
+
+    def fail(self, status):
+        """An invalid operation: the capture is invalidated, and the call fails."""
+        self.invalid = True
+        raise CUDARuntimeError(status)
+
+    def record(self, stream, op, ready):
+        if self.invalid:
+            raise CUDARuntimeError(CAPTURE_INVALIDATED)
+        self.ops.append((op, ready))
+        self.issued[stream] += 1
+
+
 class Stream:
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
-        self._recording = None
+        self._capture = None  # the capture sequence this stream is in
+        self._joined = {}     # stream -> its work (in this capture) this stream waited for
         self._last = None  # under CUDASIM_ORDER=random: the last work issued here
         _streams[self.ptr] = self
 
@@ -94,7 +154,10 @@ class Stream:
         self._before.use()
 
     def synchronize(self):
-        _not_capturing("stream synchronize")
+        """cudaStreamSynchronize: a capturing stream cannot be waited for (it runs nothing),
+        and trying invalidates its capture (CuPy's runtime.streamSynchronize raises it)."""
+        if self._capture is not None:
+            self._capture.fail(CAPTURE_UNSUPPORTED)
         _finished(self._last)
 
     def record(self, event=None):
@@ -103,28 +166,74 @@ class Stream:
         return event
 
     def wait_event(self, event):
-        """Work issued here after this waits for the event's last record (a record issued
-        while this stream captures is part of the graph, and so is in its order)."""
+        """Work issued here after this waits for the event's last record. An event recorded
+        in a capture is a point of that graph: a stream outside any capture that waits on
+        it joins the capture (a fork), and the origin waiting on an event recorded after
+        the fork's work joins that work back. A capturing stream may not wait on an event
+        recorded outside its capture (cudaStreamWaitEvent without cudaEventWaitExternal,
+        which CuPy never passes) or in another capture."""
+        cap, seen = event._capture, event._seen
+        if self._capture is not None and cap is not self._capture:
+            self._capture.fail(CAPTURE_MERGE if cap is not None else CAPTURE_ISOLATION)
+        if cap is not None:
+            if not cap.open:  # the event stands for no work that will run
+                raise CUDARuntimeError(CAPTURED_EVENT)
+            if cap.invalid:
+                raise CUDARuntimeError(CAPTURE_INVALIDATED)
+            if self._capture is None:  # a fork
+                self._capture, self._joined = cap, {}
+                cap.issued[self] = 0
+            for s, n in seen.items():
+                self._joined[s] = max(self._joined.get(s, 0), n)
+            return
         mark = event._mark
         if _DEVICE is not None and mark is not None:
             _enqueue(lambda: None, ready=lambda: mark.done, stream=self)
 
     @property
     def done(self):
+        """cudaStreamQuery: CuPy's runtime.streamQuery returns the status unchecked and
+        `done` compares it with 0, so a capturing stream is never done (and the query has
+        invalidated its capture)."""
+        if self._capture is not None:
+            self._capture.invalid = True
+            return False
         return _finished(self._last, block=False)
 
     def is_capturing(self):
-        return self._recording is not None
+        """CuPy's runtime.streamIsCapturing raises for an invalidated capture."""
+        if self._capture is not None and self._capture.invalid:
+            raise RuntimeError("the stream was capturing, but an error has invalidated the "
+                               "capture sequence")
+        return self._capture is not None
 
     def begin_capture(self, mode=None):
+        """CuPy's: relaxed mode (allocation would be allowed; cudasim refuses it anyway,
+        see ndarray), not on the legacy stream, not twice."""
         if self.ptr == 0:
-            raise RuntimeError("cudaErrorStreamCaptureUnsupported: the legacy default stream "
-                               "cannot be captured")
-        self._recording = []
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if mode not in (None, runtime.streamCaptureModeRelaxed):  # global, thread-local
+            raise NotImplementedError("cudasim captures in CuPy's default mode, relaxed")
+        if self._capture is not None:
+            raise CUDARuntimeError(ILLEGAL_STATE)
+        self._capture, self._joined = _Capture(self), {}
 
     def end_capture(self):
-        graph, self._recording = Graph(self._recording), None
-        return graph
+        """Ends the capture of every stream in it; fails where CUDA's cudaStreamEndCapture
+        does: not the origin, a forked stream's work not joined back, an invalidated
+        capture."""
+        cap = self._capture
+        if cap is None:
+            raise CUDARuntimeError(ILLEGAL_STATE)
+        if cap.origin is not self:
+            cap.fail(CAPTURE_UNMATCHED)
+        unjoined = any(n > self._joined.get(s, 0) for s, n in cap.issued.items() if s is not self)
+        for s in list(cap.issued):
+            s._capture, s._joined = None, {}
+        cap.open = False
+        if cap.invalid or unjoined:
+            raise CUDARuntimeError(CAPTURE_INVALIDATED if cap.invalid else CAPTURE_UNJOINED)
+        return Graph(cap.ops)
 
 
 class Graph:
@@ -210,8 +319,8 @@ def _enqueue(op, ready=None, keep=None, stream=None):
     WAIT_S) or, under CUDASIM_ORDER=random, queued for the device thread. keep: what must
     stay alive until it runs (as CuPy's pool keeps a freed block for its stream)."""
     stream = stream or _state["stream"]
-    if stream._recording is not None:
-        stream._recording.append((op, ready))
+    if stream._capture is not None:
+        stream._capture.record(stream, op, ready)
     elif _DEVICE is not None:
         _DEVICE.put(stream, _Work(op, ready, keep))
     else:
@@ -229,10 +338,18 @@ def _finished(work, block=True):
     return True if _DEVICE is None else _DEVICE.wait(work, block)
 
 
-def _host_reads(stream=None):
-    """The host is about to read device memory after stream's (default: the current
-    one's) work, as a device-to-host copy on it would."""
-    _finished((stream or _state["stream"])._last)
+def _host_reads():
+    """The host is about to read device memory after the current stream's work, as a
+    device-to-host copy on it would."""
+    _finished(_state["stream"]._last)
+
+
+def _copies_to_host(stream):
+    """A device-to-host copy on stream, then its synchronize, as CuPy's ndarray.get: its
+    copy_to_host_async refuses a stream that captures."""
+    if stream.is_capturing():
+        raise RuntimeError("the current stream is capturing, so D2H transfers are disallowed")
+    stream.synchronize()
 
 
 def _stream_of(handle):
@@ -241,7 +358,7 @@ def _stream_of(handle):
 
 
 def _not_capturing(what):
-    if _state["stream"]._recording is not None:
+    if _state["stream"]._capture is not None:
         raise RuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is "
                            f"capturing a graph")
 
@@ -254,22 +371,50 @@ class Event:
     def __init__(self):
         self._t = None
         self._mark = None  # the work of its last record (CUDASIM_ORDER=random)
+        self._capture = None  # the capture its last record was made in
+        self._seen = {}  # then: each stream's work in the capture it follows (for joins)
 
     def record(self, stream=None):
+        """On a capturing stream a record is no graph node (cudaEventRecord without
+        cudaEventRecordExternal): it marks a point of the capture that other streams may
+        wait on, and nothing sets the event when the graph runs."""
         stream = stream or _state["stream"]
+        cap = stream._capture
+        if cap is not None:
+            if cap.invalid:
+                raise CUDARuntimeError(CAPTURE_INVALIDATED)
+            self._capture, self._mark = cap, None
+            self._seen = {**stream._joined, stream: cap.issued[stream]}
+            return
+        self._capture, self._seen = None, {}
         _enqueue(lambda: setattr(self, "_t", time.perf_counter()), stream=stream)
-        self._mark = stream._last if stream._recording is None else None
+        self._mark = stream._last
+
+    def _not_captured(self):
+        if self._capture is not None:
+            raise CUDARuntimeError(CAPTURED_EVENT)
 
     def synchronize(self):
-        _not_capturing("event synchronize")
+        """cudaEventSynchronize: refused for an event last recorded in a capture."""
+        self._not_captured()
         _finished(self._mark)
 
     @property
     def done(self):
-        return _finished(self._mark, block=False)
+        """cudaEventQuery, unchecked by CuPy (runtime.eventQuery): an event last recorded
+        in a capture answers cudaErrorCapturedEvent, so it is never done."""
+        return self._capture is None and _finished(self._mark, block=False)
 
 
 def get_elapsed_time(start_event, end_event):
+    """cudaEventElapsedTime through CuPy's check_status: an event last recorded in a
+    capture, or one that has not happened yet, is an error."""
+    for e in (start_event, end_event):
+        e._not_captured()
+        if not e.done:
+            raise CUDARuntimeError(NOT_READY)
+        if e._t is None:  # never recorded
+            raise CUDARuntimeError(INVALID_HANDLE)
     return (end_event._t - start_event._t) * 1e3
 
 
@@ -321,7 +466,12 @@ class ndarray(np.ndarray):
     def __array_finalize__(self, obj):
         if self.base is not None or self.nbytes == 0:
             return  # a view: its owner is registered
-        _not_capturing("device memory allocation")
+        if _state["stream"]._capture is not None:
+            # cudasim's rule, not CuPy's: its relaxed capture lets the pool allocate, but
+            # the graph keeps only the pointer, so an array made here and dropped is
+            # handed to the next allocation while replays still write it
+            raise RuntimeError("cudasim: device memory allocated while the stream is "
+                               "capturing a graph (a captured step must allocate nothing)")
         free = MEMORY - _in_use()
         if self.nbytes > free:
             raise memory.OutOfMemoryError(self.nbytes, _in_use())
@@ -333,19 +483,31 @@ class ndarray(np.ndarray):
 
     def set(self, arr, stream=None):
         """A host-to-device copy on the stream (the host array is read now, as CUDA stages
-        pageable memory)."""
-        _not_capturing("host-to-device copy")
-        if not isinstance(arr, np.ndarray) or arr.dtype != self.dtype:
-            raise TypeError(f"set: {type(arr).__name__} {getattr(arr, 'dtype', '')} into a "
-                            f"{self.dtype} array (CuPy wants the same dtype)")
-        if arr.shape != self.shape or not self.flags.c_contiguous:
-            raise ValueError(f"set: shape {arr.shape} into {self.shape} (or a strided array)")
+        pageable memory), with CuPy's checks (ndarray.set, MemoryPointer.
+        copy_from_host_async: the stream given, not the current one, may not capture)."""
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if self.shape != arr.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not (self.flags.c_contiguous or self.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
+        stream = stream or _state["stream"]
+        if stream.is_capturing():
+            raise RuntimeError("the current stream is capturing, so H2D transfers are "
+                               "disallowed")
         host = np.array(arr, copy=True)
         _enqueue(lambda: np.copyto(self.view(np.ndarray), host), keep=self, stream=stream)
 
     def get(self, stream=None):
-        _host_reads(stream)
-        return asnumpy(self)
+        """A device-to-host copy on the stream, then its synchronize (CuPy's ndarray.get,
+        blocking; copy_to_host_async refuses a stream that captures)."""
+        stream = stream or _state["stream"]
+        if self.size == 0:
+            return np.ndarray(self.shape, self.dtype)
+        _copies_to_host(stream)
+        return np.array(self.view(np.ndarray), copy=True)
 
     def copy(self, order="C"):
         """A device copy (after the current stream's work)."""
@@ -353,6 +515,10 @@ class ndarray(np.ndarray):
         return np.ndarray.copy(self, order)
 
     def fill(self, value):
+        """A memset or fill kernel on the stream; CuPy's fill takes a scalar only."""
+        if np.ndim(value):
+            kind = "cupy" if isinstance(value, ndarray) else "numpy"
+            raise ValueError(f"non-scalar {kind}.ndarray cannot be used for fill")
         _enqueue(lambda: np.ndarray.fill(self, value), keep=self)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kw):
@@ -379,26 +545,27 @@ class ndarray(np.ndarray):
 
     def __iadd__(self, other):
         """An elementwise kernel on the stream, like CuPy's."""
+        _device_operand(other)
         src = other.view(np.ndarray) if isinstance(other, ndarray) else other
         _enqueue(lambda: np.add(self.view(np.ndarray), src, out=self.view(np.ndarray)),
                  keep=(self, other))
         return self
 
     def __getitem__(self, key):
-        """A view, or an element read on the host (after the stream's work, as CuPy's copy
-        of it to the host)."""
+        """A view, or an element read on the host: CuPy gives a 0-d view, whose value
+        reaches the host by get (refused while the stream captures)."""
         got = np.ndarray.__getitem__(self, key)
         if isinstance(got, np.ndarray):
             return got
-        _host_reads()
-        return np.ndarray.__getitem__(self, key)
+        _copies_to_host(_state["stream"])
+        return got
 
     def __setitem__(self, key, value):
-        """A device copy (or fill), on the stream like CuPy's: recorded while capturing,
-        read from the source when it runs; a host array is a host-to-device copy."""
-        if isinstance(value, np.ndarray) and not isinstance(value, ndarray):
-            _not_capturing("host-to-device copy")
-            value = np.array(value, copy=True)  # read now, written in stream order
+        """CuPy's _scatter_op: from a device array, a copy on the stream (recorded while
+        capturing, read from the source when it runs); anything else is fill's, a scalar
+        (CuPy refuses a host array here, cupy#2079: upload it with set)."""
+        if not isinstance(value, ndarray) and np.ndim(value):
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         src = value.view(np.ndarray) if isinstance(value, ndarray) else value
         _enqueue(lambda: np.ndarray.__setitem__(self.view(np.ndarray), key, src),
                  keep=(self, value))
@@ -460,16 +627,23 @@ def from_dlpack(array, *, copy=None):
     return array.owner.view(ndarray)
 
 
+def _device_operand(x):
+    """CuPy's kernels take device arrays and scalars; a host array is no scalar
+    (_kernel.pyx's _preprocess_arg, _scalar.pyx's CScalar)."""
+    if isinstance(x, np.ndarray) and not isinstance(x, ndarray):
+        raise TypeError(f"Unsupported type {type(x)}")
+
+
 def add(a, b, out):
+    _device_operand(a)
+    _device_operand(b)
     _enqueue(lambda: np.add(a.view(np.ndarray), b.view(np.ndarray), out=out.view(np.ndarray)),
              keep=(a, b, out))
     return out
 
 
 def asnumpy(a):
-    _not_capturing("device-to-host copy")
-    _host_reads()
-    return np.array(a.view(np.ndarray) if isinstance(a, ndarray) else a, copy=True)
+    return a.get() if isinstance(a, ndarray) else np.array(a, copy=True)
 
 
 def isfinite(a):
@@ -721,6 +895,7 @@ _POOL = _Pool()
 _state = {"device": 0, "stream": Stream(null=True)}
 memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
 runtime = types.SimpleNamespace(
+    CUDARuntimeError=CUDARuntimeError, streamCaptureModeRelaxed=2,
     getDeviceCount=lambda: _DEVICES,
     memGetInfo=lambda: (MEMORY - _in_use(), MEMORY),
     getDeviceProperties=lambda device: {"name": _NAME, "totalGlobalMem": MEMORY},

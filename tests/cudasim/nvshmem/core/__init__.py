@@ -136,10 +136,22 @@ def _signal(sig, value, op, pe):
         word.value = (word.value + value) % (1 << 64)
 
 
+class NvshmemInvalid(Exception):
+    """nvshmem4py's (nvshmem_types.py)."""
+
+
+def _on_stream(signal_var, stream):
+    """nvshmem4py's checks (rma.py's _call_putget and signal_op): an 8-byte signal Buffer,
+    and a stream (host-side calls without one are not implemented)."""
+    if not isinstance(signal_var, Buffer) or signal_var.size < 8:
+        raise NvshmemInvalid("Signal must be a Buffer >= 8 bytes allocated by NVSHMEM4Py")
+    if stream is None:
+        raise NotImplementedError
+
+
 def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
     dst, src = _as_buffer(dst), _as_buffer(src)
-    if stream is None or signal_var.size < 8:
-        raise RuntimeError("put_signal needs a stream and an 8-byte signal buffer")
+    _on_stream(signal_var, stream)
     n = min(dst.size, src.size)
     to, _ = _remote(dst, remote_pe), _remote(signal_var, remote_pe)  # both symmetric
 
@@ -150,8 +162,7 @@ def put_signal(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, stream
 
 
 def signal_op(signal_var, signal_val, signal_op, remote_pe=-1, stream=None):
-    if stream is None:
-        raise RuntimeError("signal_op needs a stream")
+    _on_stream(signal_var, stream)
     cupy._enqueue(lambda: _signal(signal_var, signal_val, signal_op, remote_pe),
                   stream=cupy._stream_of(stream.handle))
 
@@ -223,6 +234,8 @@ class _Reached:
 
 
 def _wait_value64(stream, addr, value, flags):
+    if flags != _driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ:
+        raise NotImplementedError("cudasim's cuStreamWaitValue64 waits for >= only")
     reached = _Reached(addr, value)
     cupy._enqueue(reached.passed, ready=reached, stream=cupy._stream_of(stream))
     return (0,)
