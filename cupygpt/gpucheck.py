@@ -10,7 +10,9 @@ The report is rewritten after each result, and a run of some parts (--part) merg
 the report already in the directory: a run cut short keeps what it finished. The directory
 holds five files (report.json, report.md, the test and the two sanitizer logs); the runs'
 own outputs go to a temporary one, which is also where they run. What each part runs is in
-gpucheck_parts.py; here are the plans, the order of the parts and the report."""
+gpucheck_parts.py (the peers' in gpucheck_peers.py, how every run is bounded in
+gpucheck_runs.py); here are the plans, the order of the parts and the report
+(gpucheck_report.py: each part's section of it)."""
 import datetime
 import json
 import os
@@ -20,8 +22,10 @@ import subprocess
 import tempfile
 import time
 
-from .gpucheck_parts import (Budget, BudgetSpent, PeersBuild, Skip, benches, peers, pipeline,
-                             readme, run_tests, sanitize, verify)
+from .gpucheck_parts import benches, pipeline, readme, run_tests, sanitize, verify
+from .gpucheck_peers import PeersBuild, peers
+from .gpucheck_report import SECTIONS, ratios
+from .gpucheck_runs import Budget, BudgetSpent, Skip
 
 # What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
 # one runs in minutes anywhere, cudasim included (a dry run of the check itself, which the
@@ -150,28 +154,6 @@ def write(out, report):
         os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
 
-def ratios(report):
-    """cupygpt's ms/step over each peer's at the same B, T and dtype (below 1: cupygpt is
-    the faster), each side's device named; only when bench and the peers ran in one call,
-    as times from different calls or machines do not compare. cupygpt's run is bench's
-    with graphs where it worked, else its eager one (the first in bench's order)."""
-    at = report.get("ran_at", {})
-    if "peers" not in at or at["peers"] != at.get("bench"):
-        return {}
-    ours = [(n, b) for n, b in report.get("bench", {}).items() if "error" not in b]
-    out = {}
-    for peer, p in report.get("peers", {}).items():
-        same = [(n, b) for n, b in ours if "error" not in p and
-                (b["B"], b["T"], b["dtype"]) == (p["B"], p["T"], p["dtype"])]
-        if same:
-            name, b = min(same, key=lambda nb: not nb[1]["graphs"])
-            out[peer] = {"cupygpt": name, "cupygpt_ms": b["ms_per_step_median"],
-                         "cupygpt_device": b["device"], "peer_ms": p["ms_per_step"],
-                         "peer_device": p["device"],
-                         "ratio": b["ms_per_step_median"] / p["ms_per_step"]}
-    return out
-
-
 def optional(key):
     """The comparisons: a peer's failure or skip, or MPS's, is reported, never the check's."""
     return key.split(" ")[0] == "peers" or key.endswith("_mps")
@@ -235,89 +217,3 @@ def summary(r):
         if r.get(part):
             lines += [""] + section(r, PLANS[r["plan"]])
     return "\n".join(lines) + "\n"
-
-
-def verify_section(r, plan):
-    lines = ["| verify (max abs diff vs PyTorch) | ok | logits | loss | grads (abs / rel to "
-             "max) | AdamW step losses |", "|---|---|---|---|---|---|"]
-    for name, x in r["verify"].items():
-        lines.append(f"| {name} | {x['error'][:60]} | | | | |" if "error" in x else
-                     f"| {name} | {x['ok']} | {x['logits']:.2e} | {x['loss']:.2e} | "
-                     f"{x['grad_abs']:.2e} / {x['grad_rel']:.2e} | {x['steps']:.2e} |")
-    return lines
-
-
-def readme_section(r, plan):
-    extra = " ".join(plan["train_args"])
-    return [f"| README command{' (+ ' + extra + ')' if extra else ''} | result | train loss "
-            "| val loss | s |", "|---|---|---|---|---|"] + [
-        f"| `{cmd}` | {x.get('error', 'ok')[:60]} | " +
-        " | ".join(f"{x[k]:.4f}" if k in x else "-" for k in ("train_loss", "val_loss")) +
-        f" | {x['seconds']} |" for cmd, x in r["readme"].items()]
-
-
-def tests_section(r, plan):
-    t = r["tests"]
-    if "error" in t:  # it is in the result line
-        return []
-    how = "serial" if t["workers"] == 1 else f"{t['workers']} processes"
-    return [f"tests ({how}): {t['passed']} passed, {t['failed']} failed, "
-            f"{t['skipped']} skipped, {t['errors']} errors" +
-            (f" ({', '.join(t['failures'])})" if t.get("failures") else "")]
-
-
-def bench_section(r, plan):
-    m, tl = plan["model"], plan["t_long"]
-    lines = ["| bench | ms/step | tok/s | MFU | host launch | peak GiB |",
-             "|---|---|---|---|---|---|"]
-    for name, b in r["bench"].items():
-        if "error" in b:
-            lines.append(f"| {name} | {b['error'][:60]} | | | | |")
-            continue
-        mfu = f"{100 * b['mfu']:.1f}%" if b.get("mfu") else "-"
-        lines.append(f"| {name} | {b['ms_per_step_median']:.2f} | {b['tok_per_s']:.0f} | "
-                     f"{mfu} | {100 * b['host_launch_fraction']:.1f}% | "
-                     f"{b['peak_memory_bytes'] / 2**30:.2f} |")
-    prof = r["bench"].get(f"{m}_T{tl}_B4_profile", {})
-    if prof.get("per_op"):
-        lines += ["", f"| op ({m} B4 T{tl}, eager) | ms/step | share |", "|---|---|---|"]
-        lines += [f"| {p['op']} | {p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
-                  for p in prof["per_op"]]
-        lines += ["", "| op: kernel (top 20) | calls/step | ms/step | share |",
-                  "|---|---|---|---|"]
-        lines += [f"| {p['op']}: {p['kernel']} | {p['calls_per_step']} | "
-                  f"{p['ms_per_step']:.3f} | {100 * p['share']:.1f}% |"
-                  for p in prof["per_kernel"][:20]]
-    return lines
-
-
-def peers_section(r, plan):
-    rat = ratios(r)
-    lines = ["| peer (same call as bench) | device | B | T | dtype | ms/step | cupygpt's run "
-             "| cupygpt / peer |", "|---|---|---|---|---|---|---|---|"]
-    for name, p in r["peers"].items():
-        if "error" in p:
-            lines.append(f"| {name} | {p['error'][:60]} | | | | | | |")
-            continue
-        x = rat.get(name)
-        lines.append(f"| {name} | {p['device']} | {p['B']} | {p['T']} | {p['dtype']} | "
-                     f"{p['ms_per_step']:.2f} | " +
-                     (f"{x['cupygpt']}: {x['cupygpt_ms']:.2f} ms on {x['cupygpt_device']} | "
-                      f"{x['ratio']:.2f} |" if x else "- | - |"))
-    return lines
-
-
-def pipeline_section(r, plan):
-    return [f"pipeline ({plan['model']}, B=4, T={plan['t_short']}, 2 PEs over nvshmem): " +
-            json.dumps({k: (v if not isinstance(v, dict) else
-                            {kk: vv for kk, vv in v.items() if kk != "losses"})
-                        for k, v in r["pipeline"].items()})]
-
-
-def sanitizer_section(r, plan):
-    return ["compute-sanitizer: " + json.dumps(r["sanitizer"])]
-
-
-SECTIONS = {"verify": verify_section, "readme": readme_section, "tests": tests_section,
-            "bench": bench_section, "peers": peers_section, "pipeline": pipeline_section,
-            "sanitizer": sanitizer_section}

@@ -3,26 +3,23 @@ the check merges into its report as they come. Every run is a process of its own
 in the check's temporary work directory with this very cupygpt (`python -m cupygpt`, the
 packaged reference files), so it works the same from a clone and from an installed wheel;
 only the tests part needs a clone (its tests/) and runs there. Every run is bounded by
-what is left of the check's Budget: a run that cannot fit is skipped (its result a Skip),
-and one that the budget's end cuts raises BudgetSpent."""
+what is left of the check's Budget (gpucheck_runs.py); the peers are gpucheck_peers.py."""
 import contextlib
 import glob
 import importlib.util
 import json
 import os
-import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 
+from .gpucheck_runs import PKG, Skip, launcher, last_line, sh
 from .shape import preset
 
-PKG = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = os.path.join(PKG, "reference")  # llm.c's reference files, package data
 DATA = os.path.join(PKG, "data")  # the tokenizer and tinyshakespeare shards the peers read
 # The repository around the package, when it is a clone (an installed wheel has no tests/).
@@ -30,77 +27,6 @@ CLONE = os.path.dirname(PKG)
 CLI = [sys.executable, "-m", "cupygpt"]
 
 
-class Skip(str):
-    """Why a run did not start: a part yields {name: Skip(why)} for one of its runs, or
-    Skip(why) for all of them, and the report lists it apart from the results."""
-
-
-class BudgetSpent(Exception):
-    """A run was stopped at the budget's end: the part ends there, and so does the check."""
-
-
-class Budget:
-    """The seconds the whole check may take, counted from its start."""
-
-    def __init__(self, seconds, clock=time.monotonic):
-        self.clock, self.end = clock, clock() + seconds
-
-    def left(self):
-        return max(0.0, self.end - self.clock())
-
-    def short(self, need):
-        """Why a run that takes about `need` seconds cannot start now, or None."""
-        left = self.left()
-        return f"needs about {need:g} s, {left:.0f} s of the budget left" if left < need else None
-
-
-def sh(cmd, cap, log, cwd, budget, env=None):
-    """Runs cmd in cwd, in a process group of its own, for at most `cap` seconds or what is
-    left of the budget, with its output going to the file log as it comes (a run killed
-    from outside keeps what it printed); returns (exit status, output). At the limit the
-    whole group is killed (mpiexec's ranks and pytest's workers too, which would otherwise
-    hold the GPU); at the budget's end that raises BudgetSpent."""
-    # PKG's parent goes last on PYTHONPATH (after cudasim's stand-in cupy, in the dry run):
-    # the run imports this cupygpt, also from a clone that is not pip-installed (the lent
-    # GPU machine runs `python cli.py gpucheck` there)
-    path = [p for p in (os.environ.get("PYTHONPATH"), os.path.dirname(PKG)) if p]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path),
-           **(env or {})}
-    timeout = min(cap, budget.left())
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = 124
-        finally:
-            kill_group(proc)
-    text = open(log, errors="replace").read()
-    if rc == 124 and timeout < cap:
-        # named as its log is (e.g. verify_tiny_tf32): the log itself goes with the work dir
-        raise BudgetSpent(f"cut at the budget's end after {timeout:.0f} s, in "
-                          + os.path.basename(log).split(".")[0])
-    return rc, text + (f"\ntimed out after {timeout:.0f}s" if rc == 124 else "")
-
-
-def kill_group(proc):
-    """Kills what is left of a run's process group (a rank or worker it started) and reaps
-    the run."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def launcher(name):
-    """An MPI launcher: the one beside this Python (the mpich wheel's, as README says),
-    else PATH's."""
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    return here if os.path.exists(here) else shutil.which(name)
-
-
-def last_line(text, rc):
-    return text.strip().splitlines()[-1] if text.strip() else f"exit {rc}"
 
 
 def verify(out, work, plan, budget):
@@ -219,124 +145,6 @@ def benches(out, work, plan, budget):
             str(plan["steps"]), "--warmup", str(plan["warmup"]), *extra)}
 
 
-class PeersBuild:
-    """llm.c's trainers built in the background from the check's start (nvcc works on the
-    CPU while the GPU runs the parts before bench), so that the peers part only runs them.
-    run-peers.sh has no build step of its own: its lines before its first run (FIRST_RUN)
-    are it, run here with the same arguments and work directory as the whole script later,
-    which then finds each binary built and skips its build."""
-    FIRST_RUN = "tok=$((B * T))"
-
-    def __init__(self, peers, work, B, T):
-        self.script = os.path.join(peers, "run-peers.sh")
-        self.args, self.proc = [str(B), str(T), DATA], None
-        # PEERS_WORK: the builds and the peers' logs; OUT: where the script also writes its
-        # lines (else the caller's $OUT, which may be the report's directory)
-        self.work = os.path.join(work, "peers")
-        self.env = {"PEERS_WORK": self.work, "OUT": self.work}
-        os.makedirs(self.work)
-        self.why, self.device = self.gpu()
-        if self.why:
-            return
-        head, found, _ = open(self.script).read().partition(self.FIRST_RUN)
-        if found:  # else the script builds as it runs, later
-            with open(os.path.join(self.work, "build.log"), "w") as log:
-                self.proc = subprocess.Popen(  # $0 is the script: it finds its folder by it
-                    ["bash", "-c", head, self.script, *self.args], cwd=self.work,
-                    env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True)
-
-    @staticmethod
-    def gpu():
-        """(why llm.c cannot be built here or None, the GPU's name): the build needs nvcc
-        and asks nvidia-smi for the GPU's architecture."""
-        for tool in ("nvcc", "nvidia-smi"):
-            if shutil.which(tool) is None:
-                return f"{tool} not found: llm.c cannot be built here", None
-        try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"nvidia-smi found no GPU to build llm.c for: {e}", None
-        if r.returncode != 0:
-            return ("nvidia-smi found no GPU to build llm.c for: " +
-                    last_line(r.stdout + r.stderr, r.returncode)), None
-        return None, r.stdout.strip().splitlines()[0]
-
-    def wait(self, budget, cap=300):
-        """Waits for the build (at most cap seconds: on an H200's 16 cores it took about
-        120) within the budget; raises BudgetSpent at the budget's end."""
-        if self.proc is None:
-            return
-        timeout = min(cap, budget.left())
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            if timeout < cap:
-                raise BudgetSpent(f"cut at the budget's end after {timeout:.0f} s, in "
-                                  "llm.c's build")
-            # past its cap: run-peers.sh builds what is missing itself, and says so
-
-    def stop(self):
-        if self.proc is not None:
-            kill_group(self.proc)
-
-
-def peers(out, work, plan, budget):
-    """The peers (llm.c fp32, bf16, bf16 with cuDNN attention; PyTorch eager, compiled, and
-    compiled bf16) at bench's B=4 and long T, after bench in the same call, so that the
-    report's ratios compare runs on one machine at one time; each peer's result or failure."""
-    build = plan["peers"]
-    if build.why:
-        yield Skip(build.why)
-        return
-    build.wait(budget)
-    log = os.path.join(work, "peers.log")
-    try:
-        rc, text = sh(["bash", build.script, *build.args], 900, log, build.work, budget,
-                      env=build.env)
-    except BudgetSpent:  # the peers that finished before the cut (llm.c's run first)
-        yield parse_peers(open(log, errors="replace").read(), build.device)
-        raise
-    found = parse_peers(text, build.device)
-    if rc != 0 or not found:  # e.g. past its own cap, which is the peers' all together
-        found["run-peers.sh"] = {"error": last_line(text, rc)}
-    yield found
-
-
-FAILED = re.compile(r"^(.+?) (?:build )?failed: ?(.*)$")
-
-
-def parse_peers(text, device):
-    """run-peers.sh's output, one entry a peer: its JSON line (llm.c's flat, PyTorch's
-    result nested) as ms_per_step, tok_s, B, T, dtype and device (llm.c's is the GPU
-    nvidia-smi named), or its failure line (with any lines it spans) as an error. Other
-    lines (a tool's complaints on stderr) are passed over."""
-    found, last = {}, None
-    for line in text.splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = None
-        if isinstance(r, dict) and "peer" in r:
-            res = r.get("result", r)
-            name = r["peer"]
-            last = None
-            found[name] = {"error": "no step times in its output"} \
-                if res.get("ms_per_step") is None else {
-                    "ms_per_step": res["ms_per_step"], "B": res.get("B"), "T": res.get("T"),
-                    "tok_s": res.get("tok_s", res.get("tok_per_s")),
-                    "dtype": "bf16" if res.get("bf16", "bf16" in name) else "fp32",
-                    "device": res.get("device", device)}
-        elif FAILED.match(line):
-            last, error = FAILED.match(line).groups()
-            # PyTorch eager's says "pytorch  failed" (its mode is ""), its JSON "pytorch eager"
-            last = "pytorch eager" if last.strip() == "pytorch" else last
-            found[last] = {"error": error}
-        elif last is not None and line.strip():  # the failure's next line (tail -2)
-            found[last]["error"] = (found[last]["error"] + " / " + line.strip())[:400]
-    return found
 
 
 def pipeline(out, work, plan, budget, ranks=2):

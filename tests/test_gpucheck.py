@@ -204,7 +204,7 @@ def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
 
 
 def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, monkeypatch):
-    from cupygpt import gpucheck_parts
+    from cupygpt import gpucheck_parts, gpucheck_runs
     from cupygpt.gpucheck import PLANS
     runs = {"single": {"error": "out of GPU memory"},
             "nvshmem_2": {"ms_per_step_median": 1.0, "losses": [10.0, 9.0]},
@@ -212,7 +212,7 @@ def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, mon
     monkeypatch.setattr(gpucheck_parts, "train_run",
                         lambda work, label, plan, pre, budget: dict(runs[label]))
     monkeypatch.setattr(gpucheck_parts, "mps_server", lambda work: contextlib.nullcontext())
-    budget = gpucheck_parts.Budget(60)
+    budget = gpucheck_runs.Budget(60)
     got = {}
     for r in gpucheck_parts.pipeline(str(tmp_path), str(tmp_path), PLANS["quick"], budget):
         got.update(r)
@@ -228,21 +228,21 @@ def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, mon
 def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
     """Not in the repository (an installed wheel has none), yet importing the cupygpt that
     runs the check, also where it is not pip-installed (the PYTHONPATH it gets)."""
-    from cupygpt import gpucheck_parts
-    rc, text = gpucheck_parts.sh(
+    from cupygpt import gpucheck_runs
+    rc, text = gpucheck_runs.sh(
         [sys.executable, "-c", "import os, cupygpt; print(os.getcwd(), cupygpt.__file__)"],
-        60, str(tmp_path / "log"), str(tmp_path), gpucheck_parts.Budget(60))
+        60, str(tmp_path / "log"), str(tmp_path), gpucheck_runs.Budget(60))
     assert rc == 0 and text.split() == [
-        str(tmp_path), os.path.join(gpucheck_parts.PKG, "__init__.py")], text
+        str(tmp_path), os.path.join(gpucheck_runs.PKG, "__init__.py")], text
 
 
 def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
     """Outside a clone there are no GPU tests to run: one clear problem, not a crash."""
-    from cupygpt import gpucheck_parts
+    from cupygpt import gpucheck_parts, gpucheck_runs
     from cupygpt.gpucheck import PARTS, problems, summary
     monkeypatch.setattr(gpucheck_parts, "CLONE", str(tmp_path))  # what site-packages holds
     (result,) = gpucheck_parts.run_tests(str(tmp_path), str(tmp_path), {},
-                                         gpucheck_parts.Budget(60))
+                                         gpucheck_runs.Budget(60))
     need = "needs the repository's tests/ (run gpucheck from a clone)"
     assert result == {"error": need}
     r = {"plan": "quick", "versions": {}, "tests": result, **{p: {} for p in PARTS if p != "tests"}}
@@ -301,7 +301,7 @@ def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
 
 
 def test_bench_runs_the_peers_comparisons_first_and_skips_what_cannot_fit(monkeypatch):
-    from cupygpt import gpucheck_parts
+    from cupygpt import gpucheck_parts, gpucheck_runs
     from cupygpt.gpucheck import PLANS
     now, ran = [0.0], []
 
@@ -311,7 +311,7 @@ def test_bench_runs_the_peers_comparisons_first_and_skips_what_cannot_fit(monkey
         return {"ms_per_step_median": 1.0}
 
     monkeypatch.setattr(gpucheck_parts, "bench", bench)
-    budget = gpucheck_parts.Budget(22, clock=lambda: now[0])  # 4 runs of 5 s, a need of 6
+    budget = gpucheck_runs.Budget(22, clock=lambda: now[0])  # 4 runs of 5 s, a need of 6
     got = {}
     for r in gpucheck_parts.benches("out", "work", PLANS["quick"], budget):
         got.update(r)
@@ -319,7 +319,7 @@ def test_bench_runs_the_peers_comparisons_first_and_skips_what_cannot_fit(monkey
                    ("tiny_T32_B4_no_graphs", "4", "32", ("--no-graphs",)),
                    ("tiny_T32_B4_dtype_fp32", "4", "32", ("--dtype=fp32",)),
                    ("tiny_T32_B4_profile", "4", "32", ("--profile",))]
-    assert {k: v for k, v in got.items() if isinstance(v, gpucheck_parts.Skip)} == {
+    assert {k: v for k, v in got.items() if isinstance(v, gpucheck_runs.Skip)} == {
         "tiny_T16_B4": "needs about 6 s, 2 s of the budget left",
         "tiny_T32_B8": "needs about 6 s, 2 s of the budget left"}
 
@@ -328,7 +328,7 @@ def test_a_run_past_the_budget_is_cut_with_the_processes_it_started(tmp_path):
     """At the budget's end the whole process group goes (an MPI rank or a pytest worker
     left running would hold the GPU), and the part stops there; a run past its own cap
     is an error of that run."""
-    from cupygpt.gpucheck_parts import Budget, BudgetSpent, sh
+    from cupygpt.gpucheck_runs import Budget, BudgetSpent, sh
     start = time.monotonic()
     with pytest.raises(BudgetSpent, match=r"^cut at the budget's end after 2 s, in run$"):
         sh(["bash", "-c", f"sleep 60 & echo $! > {tmp_path}/pid; wait"], 600,
@@ -392,7 +392,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     its stamp), the peers run after bench at its B=4 and long T, and each ratio divides
     the cupygpt run of the peer's B, T and dtype (graphs where they worked) by the peer;
     a peer's failure is reported and fails nothing; peers from another call get no ratio."""
-    from cupygpt import gpucheck, gpucheck_parts
+    from cupygpt import gpucheck, gpucheck_parts, gpucheck_report
     peers_dir = tmp_path / "peers"
     peers_dir.mkdir()
     (peers_dir / "run-peers.sh").write_text(FAKE_PEERS)
@@ -452,7 +452,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     # the graph run failing (as every capture did on the H200), the eager one stands in
     failed = {**report, "bench": {**report["bench"], "tiny_T32_B4": {"error": "capture"},
                                   "tiny_T32_B4_profile": {"error": "capture"}}}
-    assert gpucheck.ratios(failed)["llm.c train_gpt2.cu (bf16)"]["cupygpt"] == \
+    assert gpucheck_report.ratios(failed)["llm.c train_gpt2.cu (bf16)"]["cupygpt"] == \
         "tiny_T32_B4_no_graphs"
     report, md = gpucheck.gpucheck(str(out), "quick", ("peers",), budget=60,
                                    peers_dir=str(peers_dir))
@@ -479,7 +479,7 @@ def test_peers_cut_at_the_budgets_end_keep_those_that_finished(tmp_path, monkeyp
 
 
 def test_peers_output_without_step_times_or_a_line_is_an_error():
-    from cupygpt.gpucheck_parts import parse_peers
+    from cupygpt.gpucheck_peers import parse_peers
     text = ('{"peer": "llm.c train_gpt2.cu (bf16)", "B": 4, "T": 1024, "ms_per_step": null, '
             '"tok_s": null}\npytorch  failed: ModuleNotFoundError: No module named torch\n')
     assert parse_peers(text, "NVIDIA H100") == {
@@ -490,7 +490,7 @@ def test_peers_output_without_step_times_or_a_line_is_an_error():
 def test_peers_need_nvcc_and_nvidia_smi(tmp_path, monkeypatch):
     """Where either is missing the peers are a reported skip (the dry run covers an
     nvidia-smi that finds no GPU)."""
-    from cupygpt.gpucheck_parts import PeersBuild
+    from cupygpt.gpucheck_peers import PeersBuild
     monkeypatch.setenv("PATH", tools(tmp_path))
     assert PeersBuild.gpu() == ("nvcc not found: llm.c cannot be built here", None)
     tools(tmp_path, nvcc="exit 0\n")
