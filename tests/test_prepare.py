@@ -102,7 +102,7 @@ def test_ctrl_c_leaves_no_half_shard(tmp_path, big_corpus):
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "prepare", *paths,
                           "--out", out, "--shard-size", "1000000", "--workers", "1"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
         assert p.poll() is None and time.time() - t0 < 120, p.communicate()
@@ -131,7 +131,7 @@ def test_a_corpus_of_50m_characters_uses_every_core(tmp_path, big_corpus):
         f"t = Tokenizer({os.path.join(ROOT, 'cupygpt', 'data', 'gpt2_tokenizer.bin')!r}); "
         f"docs = json.load(open({str(tmp_path / 'docs.json')!r})); "
         "np.array([x for d in docs for x in [t.eot] + t.encode(d)], np.uint16)"
-        f".tofile({str(ref)!r})")], cwd=ROOT, check=True)
+        f".tofile({str(ref)!r})")], check=True)
     want = np.fromfile(ref, np.uint16)
     res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "big", "--shard-size",
               "4000000")

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli, fixture, mpiexec
+from conftest import CLI, ROOT, cli, fixture, mpiexec
 from test_data_safety import SHIPPED, TINY, one_line, shard, small_shard  # noqa: F401 (fixture)
 from test_faults import log_losses, rank_pids
 
@@ -25,7 +25,7 @@ def start(out, *extra):
            "4", "-t", "32", "-v", "0", "-g", "0", "-k", "constant", "-n", "10000", "-o",
            str(out), *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=ROOT, start_new_session=True,
+                         start_new_session=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     while not any("step    2/" in ln for ln in lines):
@@ -87,8 +87,8 @@ def savez(*a, **k):
     while True:
         time.sleep(0.01)
 np.savez = savez
-sys.argv = ["cli.py"] + sys.argv[1:]
-runpy.run_path("cli.py", run_name="__main__")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -96,8 +96,8 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
     """The first SIGTERM comes while checkpoint 2 is being written (its model.bin done, the
     optimizer's file open), the second once the first is handled: the run stops there,
     removing what it half wrote; checkpoint 1 stays whole, `latest` names it."""
-    p = subprocess.Popen([sys.executable, "-c", HELD, *TINY, "-n", "100000",
-                          "--checkpoint-every", "1", "-o", tmp_path], cwd=ROOT, text=True,
+    p = subprocess.Popen([sys.executable, "-c", HELD, CLI, *TINY, "-n", "100000",
+                          "--checkpoint-every", "1", "-o", tmp_path], text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for said in ("held\n", "handled\n"):
         while (line := p.stderr.readline()) != said:
@@ -143,7 +143,7 @@ def test_a_run_beyond_its_memory_cgroup_is_refused_before_allocating(tmp_path):
             f.write(str(os.getpid()))
     try:
         t0 = time.monotonic()
-        res = subprocess.run([sys.executable, "cli.py", *BIG, "-o", tmp_path / "o"], cwd=ROOT,
+        res = subprocess.run([sys.executable, CLI, *BIG, "-o", tmp_path / "o"],
                              capture_output=True, text=True, preexec_fn=enter, timeout=300)
     finally:
         os.rmdir(cg)
@@ -153,7 +153,7 @@ def test_a_run_beyond_its_memory_cgroup_is_refused_before_allocating(tmp_path):
 
 
 def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
-    res = subprocess.run([sys.executable, "cli.py", *BIG, "-o", tmp_path / "o"], cwd=ROOT,
+    res = subprocess.run([sys.executable, CLI, *BIG, "-o", tmp_path / "o"],
                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: (
                              resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))))
     one_line(res, "out of memory at start: rank 0 needs 3.03 GiB")
