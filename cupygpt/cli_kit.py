@@ -11,6 +11,7 @@ import click
 from . import CupyGPTError
 from .comm.launch import Stopped, fail, launched_ranks, start_mpi, stop_job
 from .config_parts import Device, Grid, Pipeline
+from .log import guard_streams
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
 
@@ -30,9 +31,11 @@ def as_flag(e):
 
 
 def entry(fn):
-    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank."""
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank; a
+    reader closing stdout or stderr costs nothing (guard_streams)."""
     @functools.wraps(fn)
     def wrapper(**kw):
+        guard_streams()
         if launched_ranks() > 1:
             start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
