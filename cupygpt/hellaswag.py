@@ -156,12 +156,15 @@ def completion_losses(losses, mask, n):
     return rows[:4 * n].reshape(n, COMPLETIONS)
 
 
-def evaluate(run, examples, B, T):
+def evaluate(run, examples, B, T, stop=None):
     """Collective: (accuracy, (n, 4) completion losses) of the examples through the runner's
-    forward (run.position_losses, on every rank alike), B // 4 examples a batch."""
+    forward (run.position_losses, on every rank alike), B // 4 examples a batch; None when
+    stop() (collective, asked before each batch) says to stop."""
     per = B // COMPLETIONS
     scores = []
     for i in range(0, len(examples), per):
+        if stop and stop():
+            return None
         part = examples[i:i + per]
         x, y, mask = batch(part, B, T)
         scores.append(completion_losses(run.position_losses(x, y), mask, len(part)))

@@ -2,7 +2,6 @@
 for its life; a fresh run does not replace another run's output unless asked; the disk
 holds what the run will write before step 1; a run that fails before its first step
 leaves no directory it made."""
-import fcntl
 import os
 import shutil
 
@@ -10,36 +9,9 @@ from . import CupyGPTError
 from .checkpoint import LATEST, listed
 from .files import HEADER_BYTES
 from .layout import param_layout
+from .paths import lock
 
 MODEL = "model.bin"
-
-
-def holder(path):
-    """The PID holding a flock on path, from /proc/locks (None where it does not say)."""
-    st = os.stat(path)
-    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:
-            rows = [line.split() for line in f]
-    except OSError:
-        return None
-    # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's row has "->" after 1:
-    return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident),
-                None)
-
-
-def lock(out):
-    """An fd of out holding its exclusive lock (closed when the process ends, however it
-    ends), or the refusal."""
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        pid = holder(out)
-        return None, (f"another run ({f'pid {pid}' if pid else 'another process'}) is "
-                      f"writing into this directory; wait for it to end, or give another -o")
-    return fd, None
 
 
 def earlier_output(out, log_file):

@@ -50,14 +50,15 @@ def mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
-def cli(*args, ranks=None, timeout=300, env=None):
-    """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given); returns the result."""
+def cli(*args, ranks=None, timeout=300, env=None, cwd=None):
+    """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given), in the test's own
+    directory unless told; returns the result."""
     cmd = [sys.executable, CLI, *map(str, args)]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks), *cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=full_env)
+                          env=full_env, cwd=cwd)
 
 
 def run_verify(files, *extra, ranks=None, env=None):

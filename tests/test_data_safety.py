@@ -129,7 +129,8 @@ def test_prepare_never_writes_through_the_data_link_into_the_package(tmp_path):
     """A clone's ./data is a link to cupygpt/data: prepare's default --out from the root."""
     assert os.path.realpath(os.path.join(ROOT, "data")) == os.path.realpath(SHIPPED)
     shipped = digest(SHIPPED)
-    one_line(cli("prepare", text_named(tmp_path, "mine.txt")), "lies in the installed package")
+    one_line(cli("prepare", text_named(tmp_path, "mine.txt"), cwd=ROOT),
+             "lies in the installed package")
     assert digest(SHIPPED) == shipped
 
 
@@ -176,10 +177,10 @@ def test_one_run_per_output_directory(tmp_path):
         second = cli(*TINY, "-n", "200", *extra, "-o", out)
         first.send_signal(signal.SIGTERM)
         rest, err = first.communicate(timeout=300)
-        assert first.returncode == 130, err
+        assert first.returncode == 143, err  # 128 + SIGTERM
         assert second.returncode == 1 and second.stderr.strip().splitlines() == [
-            f"error: -o {out}: another run (pid {first.pid}) is writing into this directory; "
-            f"wait for it to end, or give another -o"], second.stderr
+            f"error: -o {out}: another command (pid {first.pid}) is writing into this "
+            f"directory; wait for it to end, or give another directory"], second.stderr
         last = int(rest.split("interrupted after step ")[1].split(";")[0])
         steps = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
         assert last > 1 and steps == list(range(1, last + 1))
