@@ -48,7 +48,7 @@ def train(sess):
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
     opts, t = sess.config, None
     lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
-        sess.shape, is_narrow(DTYPES[opts.dtype]), bool(opts.checkpoint_every)))
+        sess.shape, is_narrow(DTYPES[opts.dtype]), opts))
     try:
         t = Trainer(sess)
         for step in range(t.start, t.opts.steps + 1):

@@ -177,10 +177,39 @@ def test_a_disk_without_room_for_the_model_and_a_checkpoint_is_refused_before_st
         assert ok.returncode == 0, ok.stderr
         res = cli(*TINY, *preset, "-n", "1", "--checkpoint-every", "1", "-o", small / "b")
         one_line(res, f"-o {small / 'b'}: its filesystem has ")
-        assert "the final model and one checkpoint" in res.stderr
+        assert "the final model and the 1 checkpoint(s) it holds at once" in res.stderr
         assert sorted(os.listdir(small)) == ["a"]
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_the_disk_check_counts_the_checkpoints_keep_holds(tmp_path):
+    """tiny: a model of 29 MB, a checkpoint of 87 MB. On 250 MB, --keep 2 holds 3 at once
+    while the third is written (290 MB: refused before step 1, not dying there); --keep 1
+    holds 2 (203 MB) and runs."""
+    small = a_small_filesystem(tmp_path / "small", "250m")
+    try:
+        preset = ["-e", "tiny", "-i", os.path.join(SHIPPED, "tiny_shakespeare_val.bin"),
+                  "-n", "3", "--checkpoint-every", "1"]
+        res = cli(*TINY, *preset, "--keep", "2", "-o", small / "a")
+        one_line(res, "the 3 checkpoint(s) it holds at once: --keep's newest, the one being "
+                      "written, -nm's); free some space, give another -o, or lower --keep")
+        assert os.listdir(small) == []
+        res = cli(*TINY, *preset, "--keep", "1", "-o", small / "b")
+        assert res.returncode == 0, res.stderr
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+@pytest.mark.parametrize("every,keep,major,steps,held", [
+    (0, 2, 0, 10, 0), (1, 2, 0, 1, 1), (1, 2, 0, 2, 2), (1, 2, 0, 100, 3), (3, 2, 0, 10, 3),
+    (1, 1, 10, 100, 11), (5, 2, 10, 100, 11), (1, 2, 0, 10 ** 12, 3)])
+def test_checkpoints_held_at_once(every, keep, major, steps, held):
+    """While the last is written: --keep's newest before it, and -nm's older multiples."""
+    from types import SimpleNamespace
+    from cupygpt.rundir import checkpoints_held
+    assert checkpoints_held(SimpleNamespace(checkpoint_every=every, keep=keep, steps=steps,
+                                            checkpoint_major=major)) == held
 
 
 def test_a_log_that_cannot_be_written_never_costs_the_model(tmp_path):

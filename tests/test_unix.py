@@ -160,3 +160,25 @@ def test_plot_leaves_out_what_it_cannot_draw_and_refuses_nothing_to_draw(tmp_pat
     log.write_text('{"step": 1, "train_loss": ' + "9" * 5000 + "}\n")
     one_line(cli("plot", log, "--out", tmp_path / "c.png"), "line 1 is not JSON")
     assert sorted(os.listdir(tmp_path)) == ["a.png", "log.jsonl"]
+
+
+@pytest.mark.parametrize("field", ['"label": 1.9', '"label": true', '"label": "x"'])
+def test_hellaswag_jsonl_is_read_strictly(tmp_path, field):
+    from conftest import cli
+    line = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], ' + field + '}\n'
+    (tmp_path / "h.jsonl").write_text(line)
+    one_line(cli("prepare", "--hellaswag", tmp_path / "h.jsonl", "--out", tmp_path / "o"),
+             "h.jsonl:1: not a HellaSwag example")
+    assert os.listdir(tmp_path) == ["h.jsonl"]
+
+
+def test_transformers_config_is_read_strictly(tmp_path):
+    from conftest import cli, fixture
+    assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
+    cfg = tmp_path / "hf" / "config.json"
+    good = json.loads(cfg.read_text())
+    for bad, expect in (([1], "not a JSON object"), ({**good, "n_layer": 2.0},
+                                                      "n_layer 2.0 is not a whole number")):
+        cfg.write_text(json.dumps(bad))
+        one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"), expect)
+    assert not (tmp_path / "m.bin").exists()
