@@ -16,9 +16,10 @@ from .comm.launch import Stopped
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
-from .paths import TEXT_CAP, check_outputs, claim, read_bounded
+from .paths import TEXT_CAP, check_outputs, claim, json_object, read_bounded
 from .hellaswag import from_jsonl, write_eval
-from .gpucheck import PARTS as GPUCHECK_PARTS, earlier_report, gpucheck as run_check, verdict
+from .gpucheck import (PARTS as GPUCHECK_PARTS, REPORT as GPUCHECK_REPORT, gpucheck as run_check,
+                       verdict)
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
 from .plot import plot as run_plot
@@ -239,7 +240,8 @@ def gpucheck(out, budget, peers_dir, quick, parts):
                            "peers_dir", peers_dir)
     make_dir("out", out)
     claim("out", out)
-    earlier_report(out)
+    if os.path.lexists(os.path.join(out, "report.json")):  # (refused before the check)
+        json_object(os.path.join(out, "report.json"), GPUCHECK_REPORT)
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")

@@ -20,10 +20,11 @@ import subprocess
 import tempfile
 import time
 
-from . import CupyGPTError
 from .gpucheck_parts import (Budget, BudgetSpent, PeersBuild, Skip, benches, peers, pipeline,
                              readme, run_tests, sanitize, verify)
-from .paths import read_bounded
+from .paths import json_object
+
+REPORT = "report gpucheck wrote"
 
 # What the check benchmarks: the full plan is the issue's (d12, T 128 and 1024); the quick
 # one runs in minutes anywhere, cudasim included (a dry run of the check itself, which the
@@ -74,23 +75,6 @@ def versions():
     return out
 
 
-def earlier_report(out):
-    """The report already in out (the parts it holds are kept), {} when none; one that is
-    not the JSON object gpucheck writes is refused, never replaced."""
-    path = os.path.join(out, "report.json")
-    if not os.path.lexists(path):
-        return {}
-    try:
-        report = json.loads(read_bounded(path, "JSON report"))
-    except (OSError, ValueError) as e:
-        report = e
-    if not isinstance(report, dict):
-        raise CupyGPTError(f"{path}: not a report gpucheck wrote (not a JSON object: "
-                           f"{getattr(report, 'strerror', None) or report}); move it away "
-                           f"or give another --out")
-    return report
-
-
 def gpucheck(out, plan_name="full", parts=(), budget=420, peers_dir=None,
              clock=time.monotonic):
     """Runs the named parts (none named: all) in PARTS' order into out/report.{json,md}
@@ -101,7 +85,8 @@ def gpucheck(out, plan_name="full", parts=(), budget=420, peers_dir=None,
     budget_s, budget = budget, Budget(budget, clock)
     plan = PLANS[plan_name]
     os.makedirs(out, exist_ok=True)
-    report = earlier_report(out)
+    path = os.path.join(out, "report.json")  # (its parts are kept; none: {})
+    report = json_object(path, REPORT) if os.path.lexists(path) else {}
     if report.get("plan") != plan_name:
         report = {"plan": plan_name}
     report.update(versions=versions(), budget_s=budget_s)

@@ -3,6 +3,7 @@ output is one of the command's inputs (a log written over a train shard destroys
 lies in the installed package; an input is a regular file (a FIFO blocks its reader
 forever, /dev/zero never ends) and text or JSON is read up to a cap."""
 import fcntl
+import json
 import os
 import stat
 
@@ -42,6 +43,20 @@ def read_bounded(path, kind, cap=JSON_CAP):
         raise CupyGPTError(f"{path}: larger than {cap >> 20} MiB, more than any {kind} "
                            f"cupygpt reads; is this the right file?")
     return data
+
+
+def json_object(path, kind):
+    """A JSON file that holds an object: the dict; anything else is refused (never
+    replaced: it may be the user's)."""
+    try:
+        obj = json.loads(read_bounded(path, kind))
+    except (OSError, ValueError) as e:
+        obj = e
+    if not isinstance(obj, dict):
+        raise CupyGPTError(f"{path}: not a {kind} (not a JSON object: "
+                           f"{getattr(obj, 'strerror', None) or obj}); move it away or write "
+                           f"elsewhere")
+    return obj
 
 
 def files_of(path):
