@@ -9,8 +9,9 @@ import traceback
 import click
 
 from . import CupyGPTError
-from .comm.launch import Stopped, fail, launched_ranks, start_mpi, stop_job
-from .config_parts import Device, Grid, Pipeline
+from .comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
+from .config_parts import Device, Grid, Pipeline, unmake_dirs
+from .log import guard_streams
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
 
@@ -30,23 +31,35 @@ def as_flag(e):
 
 
 def entry(fn):
-    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank."""
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank; a
+    reader closing stdout or stderr costs nothing (guard_streams); Ctrl-C and SIGTERM stop
+    the command at once, quietly, with 128 + the signal (train's loop stops at its next
+    batch instead)."""
     @functools.wraps(fn)
     def wrapper(**kw):
+        guard_streams()
+        on_signals()
         if launched_ranks() > 1:
             start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
             return fn(**kw)
-        except CupyGPTError as e:
-            fail(f"error: {as_flag(e)}")
-        except Stopped as e:
-            stop_job(e.code)
-        except MemoryError:  # past the check at start: another process took the room
-            fail("error: out of memory while running (there was room at the start: another "
-                 "process took it, or a temporary outgrew the plan); lower the batch size or "
-                 "sequence length")
-        except Exception:
-            fail(traceback.format_exc().rstrip())
+        except SystemExit as e:  # (verify and gpucheck exit 0 on success)
+            if e.code not in (0, None) or isinstance(e, Stopped):
+                unmake_dirs()
+            if isinstance(e, Stopped):
+                stop_job(e.code)
+            raise
+        except BaseException as e:
+            unmake_dirs()  # a failed or stopped command leaves no directory it made
+            if isinstance(e, CupyGPTError):
+                fail(f"error: {as_flag(e)}")
+            if isinstance(e, MemoryError):  # past the check at start: another process
+                fail("error: out of memory while running (there was room at the start: "
+                     "another process took it, or a temporary outgrew the plan); lower the "
+                     "batch size or sequence length")
+            if isinstance(e, Exception):
+                fail(traceback.format_exc().rstrip())
+            raise
     return wrapper
 
 

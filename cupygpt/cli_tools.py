@@ -1,7 +1,6 @@
 """The commands that run in one process beside training: prepare (text to shards), convert
 (to and from transformers' GPT-2 directories), schedule (a schedule's lists and
 simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
-import contextlib
 import glob
 import math
 import os
@@ -13,12 +12,14 @@ import click
 from . import CupyGPTError
 from .backends import gpu_available
 from .cli_kit import TOKENIZER, entry, one_process, progress
+from .comm.launch import Stopped
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
-from .paths import TEXT_CAP, check_outputs, read_bounded
+from .paths import TEXT_CAP, check_outputs, claim, json_object, read_bounded
 from .hellaswag import from_jsonl, write_eval
-from .gpucheck import PARTS as GPUCHECK_PARTS, gpucheck as run_check, verdict
+from .gpucheck import (PARTS as GPUCHECK_PARTS, REPORT as GPUCHECK_REPORT, gpucheck as run_check,
+                       verdict)
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from .parallel.pipeline.simulate import simulate
 from .plot import plot as run_plot
@@ -68,16 +69,9 @@ def prepare(inputs, out, tokenizer, name, shard_size, force, workers, hellaswag)
     paths = {split: os.path.join(out, f"{name}_{split}.bin") for split in ("val", "train")}
     # through a link too (a clone's ./data is the package's): resolved paths are compared
     check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, tokenizer])
-    for path in paths.values():
-        if os.path.exists(path) and not force:
-            raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another "
-                               f"--out or --name", "out", out)
-    try:
-        body = read_bounded(text, "text", TEXT_CAP).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CupyGPTError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    claim_out(out, existing_of(*paths.values()), force)
+    body = text_of(text)
     tok = Tokenizer(tokenizer)
-    make_dir("out", out)
     with progress(body.count("\n\n") + 1, "tokenizing") as bar:
         try:
             train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
@@ -91,18 +85,40 @@ def prepare(inputs, out, tokenizer, name, shard_size, force, workers, hellaswag)
         click.echo(f"wrote {len(toks):,} tokens to {paths[split]}")
 
 
+def claim_out(out, replaced, force):
+    """prepare's --out made and claimed (one command writing there at a time); then what
+    it would replace there (replaced(): the paths, looked at once claimed) only with
+    --force. Returns those paths."""
+    make_dir("out", out)
+    claim("out", out)
+    there = replaced()
+    if there and not force:
+        raise CupyGPTError(f"{there[0]} exists; give --force to overwrite "
+                           f"{'it' if len(there) == 1 else 'them'}, or another --out or "
+                           f"--name", "out", out)
+    return there
+
+
+def existing_of(*paths):
+    return lambda: [p for p in paths if os.path.exists(p)]
+
+
+def text_of(path, kind="text"):
+    """A text input, decoded (a compressed file named as such)."""
+    data = read_bounded(path, kind, TEXT_CAP)
+    if data[:2] == b"\x1f\x8b":
+        raise CupyGPTError(f"{path}: gzip-compressed; decompress it first (gunzip -k)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def prepare_hellaswag(jsonl, path, tokenizer, force):
     """prepare --hellaswag: the jsonl's examples to llm.c's eval file at path."""
     check_outputs([("out", path)], [jsonl, tokenizer])
-    if os.path.exists(path) and not force:
-        raise CupyGPTError(f"{path} exists; give --force to overwrite it, or another --out "
-                           f"or --name", "out", os.path.dirname(path))
-    try:
-        body = read_bounded(jsonl, "jsonl", TEXT_CAP).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CupyGPTError(f"{jsonl}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    examples = from_jsonl(body, Tokenizer(tokenizer).encode, jsonl)
-    make_dir("out", os.path.dirname(path) or ".")
+    claim_out(os.path.dirname(path) or ".", existing_of(path), force)
+    examples = from_jsonl(text_of(jsonl, "jsonl"), Tokenizer(tokenizer).encode, jsonl)
     with atomic_write(path) as f:
         write_eval(f, examples)
     click.echo(f"wrote {len(examples):,} examples to {path}")
@@ -118,14 +134,9 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
                            workers)
     check_outputs([("out", out)], [*inputs, tokenizer])
     Tokenizer(tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
-    before = sorted(glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
-                    + glob.glob(os.path.join(glob.escape(out),
-                                             f"{glob.escape(name)}_train_*.bin")))
-    if before and not force:
-        raise CupyGPTError(f"{before[0]} exists; give --force to overwrite that shard set, "
-                           f"or another --out or --name", "out", out)
-    made = not os.path.isdir(out)
-    make_dir("out", out)
+    before = claim_out(out, lambda: sorted(
+        glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
+        + glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_train_*.bin"))), force)
     t0 = time.perf_counter()
     try:
         with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
@@ -134,14 +145,9 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
         if not paths:
             raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
                                f"documents in the input(s); nothing written")
-    except BaseException as e:
-        if made:  # an --out this run made goes when nothing was written into it
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
-        if isinstance(e, KeyboardInterrupt):
-            click.echo("interrupted: the shards written so far are whole; no shard is half "
-                       "written", err=True)
-            raise SystemExit(130) from None
+    except Stopped:
+        click.echo("interrupted: the shards written so far are whole; no shard is half "
+                   "written", err=True)
         raise
     for stale in sorted(set(before) - set(paths)):  # --force: an earlier, longer set's rest
         os.unlink(stale)
@@ -161,12 +167,13 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
               type=click.Choice(RUN_DTYPES))
 @click.option("--tokenizer", default=TOKENIZER, show_default=True,
               help="its vocab.json, merges.txt go beside a model with its vocab")
+@click.option("--force", is_flag=True, help="replace an existing llm.c model file DST")
 @entry
-def convert(src, dst, dtype, tokenizer):
+def convert(src, dst, dtype, tokenizer, force):
     """A transformers GPT-2 directory SRC to an llm.c model file DST, or an llm.c file SRC
     to a new directory DST that GPT2LMHeadModel.from_pretrained loads."""
     one_process("convert")
-    for line in run_convert(src, dst, dtype == "bf16", tokenizer):
+    for line in run_convert(src, dst, dtype == "bf16", tokenizer, force):
         click.echo(line)
 
 
@@ -231,6 +238,10 @@ def gpucheck(out, budget, peers_dir, quick, parts):
     if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
         raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
                            "peers_dir", peers_dir)
+    make_dir("out", out)
+    claim("out", out)
+    if os.path.lexists(os.path.join(out, "report.json")):  # (refused before the check)
+        json_object(os.path.join(out, "report.json"), GPUCHECK_REPORT)
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
                            "GPU machine after pip install -e '.[cuda13,test]'")
@@ -248,8 +259,10 @@ def plot(log, out):
     one_process("plot")
     check_outputs([("out", out)], [log])
     out_file("out", out)
-    n_train, n_val = run_plot(log, out)
-    click.echo(f"wrote {out} ({n_train} train, {n_val} val points)")
+    n_train, n_val, left_out = run_plot(log, out)
+    click.echo(f"wrote {out} ({n_train} train, {n_val} val points" + (
+        f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
+        + ")")
 
 
 @click.command()

@@ -146,11 +146,26 @@ def runs_on(be, shape, name, value):
         raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
 
 
+MADE = []  # the directories make_dir created, in order: a command that fails removes them
+
+
 def make_dir(name, path):
+    """path made (with its missing parents) and writable; what it made is listed in MADE."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CupyGPTError("is a file, not a directory; give a directory", name, path)
+    if os.path.islink(p) and not os.path.exists(p):
+        raise CupyGPTError(f"{p} is a symbolic link to {os.readlink(p)!r}, which does not "
+                           f"resolve (missing, or a loop); give a directory", name, path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
+    finally:  # (what it made before failing too)
+        MADE.extend(d for d in reversed(missing) if os.path.isdir(d))
     try:  # a file made and removed: access() says yes to root on /proc or /sys
         fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
         os.close(fd)
@@ -158,6 +173,17 @@ def make_dir(name, path):
     except OSError as e:
         raise CupyGPTError(f"cannot write files in this directory ({e.strerror})", name,
                            path) from None
+
+
+def unmake_dirs():
+    """A command that failed: the directories it made go, the innermost first, where
+    empty (what it wrote into one is kept)."""
+    for d in reversed(MADE):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # (not empty: something of the command's is worth keeping)
+    MADE.clear()
 
 
 def out_file(name, path):

@@ -13,14 +13,15 @@ import shutil
 from safetensors.numpy import save_file
 
 from . import CupyGPTError, hf
-from .files import model_shape, read_model, write_model
+from .files import UMASK, model_shape, read_model, write_model
 from .hf_tokenizer import write_tokenizer
-from .paths import check_outputs, files_of
+from .paths import check_outputs, claim, files_of
 from .tokenizer import Tokenizer
 
 
-def convert(src, dst, bf16=False, tokenizer=None):
-    """src -> dst in the other format; returns the lines to print (what was written)."""
+def convert(src, dst, bf16=False, tokenizer=None, force=False):
+    """src -> dst in the other format; returns the lines to print (what was written). An
+    existing llm.c file is replaced only with force."""
     to_llmc = os.path.isdir(src)
     if not to_llmc and not os.path.exists(src):
         raise CupyGPTError(f"{src}: no such file or directory (an llm.c .bin file or a "
@@ -32,6 +33,10 @@ def convert(src, dst, bf16=False, tokenizer=None):
             raise CupyGPTError(f"{dst}: a directory; from a transformers directory convert "
                                f"writes an llm.c model file: name the file")
         writable_parent(dst)
+        claim("dst", os.path.dirname(os.path.abspath(dst)))
+        if os.path.lexists(dst) and not force:
+            raise CupyGPTError(f"{dst}: already exists; give --force to replace it, or name "
+                               f"another file")
         write_model(dst, cfg, read_model(src)[1], bf16)
         return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {shape(cfg)}"]
     if bf16:
@@ -42,7 +47,9 @@ def convert(src, dst, bf16=False, tokenizer=None):
                            f"transformers directory (config.json, model.safetensors); name a "
                            f"directory (an llm.c file is written from a directory SRC)")
     tok = Tokenizer(tokenizer) if tokenizer else None
-    free_directory(dst)
+    writable_parent(dst)
+    claim("dst", os.path.dirname(os.path.abspath(dst)))
+    free_directory(dst)  # (claimed: no other convert makes it meanwhile)
     return write_hf(dst, cfg, read_model(src, mmap=True)[1], tok)
 
 
@@ -85,7 +92,8 @@ def write_hf(dst, cfg, params, tok):
             with open(os.path.join(partial, name), "w") as f:
                 json.dump(body, f, indent=2)
         save_file(hf.hf_tensors(cfg, params), os.path.join(partial, hf.WEIGHTS),
-                  metadata={"format": "pt"})
+                  metadata={"format": "pt"})  # (made 0600 by the library: the umask's mode)
+        os.chmod(os.path.join(partial, hf.WEIGHTS), 0o666 & ~UMASK)
         if tok and tok.vocab_size == cfg.V:
             written += write_tokenizer(partial, tok, cfg.maxT)
         os.rename(partial, dst)

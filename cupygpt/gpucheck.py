@@ -26,6 +26,9 @@ from .gpucheck_parts import benches, pipeline, readme, run_tests, sanitize, veri
 from .gpucheck_peers import PeersBuild, peers
 from .gpucheck_report import SECTIONS, ratios
 from .gpucheck_runs import Budget, BudgetSpent, Skip
+from .paths import json_object
+
+REPORT = "report gpucheck wrote"
 
 # What the check benchmarks: the full plan is the (d12, T 128 and 1024); the quick
 # one runs in minutes anywhere, cudasim included (a dry run of the check itself, which the
@@ -86,8 +89,8 @@ def gpucheck(out, plan_name="full", parts=(), budget=420, peers_dir=None,
     budget_s, budget = budget, Budget(budget, clock)
     plan = PLANS[plan_name]
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "report.json")
-    report = json.load(open(path)) if os.path.exists(path) else {}
+    path = os.path.join(out, "report.json")  # (its parts are kept; none: {})
+    report = json_object(path, REPORT) if os.path.lexists(path) else {}
     if report.get("plan") != plan_name:
         report = {"plan": plan_name}
     report.update(versions=versions(), budget_s=budget_s)

@@ -113,6 +113,9 @@ def write_eval(f, examples):
     f.write(np.array([t for st in streams for t in st], np.uint16).tobytes())
 
 
+LABELS = {str(i): i for i in range(COMPLETIONS)}
+
+
 def from_jsonl(text, encode, name):
     """HellaSwag's published jsonl (ctx, 4 endings, label) as examples, tokenized as llm.c's
     script does: the context as it is, each ending with a space before it."""
@@ -122,9 +125,13 @@ def from_jsonl(text, encode, name):
             continue
         try:
             rec = json.loads(line)
-            ctx, endings, label = rec["ctx"], rec["endings"], int(rec["label"])
-            ok = isinstance(ctx, str) and len(endings) == COMPLETIONS and \
-                all(isinstance(x, str) and x for x in endings) and 0 <= label < COMPLETIONS
+            ctx, endings, label = rec["ctx"], rec["endings"], rec["label"]
+            # strictly: a label 1.9 or true is no label (int() would make it 1), a string
+            # of 4 characters no 4 endings; the datasets library's label is a digit string
+            label = LABELS.get(label) if isinstance(label, str) else label
+            ok = isinstance(ctx, str) and isinstance(endings, list) and \
+                len(endings) == COMPLETIONS and all(isinstance(x, str) and x for x in endings) \
+                and type(label) is int and 0 <= label < COMPLETIONS
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok or not ctx:
@@ -156,12 +163,15 @@ def completion_losses(losses, mask, n):
     return rows[:4 * n].reshape(n, COMPLETIONS)
 
 
-def evaluate(run, examples, B, T):
+def evaluate(run, examples, B, T, stop=None):
     """Collective: (accuracy, (n, 4) completion losses) of the examples through the runner's
-    forward (run.position_losses, on every rank alike), B // 4 examples a batch."""
+    forward (run.position_losses, on every rank alike), B // 4 examples a batch; None when
+    stop() (collective, asked before each batch) says to stop."""
     per = B // COMPLETIONS
     scores = []
     for i in range(0, len(examples), per):
+        if stop and stop():
+            return None
         part = examples[i:i + per]
         x, y, mask = batch(part, B, T)
         scores.append(completion_losses(run.position_losses(x, y), mask, len(part)))

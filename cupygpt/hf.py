@@ -66,6 +66,12 @@ def read_config(path):
                            f".bin file or a transformers GPT-2 directory") from None
     except (OSError, ValueError) as e:
         raise CupyGPTError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise CupyGPTError(f"{file}: not a JSON object; is this transformers' config.json?")
+    odd = [k for k in ("n_embd", "n_positions", "vocab_size", "n_layer", "n_head", VP_KEY)
+           if k in c and type(c[k]) is not int]  # (12.0 or true is no layer count)
+    if odd:
+        raise CupyGPTError(f"{file}: {odd[0]} {c[odd[0]]!r} is not a whole number")
     if c.get("model_type") != "gpt2":
         raise CupyGPTError(f"{file}: model_type {c.get('model_type')!r} is not GPT-2's "
                            f"('gpt2'); only GPT-2 models are read")

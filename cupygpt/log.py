@@ -1,5 +1,7 @@
 """Per-rank output: one prefix and colour per rank (pe0 blue, pe1 magenta, ...); colour only
-on a terminal. And train's JSON-lines log, reopened on a resume."""
+on a terminal. Standard output and error that outlive their reader. And train's JSON-lines
+log, reopened on a resume."""
+import io
 import json
 import os
 import sys
@@ -25,6 +27,61 @@ class Log:
         emit(f"{msg}\n")
 
 
+def write_fd(fd, data):
+    """All of data to fd. A reader that closed its end (`train | head -2`) costs nothing:
+    the fd is pointed at /dev/null, so this write and every later one, from any writer,
+    succeed, and the command goes on (a run writes its model and log) and ends as it would
+    have, quietly, as Unix tools do."""
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+
+
+class _Raw(io.RawIOBase):
+    """fd's writes through write_fd."""
+
+    def __init__(self, fd):
+        super().__init__()
+        self.fd = fd
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        write_fd(self.fd, bytes(b))
+        return len(b)
+
+    def fileno(self):
+        return self.fd
+
+    def isatty(self):
+        return os.isatty(self.fd)
+
+
+def guard_streams():
+    """sys.stdout and sys.stderr, as they are (encoding, buffering), but writing through
+    write_fd: every writer (click.echo, print, emit) survives a closed pipe. (A captured
+    stream, in-process tests, is left alone.)"""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue
+        if isinstance(getattr(stream, "buffer", None), io.BufferedWriter) and \
+                isinstance(stream.buffer.raw, _Raw):
+            continue  # (already guarded)
+        stream.flush()
+        setattr(sys, name, io.TextIOWrapper(
+            io.BufferedWriter(_Raw(fd)), encoding=stream.encoding, errors=stream.errors,
+            line_buffering=stream.line_buffering or name == "stderr",
+            write_through=stream.write_through))
+
+
 def emit(text):
     """One write per message: under mpiexec the ranks share one terminal or pipe, and a line
     written in pieces (print writes the text, then the newline) interleaves with the other
@@ -36,9 +93,7 @@ def emit(text):
         sys.stdout.flush()
         return
     sys.stdout.flush()  # what click.echo left in the buffer goes first
-    data = text.encode()
-    while data:
-        data = data[os.write(fd, data):]
+    write_fd(fd, text.encode())
 
 
 def open_log(path, start):

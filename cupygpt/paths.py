@@ -2,6 +2,8 @@
 output is one of the command's inputs (a log written over a train shard destroys it) nor
 lies in the installed package; an input is a regular file (a FIFO blocks its reader
 forever, /dev/zero never ends) and text or JSON is read up to a cap."""
+import fcntl
+import json
 import os
 import stat
 
@@ -43,6 +45,20 @@ def read_bounded(path, kind, cap=JSON_CAP):
     return data
 
 
+def json_object(path, kind):
+    """A JSON file that holds an object: the dict; anything else is refused (never
+    replaced: it may be the user's)."""
+    try:
+        obj = json.loads(read_bounded(path, kind))
+    except (OSError, ValueError) as e:
+        obj = e
+    if not isinstance(obj, dict):
+        raise CupyGPTError(f"{path}: not a {kind} (not a JSON object: "
+                           f"{getattr(obj, 'strerror', None) or obj}); move it away or write "
+                           f"elsewhere")
+    return obj
+
+
 def files_of(path):
     """The files a path argument is read from: a directory's entries (a transformers
     model), else the path itself."""
@@ -72,11 +88,17 @@ def in_package(path):
 def check_outputs(outputs, inputs):
     """outputs: (config field, path written, or a directory written into) pairs; inputs:
     the paths the command reads. Refuses an output in the installed package, an output
-    that is an input, and an existing output that is no regular file (replacing /dev/null
-    as root would replace the device)."""
-    for name, path in outputs:
+    that is an input or another output (--trace X --log-file X: the trace over the log),
+    and an existing output that is no regular file (replacing /dev/null as root would
+    replace the device)."""
+    for i, (name, path) in enumerate(outputs):
         if path is None:
             continue
+        for other, earlier in outputs[:i]:
+            if earlier is not None and other != name and _same(path, earlier):
+                raise CupyGPTError("is also another of this command's outputs; one would "
+                                   "be written over the other: give each its own path", name,
+                                   path)
         if in_package(path):
             raise CupyGPTError(f"lies in the installed package ({PKG}), whose files are "
                                f"cupygpt's own; write elsewhere", name, path)
@@ -90,3 +112,45 @@ def check_outputs(outputs, inputs):
             continue
         if what and what != "a directory":  # (a directory: out_file says so)
             raise CupyGPTError(f"is {what}; give a regular file's path", name, path)
+
+
+def holder(path):
+    """The PID holding a flock on path, from /proc/locks (None where it does not say)."""
+    st = os.stat(path)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's row has "->" after 1:
+    return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident),
+                None)
+
+
+def lock(out):
+    """An fd of the directory out holding its exclusive lock (closed when the process ends,
+    however it ends), or the refusal: one command writes into a directory at a time."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = holder(out)
+        return None, (f"another command ({f'pid {pid}' if pid else 'another process'}) "
+                      f"is writing into this directory; wait for it to end, or give another "
+                      f"directory")
+    return fd, None
+
+
+HELD = []  # claim's locks, held until the process ends
+
+
+def claim(name, out):
+    """Every command that writes into a directory claims it first (train's -o: rundir):
+    a second command writing there is refused, naming the first's PID; only then does it
+    look at what the directory holds (an earlier output is replaced only when asked)."""
+    fd, why = lock(out)
+    if why:
+        raise CupyGPTError(why, name, out)
+    HELD.append(fd)

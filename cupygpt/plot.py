@@ -1,5 +1,6 @@
 """Train and val loss curves from a `train` JSON-lines log."""
 import json
+import math
 
 from . import CupyGPTError
 from .files import atomic_write
@@ -9,6 +10,13 @@ from .paths import read_bounded
 def number(x):
     """A plottable value: int or float (a float's NaN or inf is what training logged)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+LIMIT = 1e300  # beyond any loss, and room for the plot's range arithmetic (2e308 overflows)
+
+
+def plottable(x):
+    return math.isfinite(x) and abs(x) <= LIMIT
 
 
 def read_log(path):
@@ -24,9 +32,9 @@ def read_log(path):
         if line.strip():
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CupyGPTError(f"{path}: line {n} is not JSON ({e.msg}); is this a "
-                                   f"train log (log.jsonl)?") from None
+            except ValueError as e:  # (a number of 5,000 digits is Python's ValueError)
+                raise CupyGPTError(f"{path}: line {n} is not JSON ({getattr(e, 'msg', e)}); "
+                                   f"is this a train log (log.jsonl)?") from None
             if not isinstance(rec, dict) or "step" not in rec:
                 raise CupyGPTError(f"{path}: line {n} is not a step record") from None
             bad = [k for k in ("step", "train_loss", "val_loss")
@@ -47,10 +55,14 @@ def plot(log_path, out_path):
         raise CupyGPTError("plot needs matplotlib: pip install 'cupygpt[plot]' (in a clone: "
                            "pip install -e '.[plot]')") from None
     recs = read_log(log_path)
-    train = [(r["step"], r["train_loss"]) for r in recs if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-    if not train and not val:
+    given = {k: [(r["step"], r[k]) for r in recs if k in r] for k in ("train_loss", "val_loss")}
+    if not any(given.values()):
         raise CupyGPTError(f"{log_path}: holds no train_loss or val_loss records")
+    train, val = ([p for p in given[k] if plottable(p[0]) and plottable(p[1])]
+                  for k in ("train_loss", "val_loss"))
+    if not train and not val:
+        raise CupyGPTError(f"{log_path}: no loss to plot: every one is NaN, infinite or "
+                           f"beyond +-{LIMIT:g} (a run that diverged); nothing written")
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for pts, label, style in ((train, "train", "-"), (val, "val", "o-")):
         if pts:
@@ -64,4 +76,4 @@ def plot(log_path, out_path):
     with atomic_write(out_path) as f:
         fig.savefig(f, format="png")
     plt.close(fig)
-    return len(train), len(val)
+    return len(train), len(val), sum(map(len, given.values())) - len(train) - len(val)

@@ -2,7 +2,7 @@
 for its life; a fresh run does not replace another run's output unless asked; the disk
 holds what the run will write before step 1; a run that fails before its first step
 leaves no directory it made."""
-import fcntl
+import math
 import os
 import shutil
 
@@ -10,36 +10,9 @@ from . import CupyGPTError
 from .checkpoint import LATEST, listed
 from .files import HEADER_BYTES
 from .layout import param_layout
+from .paths import lock
 
 MODEL = "model.bin"
-
-
-def holder(path):
-    """The PID holding a flock on path, from /proc/locks (None where it does not say)."""
-    st = os.stat(path)
-    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:
-            rows = [line.split() for line in f]
-    except OSError:
-        return None
-    # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's row has "->" after 1:
-    return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident),
-                None)
-
-
-def lock(out):
-    """An fd of out holding its exclusive lock (closed when the process ends, however it
-    ends), or the refusal."""
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        pid = holder(out)
-        return None, (f"another run ({f'pid {pid}' if pid else 'another process'}) is "
-                      f"writing into this directory; wait for it to end, or give another -o")
-    return fd, None
 
 
 def earlier_output(out, log_file):
@@ -62,22 +35,42 @@ def replace_earlier(out):
         os.unlink(os.path.join(out, LATEST))
 
 
-def need_bytes(shape, bf16, checkpointing):
-    """What a run writes at most at once: its model file, and a checkpoint (the model
-    again, AdamW's m and v, a bf16 run's fp32 master weights) with a little for its state."""
+def checkpoints_held(opts):
+    """The most checkpoints this run's -o holds at once (a bound: a resume writes fewer):
+    while the last one is written, --keep newest before it, and the older ones at -nm's
+    multiples (never removed). Counted, not listed: -n may be 10^9 steps."""
+    every, steps = opts.checkpoint_every, opts.steps
+    if not every:
+        return 0
+    saves = steps // every + (steps % every != 0)      # every K steps, and the last
+    older = saves - 1 - min(opts.keep, saves - 1)       # before the newest --keep
+    major = opts.checkpoint_major
+    kept = (older * every) // math.lcm(every, major) if major and older else 0
+    return 1 + min(opts.keep, saves - 1) + kept
+
+
+def need_bytes(shape, bf16, opts):
+    """What a run writes at most at once: (checkpoints, bytes): its model file and the
+    checkpoints it holds at once (each the model again, AdamW's m and v, a bf16 run's fp32
+    master weights, a little for its state)."""
     n = param_layout(shape).size
     model = HEADER_BYTES + n * (2 if bf16 else 4)
-    return model + (model + 4 * n * (3 if bf16 else 2) + (1 << 20) if checkpointing else 0)
+    held = checkpoints_held(opts)
+    return held, model + held * (model + 4 * n * (3 if bf16 else 2) + (1 << 20))
 
 
 def room(out, need):
     """Refuses a run whose files will not fit on out's filesystem."""
+    held, need = need
     st = os.statvfs(out)
     free = st.f_bavail * st.f_frsize
     if free < need:
         return (f"its filesystem has {free / 2**20:.1f} MiB free and this run writes "
-                f"{need / 2**20:.1f} MiB (the final model and one checkpoint); free some "
-                f"space or give another -o")
+                f"{need / 2**20:.1f} MiB (the final model" + (
+                    f" and the {held} checkpoint(s) it holds at once: --keep's newest, the "
+                    f"one being written, -nm's" if held else "") +
+                "); free some space, give another -o" + (
+                    ", or lower --keep" if held > 1 else ""))
     return None
 
 

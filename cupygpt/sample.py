@@ -20,11 +20,12 @@ def next_token(logits, rng, temperature=1.0, top_k=None):
 
 
 def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=None,
-             kv_cache=True):
+             kv_cache=True, stop=None):
     """Appends up to n tokens to prompt (ids), limited by the runner's T. Every rank returns
     the same ids; on_token(id) is called on each rank as tokens arrive. With kv_cache one
     pass over the prompt, then one position per token (Runner.next_token); without, a
-    whole pass per token (the reference the cache is tested against)."""
+    whole pass per token (the reference the cache is tested against). stop (collective,
+    asked before each token) ends it early."""
     T = run.plan.seq
     if not prompt:
         raise CupyGPTError("the prompt is empty: generation needs at least one token")
@@ -39,6 +40,8 @@ def generate(run, prompt, n, fill, rng, temperature=1.0, top_k=None, on_token=No
     def choose(logits):
         return next_token(logits, rng, temperature, top_k)
     for t in range(len(prompt), min(len(prompt) + n, T)):
+        if stop and stop():
+            break
         tok = run.next_token(tokens, t - 1, choose, cached=kv_cache and t > len(prompt))
         tokens[:, t] = tok
         out.append(tok)

@@ -110,7 +110,10 @@ _tok = None
 
 def _start(tokenizer):
     global _tok
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool on Ctrl-C
+    # the parent stops the pool (terminate: SIGTERM) on a signal; a worker neither
+    # handles Ctrl-C nor unwinds: it ends quietly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _tok = Tokenizer(tokenizer)
 
 

@@ -48,13 +48,15 @@ def train(sess):
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
     opts, t = sess.config, None
     lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
-        sess.shape, is_narrow(DTYPES[opts.dtype]), bool(opts.checkpoint_every)))
+        sess.shape, is_narrow(DTYPES[opts.dtype]), opts))
     try:
         t = Trainer(sess)
         for step in range(t.start, t.opts.steps + 1):
             last = step == t.opts.steps
             t.evaluate(step, last)
             t.sample(step, last)
+            if t.stopped:  # (a signal during validation or sampling)
+                t.interrupt(step)
             if last:
                 break
             t.train_step(step)
@@ -114,6 +116,7 @@ class Trainer:
             self.log(f"note: -g {opts.gen_tokens}: -t {opts.seq} leaves room for "
                      f"{opts.seq - 1} tokens after the start token; generating {opts.seq - 1}")
         self.ckpt, self.stop, self.fault = opts.resume, Interrupt(), injected_fault()
+        self.stopped = False
 
     def resume(self, meta):
         """The checkpoint's step, data position and RNG; refused (and renamed .nan, as the
@@ -185,12 +188,19 @@ class Trainer:
             return
         if self.val_data and opts.val_every:
             self.val_data.reset()
-            rec["val_loss"] = float(np.mean([self.run.eval_loss(*self.val_data.next_batch())
-                                             for _ in range(opts.val_batches)]))
+            losses = []
+            while len(losses) < opts.val_batches and not self.stopping():
+                losses.append(self.run.eval_loss(*self.val_data.next_batch()))
+            if self.stopped:  # (a part of the batches is no val loss)
+                return
+            rec["val_loss"] = float(np.mean(losses))
             said.append(f"val loss {rec['val_loss']:.6f}")
         if opts.hellaswag:
-            rec["hellaswag_acc"] = hellaswag(self.run, opts.hellaswag_examples, opts.batch,
-                                             opts.seq)[0]
+            acc = hellaswag(self.run, opts.hellaswag_examples, opts.batch, opts.seq,
+                            self.stopping)
+            if self.stopped:
+                return
+            rec["hellaswag_acc"] = acc[0]
             said.append(f"hellaswag acc {rec['hellaswag_acc']:.4f}")
         if said:
             self.log(", ".join(said))
@@ -199,7 +209,10 @@ class Trainer:
     def sample(self, step, last):
         if self.sampling and ((step > 0 and step % self.opts.sample_every == 0) or last):
             eot = self.tok.eot if self.tok else 0
-            ids = generate(self.run, [eot], self.opts.gen_tokens, eot, self.rng)
+            ids = generate(self.run, [eot], self.opts.gen_tokens, eot, self.rng,
+                           stop=self.stopping)
+            if self.stopped:
+                return
             text = self.tok.decode(ids[1:]) if self.tok else " ".join(map(str, ids[1:]))
             self.log(f"generating:\n---\n{text}\n---")
 
@@ -244,15 +257,32 @@ class Trainer:
             self.log(f"rank {tr.rank}: step {step + 1}'s update skipped ({skipped})",
                      every_rank=True)
         self.record(rec)
-        interrupted = tr.any(self.stop.hit is not None)
-        if opts.checkpoint_every and ((step + 1) % opts.checkpoint_every == 0 or interrupted):
+        if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
             self.save(step + 1)
-        if interrupted:
-            self.log(f"interrupted after step {step + 1}" + (
-                f"; resume from {opts.out}" if self.ckpt else
-                f"; wrote {self.write_model()} of step {step + 1} (no checkpoints: "
-                f"--checkpoint-every 0, so it cannot be resumed exactly)"))
-            raise SystemExit(130)
+        if self.stopping():
+            self.interrupt(step + 1)
+
+    def stopping(self):
+        """Collective, at each step's end and between the batches of validation, HellaSwag
+        and sampling: whether a rank has been signalled (then, stopped, for good)."""
+        self.stopped = self.stopped or self.stop.stopping(self.tr)
+        return self.stopped
+
+    def interrupt(self, step):
+        """A signal's stop after `step`: its checkpoint when checkpointing, else its model
+        (none when this run has trained no step), then exit 128 + the signal, every rank."""
+        opts = self.opts
+        if step == self.start:
+            said = "; nothing trained in this run, nothing written"
+        elif opts.checkpoint_every:
+            if not (self.ckpt or "").endswith(f"ckpt_{step:08d}"):
+                self.save(step)
+            said = f"; resume from {opts.out}"
+        else:
+            said = (f"; wrote {self.write_model()} of step {step} (no checkpoints: "
+                    f"--checkpoint-every 0, so it cannot be resumed exactly)")
+        self.log(f"interrupted after step {step}{said}")
+        raise SystemExit(self.stop.code(self.tr))
 
     def stop_on_nan(self, step, loss):
         ckpt = self.ckpt

@@ -11,7 +11,33 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "cupygpt", "reference")
+CLI = os.path.join(ROOT, "cli.py")
 sys.path.insert(0, ROOT)
+# Every test runs in a directory of its own (own_directory, below), so a script a test
+# starts imports this checkout's cupygpt by this path, not by its working directory.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
+def checkout_out():
+    """What the checkout's out/ holds (a user's `python cli.py train` writes it): each
+    file's path, size and modification time."""
+    found = {}
+    for d, _, files in os.walk(os.path.join(ROOT, "out")):
+        for f in files:
+            st = os.lstat(os.path.join(d, f))
+            found[os.path.join(d, f)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def own_directory(tmp_path_factory, monkeypatch):
+    """Each test's commands run in an empty directory of its own: a default output
+    (train's -o out, bench.json, loss.png) never meets what a user's run left in the
+    checkout, nor lands there; the checkout's out/ is as it was after the test."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    before = checkout_out()
+    yield
+    assert checkout_out() == before, "the test wrote into the checkout's out/"
 
 
 def fixture(name):
@@ -24,14 +50,15 @@ def mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
-def cli(*args, ranks=None, timeout=300, env=None):
-    """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given); returns the result."""
-    cmd = [sys.executable, os.path.join(ROOT, "cli.py"), *map(str, args)]
+def cli(*args, ranks=None, timeout=300, env=None, cwd=None):
+    """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given), in the test's own
+    directory unless told; returns the result."""
+    cmd = [sys.executable, CLI, *map(str, args)]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks), *cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd)
 
 
 def run_verify(files, *extra, ranks=None, env=None):
@@ -87,7 +114,7 @@ def tiktokens(texts, eot=True):
               "print(json.dumps([([t.eot] if %r else []) + t.encode(x) "
               "for x in json.load(sys.stdin)]))" % eot)
     res = subprocess.run([sys.executable, "-c", script], input=json.dumps(texts), text=True,
-                         capture_output=True, cwd=ROOT, check=True)
+                         capture_output=True, check=True)
     return json.loads(res.stdout)
 
 

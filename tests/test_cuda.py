@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cupygpt.precision import BF16
-from conftest import (DEVICES, ROOT, cli, device_env, load_cudasim, losses, requires_sim,
+from conftest import (DEVICES, cli, device_env, load_cudasim, losses, requires_sim,
                       run_verify, simulated)
 from test_verify import FILES
 
@@ -395,12 +395,12 @@ def test_bf16_head_chunks_hold_in_any_block_order():
     fixed when the kernels load). It failed every time when the attention of heads of 4
     ran: bf16's 16-byte stores reached into the next head's columns, so the blocks of two
     heads overwrote each other in whichever order they ran (a GPU runs them at once)."""
-    script = ("import sys; sys.path.insert(0, 'tests'); import pytest\n"
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import pytest\n"
               "from conftest import load_cudasim\nfrom test_model import check_bf16_chunks\n"
               "cp, cu = load_cudasim()\ncu.configure()\nfor _ in range(20):\n"
               "    with pytest.MonkeyPatch.context() as mp:\n        check_bf16_chunks(cu, mp)\n")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600, env={**os.environ, "CUDASIM_ORDER": "random"})
+                         timeout=600, env={**os.environ, "CUDASIM_ORDER": "random"})
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli, fixture
+from conftest import CLI, ROOT, cli, fixture
 from test_bad_input import a_ckpt
 
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
@@ -129,7 +129,8 @@ def test_prepare_never_writes_through_the_data_link_into_the_package(tmp_path):
     """A clone's ./data is a link to cupygpt/data: prepare's default --out from the root."""
     assert os.path.realpath(os.path.join(ROOT, "data")) == os.path.realpath(SHIPPED)
     shipped = digest(SHIPPED)
-    one_line(cli("prepare", text_named(tmp_path, "mine.txt")), "lies in the installed package")
+    one_line(cli("prepare", text_named(tmp_path, "mine.txt"), cwd=ROOT),
+             "lies in the installed package")
     assert digest(SHIPPED) == shipped
 
 
@@ -168,7 +169,7 @@ def test_one_run_per_output_directory(tmp_path):
     for n, extra in enumerate(([], ["--checkpoint-every", "100"])):
         out = tmp_path / f"run{n}"
         first = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *TINY, "-n",
-                                  "1000000", *extra, "-o", str(out)], cwd=ROOT, text=True,
+                                  "1000000", *extra, "-o", str(out)], text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
         while not first.stdout.readline().startswith("step"):  # (its lock is held by then)
@@ -176,10 +177,10 @@ def test_one_run_per_output_directory(tmp_path):
         second = cli(*TINY, "-n", "200", *extra, "-o", out)
         first.send_signal(signal.SIGTERM)
         rest, err = first.communicate(timeout=300)
-        assert first.returncode == 130, err
+        assert first.returncode == 143, err  # 128 + SIGTERM
         assert second.returncode == 1 and second.stderr.strip().splitlines() == [
-            f"error: -o {out}: another run (pid {first.pid}) is writing into this directory; "
-            f"wait for it to end, or give another -o"], second.stderr
+            f"error: -o {out}: another command (pid {first.pid}) is writing into this "
+            f"directory; wait for it to end, or give another directory"], second.stderr
         last = int(rest.split("interrupted after step ")[1].split(";")[0])
         steps = [json.loads(line)["step"] for line in open(out / "log.jsonl")]
         assert last > 1 and steps == list(range(1, last + 1))
@@ -208,8 +209,8 @@ def test_a_run_failing_before_its_first_step_leaves_no_directory_or_log(tmp_path
 def test_files_are_written_with_the_users_umask(tmp_path):
     for mask, mode in ((0o022, 0o644), (0o077, 0o600)):
         out = tmp_path / oct(mask)
-        res = subprocess.run([sys.executable, "cli.py", *TINY, "-n", "1", "--checkpoint-every",
-                              "1", "-o", out], cwd=ROOT, capture_output=True,
+        res = subprocess.run([sys.executable, CLI, *TINY, "-n", "1", "--checkpoint-every",
+                              "1", "-o", out], capture_output=True,
                              preexec_fn=lambda m=mask: os.umask(m))
         assert res.returncode == 0, res.stderr
         for f in ("model.bin", "log.jsonl", "latest", "ckpt_00000001/adamw.npz"):
@@ -236,8 +237,8 @@ def test_the_weak_messages_say_what_is_true(tmp_path):
 def test_verify_shows_its_steps_progress_on_a_terminal():
     import pty
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "cli.py", "verify", "--steps", "30", "--json"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=slave)
+    p = subprocess.Popen([sys.executable, CLI, "verify", "--steps", "30", "--json"],
+                         stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)
     seen = b""
     while True:

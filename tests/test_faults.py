@@ -84,7 +84,7 @@ def start(tmp_path, *extra):
     cmd = [mpiexec(), "-n", "2", sys.executable, os.path.join(ROOT, "cli.py"), *TRAIN, "-n", "10000",
            "-o", str(tmp_path), *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=ROOT, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     while not any("step    2/" in ln for ln in lines):
         line = p.stdout.readline()

@@ -130,7 +130,7 @@ def test_exported_model_and_tokenizer_load_in_transformers(hf_dir, tmp_path):
               f"print(json.dumps([AutoTokenizer.from_pretrained({str(tmp_path / 'again')!r})"
               f".encode(t), Tokenizer({TOK_PATH!r}).encode(t)]))")
     res = subprocess.run([sys.executable, "-c", script], input=text, capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     theirs, ours = json.loads(res.stdout)
     assert theirs == ours and len(ours) > 1000

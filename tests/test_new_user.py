@@ -32,7 +32,7 @@ main()
 """
 
 
-def run(*args, full_disk_at="", cwd=ROOT):
+def run(*args, full_disk_at="", cwd=None):
     """(exit code, stderr lines)"""
     env = {**os.environ, "FULL_DISK_AT": full_disk_at,
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -114,7 +114,7 @@ def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_pa
     assert sorted(os.listdir(tmp_path / "data")) == ["other_train.bin", "other_val.bin"]
     rc, lines = run("prepare", text, cwd=tmp_path)
     assert rc == 1 and lines == [f"error: --out data: {os.path.join('data', 'other_val.bin')} "
-                                 f"exists; give --force to overwrite it, or another --out or "
+                                 f"exists; give --force to overwrite them, or another --out or "
                                  f"--name"]
     assert run("prepare", text, "--force", cwd=tmp_path)[0] == 0
 
@@ -169,3 +169,16 @@ def test_overlap_help_says_it_works_with_zero_1():
     res = cli("train", "--help")
     assert "(with --zero 1: as an all-reduce, each replica updating its slice)" in \
         " ".join(res.stdout.split())
+
+
+def test_the_tests_never_meet_the_checkouts_out(tmp_path):
+    """README's order: `python cli.py train` (writing the checkout's out/), then the tests.
+    A test's `train` with the default -o writes into the test's own directory: it neither
+    meets the earlier run's output there nor touches it (conftest's own_directory)."""
+    from conftest import checkout_out
+    before = checkout_out()
+    res = cli(*TRAIN, "-n", "1")
+    assert res.returncode == 0, res.stderr
+    assert os.path.isfile(os.path.join(os.getcwd(), "out", "model.bin"))
+    assert not os.path.realpath(os.getcwd()).startswith(os.path.realpath(ROOT) + os.sep)
+    assert checkout_out() == before

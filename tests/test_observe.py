@@ -42,7 +42,7 @@ def on_terminal(*args):
     """Runs cli.py with stdout and stderr on a pseudo-terminal; returns what it showed."""
     main, sub = pty.openpty()
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *map(str, args)],
-                         stdout=sub, stderr=sub, cwd=ROOT, env={**os.environ, "COLUMNS": "100"})
+                         stdout=sub, stderr=sub, env={**os.environ, "COLUMNS": "100"})
     os.close(sub)
     chunks = []
     while True:

@@ -1,7 +1,6 @@
 """Every command in README.md's code blocks runs as written, in order, in a copy of the
 repository (nothing lands in this one); `train` gets -n 4, as README says."""
 import os
-import re
 import shlex
 import shutil
 import subprocess

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli, fixture, mpiexec
+from conftest import CLI, ROOT, cli, fixture, mpiexec
 from test_data_safety import SHIPPED, TINY, one_line, shard, small_shard  # noqa: F401 (fixture)
 from test_faults import log_losses, rank_pids
 
@@ -25,7 +25,7 @@ def start(out, *extra):
            "4", "-t", "32", "-v", "0", "-g", "0", "-k", "constant", "-n", "10000", "-o",
            str(out), *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=ROOT, start_new_session=True,
+                         start_new_session=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     while not any("step    2/" in ln for ln in lines):
@@ -40,7 +40,7 @@ def sigterm_rank_1(out, *extra):
     victim, = rank_pids(str(out), 1)
     os.kill(victim, signal.SIGTERM)
     text = p.communicate(timeout=120)[0]
-    assert p.returncode == 130, text[-2000:]
+    assert p.returncode == 143, text[-2000:]  # 128 + SIGTERM, on every rank
     assert not rank_pids(str(out), 0) and not rank_pids(str(out), 1), "no rank left"
     return int(text.split("interrupted after step ")[1].split(";")[0]), text
 
@@ -87,8 +87,8 @@ def savez(*a, **k):
     while True:
         time.sleep(0.01)
 np.savez = savez
-sys.argv = ["cli.py"] + sys.argv[1:]
-runpy.run_path("cli.py", run_name="__main__")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -96,8 +96,8 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
     """The first SIGTERM comes while checkpoint 2 is being written (its model.bin done, the
     optimizer's file open), the second once the first is handled: the run stops there,
     removing what it half wrote; checkpoint 1 stays whole, `latest` names it."""
-    p = subprocess.Popen([sys.executable, "-c", HELD, *TINY, "-n", "100000",
-                          "--checkpoint-every", "1", "-o", tmp_path], cwd=ROOT, text=True,
+    p = subprocess.Popen([sys.executable, "-c", HELD, CLI, *TINY, "-n", "100000",
+                          "--checkpoint-every", "1", "-o", tmp_path], text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for said in ("held\n", "handled\n"):
         while (line := p.stderr.readline()) != said:
@@ -143,7 +143,7 @@ def test_a_run_beyond_its_memory_cgroup_is_refused_before_allocating(tmp_path):
             f.write(str(os.getpid()))
     try:
         t0 = time.monotonic()
-        res = subprocess.run([sys.executable, "cli.py", *BIG, "-o", tmp_path / "o"], cwd=ROOT,
+        res = subprocess.run([sys.executable, CLI, *BIG, "-o", tmp_path / "o"],
                              capture_output=True, text=True, preexec_fn=enter, timeout=300)
     finally:
         os.rmdir(cg)
@@ -153,7 +153,7 @@ def test_a_run_beyond_its_memory_cgroup_is_refused_before_allocating(tmp_path):
 
 
 def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
-    res = subprocess.run([sys.executable, "cli.py", *BIG, "-o", tmp_path / "o"], cwd=ROOT,
+    res = subprocess.run([sys.executable, CLI, *BIG, "-o", tmp_path / "o"],
                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: (
                              resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))))
     one_line(res, "out of memory at start: rank 0 needs 3.03 GiB")
@@ -177,10 +177,39 @@ def test_a_disk_without_room_for_the_model_and_a_checkpoint_is_refused_before_st
         assert ok.returncode == 0, ok.stderr
         res = cli(*TINY, *preset, "-n", "1", "--checkpoint-every", "1", "-o", small / "b")
         one_line(res, f"-o {small / 'b'}: its filesystem has ")
-        assert "the final model and one checkpoint" in res.stderr
+        assert "the final model and the 1 checkpoint(s) it holds at once" in res.stderr
         assert sorted(os.listdir(small)) == ["a"]
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_the_disk_check_counts_the_checkpoints_keep_holds(tmp_path):
+    """tiny: a model of 29 MB, a checkpoint of 87 MB. On 250 MB, --keep 2 holds 3 at once
+    while the third is written (290 MB: refused before step 1, not dying there); --keep 1
+    holds 2 (203 MB) and runs."""
+    small = a_small_filesystem(tmp_path / "small", "250m")
+    try:
+        preset = ["-e", "tiny", "-i", os.path.join(SHIPPED, "tiny_shakespeare_val.bin"),
+                  "-n", "3", "--checkpoint-every", "1"]
+        res = cli(*TINY, *preset, "--keep", "2", "-o", small / "a")
+        one_line(res, "the 3 checkpoint(s) it holds at once: --keep's newest, the one being "
+                      "written, -nm's); free some space, give another -o, or lower --keep")
+        assert os.listdir(small) == []
+        res = cli(*TINY, *preset, "--keep", "1", "-o", small / "b")
+        assert res.returncode == 0, res.stderr
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+@pytest.mark.parametrize("every,keep,major,steps,held", [
+    (0, 2, 0, 10, 0), (1, 2, 0, 1, 1), (1, 2, 0, 2, 2), (1, 2, 0, 100, 3), (3, 2, 0, 10, 3),
+    (1, 1, 10, 100, 11), (5, 2, 10, 100, 11), (1, 2, 0, 10 ** 12, 3)])
+def test_checkpoints_held_at_once(every, keep, major, steps, held):
+    """While the last is written: --keep's newest before it, and -nm's older multiples."""
+    from types import SimpleNamespace
+    from cupygpt.rundir import checkpoints_held
+    assert checkpoints_held(SimpleNamespace(checkpoint_every=every, keep=keep, steps=steps,
+                                            checkpoint_major=major)) == held
 
 
 def test_a_log_that_cannot_be_written_never_costs_the_model(tmp_path):

@@ -92,7 +92,7 @@ def launch(tmp_path, ns, slots, *args, hosts=None, wait=True):
            "-launcher-exec", str(script), "-n", "4", sys.executable,
            os.path.join(ROOT, "cli.py"), *map(str, args)]
     p = subprocess.Popen(["ip", "netns", "exec", n, "unshare", "--uts", "sh", "-c",
-                          f'hostname {first}; exec "$@"', "sh", *job], cwd=ROOT,
+                          f'hostname {first}; exec "$@"', "sh", *job],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if wait:

@@ -112,23 +112,47 @@ def fail(message, window=2.0):
     sys.exit(1)
 
 
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_at_once(signum, _):
+    """Every command's handler of Ctrl-C and SIGTERM (what SLURM and Kubernetes send before
+    a kill) outside train's loop: Stopped unwinds through what is being written
+    (atomic_write, checkpoint.save, prepare's --out remove what they half wrote or made)
+    and the CLI exits 128 + the signal, quietly."""
+    raise Stopped(128 + signum)
+
+
+def on_signals():
+    for s in STOPPING:
+        signal.signal(s, stop_at_once)
+
+
 class Interrupt:
-    """Ctrl-C, or SIGTERM (what SLURM and Kubernetes send before a kill), sets a flag; the
-    loop stops at the next step boundary on every rank (the ranks combine their flags each
-    step, so a signal to one rank stops all). A second signal stops at once: Stopped
-    unwinds through atomic_write and checkpoint.save, which remove what they half wrote,
-    and the CLI ends the job."""
+    """train's handler: Ctrl-C or SIGTERM sets a flag, which the loop's phases (each step's
+    end, and between the batches of validation, HellaSwag and sampling) combine over the
+    ranks (stopping), so a signal to one rank stops all within a batch, the run's state
+    kept. A second signal stops at once (stop_at_once)."""
 
     def __init__(self):
         self.hit = None
-        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.old = {s: signal.signal(s, self.handle) for s in STOPPING}
 
     def handle(self, signum, _):
         if self.hit:
             os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
                         f"half-written is left\n".encode())
-            raise Stopped(128 + signum)
+            stop_at_once(signum, _)
         self.hit = signum
+
+    def stopping(self, tr):
+        """Collective: whether any rank has been signalled."""
+        return tr.any(self.hit is not None)
+
+    def code(self, tr):
+        """Collective: 128 + the signal the lowest signalled rank got, on every rank."""
+        hits = tr.gather(self.hit)
+        return tr.bcast(128 + next(h for h in hits if h) if hits else None)
 
     def restore(self):
         for s, handler in self.old.items():

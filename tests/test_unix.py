@@ -1,0 +1,184 @@
+"""What a careful Unix tool does (issue 36): a reader closing the pipe costs nothing, a
+signal is acted on within seconds in every phase, outputs are claimed before they are
+written and never replaced unasked, user JSON is read strictly, failures leave nothing."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import CLI
+
+TINY = ["train", "--backend", "numpy", "-b", "1", "-t", "16", "-v", "0", "-g", "0"]
+
+
+def closed_after(lines, *args):
+    """The command with its stdout read for `lines` lines, then closed: (exit code,
+    stderr)."""
+    p = subprocess.Popen([sys.executable, CLI, *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(lines):
+        assert p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read()
+    return p.wait(timeout=300), err
+
+
+def test_a_closed_pipe_ends_a_short_command_quietly():
+    rc, err = closed_after(1, "schedule", "-p", 16, "-m", 64)  # (`| head -1`)
+    assert (rc, err) == (0, "")
+
+
+def test_a_closed_pipe_costs_a_training_run_nothing(tmp_path):
+    rc, err = closed_after(2, *TINY, "-n", 3, "-o", tmp_path)  # (`| head -2`)
+    assert rc == 0 and "Traceback" not in err, err
+    assert (tmp_path / "model.bin").stat().st_size > 0
+    log = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [r["step"] for r in log if "train_loss" in r] == [1, 2, 3]
+
+
+def signalled(sig, ready, *args):
+    """The command, sent sig once a stdout line starts with ready (and half a second more):
+    (exit code, seconds from the signal to its end, stdout, stderr)."""
+    p = subprocess.Popen([sys.executable, CLI, *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = []
+    while not out or not out[-1].startswith(ready):
+        out.append(p.stdout.readline())
+        assert out[-1], "".join(out) + p.stderr.read()
+    time.sleep(0.5)
+    p.send_signal(sig)
+    t0 = time.monotonic()
+    rest, err = p.communicate(timeout=120)
+    return p.returncode, time.monotonic() - t0, "".join(out) + rest, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_long_validation_stops_within_seconds(tmp_path, sig):
+    rc, took, out, err = signalled(sig, "+--", *TINY, "-v", 1, "-m", 100000, "-n", 2,
+                                   "-o", tmp_path / "o")
+    assert (rc, err) == (128 + sig, ""), err
+    assert took < 5 and "interrupted after step 0; nothing trained" in out, (took, out)
+    assert not (tmp_path / "o").exists()  # (made by this run, nothing in it)
+
+
+def test_a_signal_during_hellaswag_writes_the_model_of_the_step(tmp_path):
+    from test_hellaswag import write_llmc_eval
+    rng = np.random.default_rng(0)
+    write_llmc_eval(tmp_path / "hs.bin", [
+        (0, rng.integers(0, 50257, 20).tolist(), rng.integers(0, 50257, (4, 8)).tolist())
+        for _ in range(3000)])
+    rc, took, out, err = signalled(signal.SIGTERM, "step    1/1", "train", "--backend",
+                                   "numpy", "-b", 4, "-t", 32, "-n", 1, "-v", 0, "-g", 0,
+                                   "-h", 1, "--hellaswag-file", tmp_path / "hs.bin", "-o",
+                                   tmp_path / "o")
+    assert (rc, err) == (143, ""), err
+    assert took < 5 and f"wrote {tmp_path / 'o' / 'model.bin'} of step 1" in out, (took, out)
+    assert "hellaswag acc" not in out
+
+
+def one_line(res, expect):
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), \
+        (res.stdout, res.stderr)
+    assert expect in lines[0], lines[0]
+
+
+def test_prepare_claims_its_out_as_train_claims_its_o(tmp_path):
+    """A prepare writing into --out holds it: a second one there is refused, naming the
+    first's PID, and writes nothing (two corpora's shards are never mixed)."""
+    import fcntl
+    from conftest import ROOT, cli
+    text = os.path.join(ROOT, "data", "tinyshakespeare.txt")
+    out = tmp_path / "d"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (as the first prepare holds it)
+    try:
+        for args in ([], ["--shard-size", "100000"], ["--hellaswag"]):
+            one_line(cli("prepare", text, "--out", out, "--name", "corp", *args),
+                     f"--out {out}: another command (pid {os.getpid()}) is writing into "
+                     f"this directory; wait for it to end, or give another directory")
+        assert os.listdir(out) == []
+    finally:
+        os.close(fd)
+
+
+def test_convert_never_replaces_a_file_unasked_and_writes_with_the_umask(tmp_path):
+    from conftest import cli, fixture
+    model = fixture("tiny_model.bin")
+    res = cli("convert", model, tmp_path / "hf")
+    assert res.returncode == 0, res.stderr
+    assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode & 0o777 == 0o644
+    (tmp_path / "x.bin").write_bytes(b"mine")
+    one_line(cli("convert", tmp_path / "hf", tmp_path / "x.bin"),
+             f"{tmp_path / 'x.bin'}: already exists; give --force to replace it")
+    assert (tmp_path / "x.bin").read_bytes() == b"mine"
+    assert cli("convert", tmp_path / "hf", tmp_path / "x.bin", "--force").returncode == 0
+    assert open(tmp_path / "x.bin", "rb").read() == open(model, "rb").read()
+
+
+def test_two_outputs_of_one_command_on_one_path_are_refused(tmp_path):
+    from conftest import cli
+    one_line(cli(*TINY, "-n", 1, "-o", tmp_path / "o", "--trace", tmp_path / "x",
+                 "--log-file", tmp_path / "x"),
+             f"--trace {tmp_path / 'x'}: is also another of this command's outputs")
+    assert os.listdir(tmp_path) == []
+
+
+def test_gpucheck_refuses_an_out_it_cannot_use_in_one_line(tmp_path):
+    from conftest import cli
+    (tmp_path / "file").write_text("x")
+    one_line(cli("gpucheck", "--out", tmp_path / "file"),
+             f"--out {tmp_path / 'file'}: is a file, not a directory")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text("not JSON")
+    one_line(cli("gpucheck", "--out", tmp_path / "r"), "report.json: not a report gpucheck "
+                                                        "wrote (not a JSON object")
+    assert (tmp_path / "r" / "report.json").read_text() == "not JSON"
+    (tmp_path / "r" / "report.json").write_text("[1]")
+    one_line(cli("gpucheck", "--out", tmp_path / "r"), "not a report gpucheck wrote")
+    one_line(cli("gpucheck", "--out", "/proc/1/x"), "--out /proc/1/x: cannot")
+
+
+def test_plot_leaves_out_what_it_cannot_draw_and_refuses_nothing_to_draw(tmp_path):
+    pytest.importorskip("matplotlib")
+    from conftest import cli
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 1e308}\n{"step": 2, "train_loss": -1e308}\n'
+                   '{"step": 3, "train_loss": 2.5}\n{"step": 4, "val_loss": NaN}\n')
+    res = cli("plot", log, "--out", tmp_path / "a.png")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "(1 train, 0 val points; left out 3 NaN, infinite or out-of-range" in res.stdout
+    log.write_text('{"step": 1, "train_loss": NaN}\n{"step": 2, "val_loss": Infinity}\n')
+    one_line(cli("plot", log, "--out", tmp_path / "b.png"), "no loss to plot")
+    log.write_text('{"step": 1, "train_loss": ' + "9" * 5000 + "}\n")
+    one_line(cli("plot", log, "--out", tmp_path / "c.png"), "line 1 is not JSON")
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "log.jsonl"]
+
+
+@pytest.mark.parametrize("field", ['"label": 1.9', '"label": true', '"label": "x"'])
+def test_hellaswag_jsonl_is_read_strictly(tmp_path, field):
+    from conftest import cli
+    line = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], ' + field + '}\n'
+    (tmp_path / "h.jsonl").write_text(line)
+    one_line(cli("prepare", "--hellaswag", tmp_path / "h.jsonl", "--out", tmp_path / "o"),
+             "h.jsonl:1: not a HellaSwag example")
+    assert os.listdir(tmp_path) == ["h.jsonl"]
+
+
+def test_transformers_config_is_read_strictly(tmp_path):
+    from conftest import cli, fixture
+    assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
+    cfg = tmp_path / "hf" / "config.json"
+    good = json.loads(cfg.read_text())
+    for bad, expect in (([1], "not a JSON object"), ({**good, "n_layer": 2.0},
+                                                      "n_layer 2.0 is not a whole number")):
+        cfg.write_text(json.dumps(bad))
+        one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"), expect)
+    assert not (tmp_path / "m.bin").exists()
