@@ -118,6 +118,20 @@ def test_grid_over_nvshmem_verifies_in_any_order(grid):
     assert all(s["ok"] for s in r["steps"])
 
 
+@pytest.mark.parametrize("device", NVSHMEM_DEVICES[1:])
+@pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2", "--no-overlap"], ["--dp", "2"]],
+                         ids=["dp2-tp2-no-overlap", "dp2"])
+def test_the_replicas_sum_on_a_gpu(device, grid):
+    """Where --dp 2 --tp 2 over nvshmem went wrong on an H200 (4 PEs on one GPU, every
+    gradient wrong, the forward right; cudasim in any order does not reproduce it): the
+    replicas' sum without the overlap beside the tensor-parallel sums, and alone, so a GPU
+    run tells which one it is."""
+    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
+                        ranks=4 if "--tp" in grid else 2, env=device_env(device))
+    assert res.returncode == 0 and r["ok"], res.stdout + res.stderr
+    assert all(s["ok"] for s in r["steps"])
+
+
 def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
     """bench --comm on the CUDA backend times its transport (auto: nvshmem), collectives
     included; on cudasim only that it runs (its times say nothing of a GPU's)."""
