@@ -1,5 +1,7 @@
 """llm.c's training loop: val every -v steps, sample every -s, a step line per step; plus
-checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, Ctrl-C)."""
+checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, a signal between
+any two batches). One module, the training loop told as one story (llm.c's main), so it
+runs past the size a file is otherwise held to."""
 import contextlib
 import json
 import math
