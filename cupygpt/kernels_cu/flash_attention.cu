@@ -6,7 +6,8 @@
 // with D = rowsum(dy * y) in place of the sum over keys.
 //
 // A block owns FR = 16 * FLASH_WARPS rows of one (b, h) (queries; keys in dkdv), a warp 16 of
-// them, and walks tiles of FC = FLASH_COLS columns (keys; queries in dkdv) through shared
+// them (grid: x the (b, h), y the row tile, longest first, so every head's longest tiles
+// start first), and walks tiles of FC = FLASH_COLS columns (keys; queries in dkdv) through shared
 // memory, skipping the tiles the causal mask hides from all its rows. The two products per
 // tile run on one warp's 16 rows with fp32 accumulators in mma.sync's layout (acc[j][e]:
 // lane 4g + q holds row g (e 0, 1) and g + 8 (e 2, 3), column 8j + 2q + e % 2):
@@ -232,8 +233,8 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     floatX *Qs = reinterpret_cast<floatX*>(smem), *Ks = Qs + FR * LD, *Vs = Ks + FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + FC * LD) + threadIdx.x / WARP * 16 * LP;
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
-    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.x) * FR;  // the longest rows first
-    int b = blockIdx.y / NH, h = blockIdx.y % NH;
+    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;  // the longest rows first
+    int b = blockIdx.x / NH, h = blockIdx.x % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
     load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
@@ -279,7 +280,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     }
     #pragma unroll
     for (int i = 0; i < 2; i++)
-        if (q == 0 && row[i] < T) lse[(long long)blockIdx.y * T + row[i]] = m[i] + logf(l[i]);
+        if (q == 0 && row[i] < T) lse[(long long)blockIdx.x * T + row[i]] = m[i] + logf(l[i]);
     __syncthreads();  // Qs is the output's staging now
     #pragma unroll
     for (int j = 0; j < HSP / 8; j++)
@@ -303,8 +304,8 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
            *Vs = Ks + FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + FC * LD) + threadIdx.x / WARP * 16 * LP;
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
-    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.x) * FR;
-    int b = blockIdx.y / NH, h = blockIdx.y % NH;
+    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;
+    int b = blockIdx.x / NH, h = blockIdx.x % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
     load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
@@ -324,8 +325,8 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
             for (int e = 0; e < PACK; e++) s += fd[e] * fy[e];
         }
         D[i] = quad_sum(s);
-        L[i] = in ? lse[(long long)blockIdx.y * T + row[i]] : 0.f;
-        if (q == 0 && in) Dbuf[(long long)blockIdx.y * T + row[i]] = D[i];
+        L[i] = in ? lse[(long long)blockIdx.x * T + row[i]] : 0.f;
+        if (q == 0 && in) Dbuf[(long long)blockIdx.x * T + row[i]] = D[i];
     }
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();
@@ -366,8 +367,8 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
     float *Ls = reinterpret_cast<float*>(dYs + FC * LD), *Ds = Ls + FC,
           *pw = Ds + FC + threadIdx.x / WARP * 16 * LP;
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
-    int k0 = blockIdx.x * FR;  // the first key tiles see the most queries: launched first
-    int b = blockIdx.y / NH, h = blockIdx.y % NH;
+    int k0 = blockIdx.y * FR;  // the first key tiles see the most queries: launched first
+    int b = blockIdx.x / NH, h = blockIdx.x % NH;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
     load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS);
@@ -380,8 +381,8 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
         load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, t0, FC, T, HS);
         for (int i = threadIdx.x; i < FC; i += blockDim.x) {
             bool in = t0 + i < T;
-            Ls[i] = in ? lse[(long long)blockIdx.y * T + t0 + i] : 0.f;
-            Ds[i] = in ? Dbuf[(long long)blockIdx.y * T + t0 + i] : 0.f;
+            Ls[i] = in ? lse[(long long)blockIdx.x * T + t0 + i] : 0.f;
+            Ds[i] = in ? Dbuf[(long long)blockIdx.x * T + t0 + i] : 0.f;
         }
         __syncthreads();
         if (t0 + FC - 1 < k0 + 16 * w) continue;  // every query is before this warp's keys
