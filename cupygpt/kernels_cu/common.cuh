@@ -88,6 +88,7 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 }
 
 #define LOG2E 1.4426950408889634f  // exp(x) = exp2(x * LOG2E): one MUFU.EX2, no IEEE expf
+#define LN2 0.6931471805599453f     // log(x) = log2(x) * LN2
 
 // exp(x - m), as exp2 with log2(e) folded in (ml = m * LOG2E, computed once per m).
 __device__ __forceinline__ float exp_from(float x, float ml) { return exp2f(fmaf(x, LOG2E, -ml)); }

@@ -240,6 +240,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
+    float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
         __syncthreads();  // the last tile's readers are done
         load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
@@ -248,26 +249,28 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
         if (k0 > r0 + 16 * w + 15) continue;  // every key is after this warp's queries
         float s[FC / 8][4], mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f};
         tile_nt<M, HSP, FC>(s, Qs + 16 * w * LD, Ks, LD);
+        bool diagonal = k0 + FC - 1 > r0 + 16 * w;  // (warp-uniform: only there a key is masked)
         #pragma unroll
         for (int j = 0; j < FC / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int key = k0 + 8 * j + 2 * q + e % 2;
-                s[j][e] = key > row[e / 2] ? -INFINITY : s[j][e] * scale;
+                s[j][e] *= sl;
+                if (diagonal && key > row[e / 2]) s[j][e] = -INFINITY;
                 mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
             }
         float alpha[2];
         #pragma unroll
         for (int i = 0; i < 2; i++) {  // key 0 is in every row's first tile: mx is finite
             mx[i] = quad_max(mx[i]);
-            alpha[i] = expf(m[i] - mx[i]);
+            alpha[i] = exp2f(m[i] - mx[i]);
             m[i] = mx[i];
         }
         #pragma unroll
         for (int j = 0; j < FC / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                s[j][e] = expf(s[j][e] - m[e / 2]);
+                s[j][e] = exp2f(s[j][e] - m[e / 2]);
                 sum[e / 2] += s[j][e];
             }
         #pragma unroll
@@ -280,7 +283,8 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     }
     #pragma unroll
     for (int i = 0; i < 2; i++)
-        if (q == 0 && row[i] < T) lse[(long long)blockIdx.x * T + row[i]] = m[i] + logf(l[i]);
+        if (q == 0 && row[i] < T)  // (natural log: m is in log2 units)
+            lse[(long long)blockIdx.x * T + row[i]] = (m[i] + log2f(l[i])) * LN2;
     __syncthreads();  // Qs is the output's staging now
     #pragma unroll
     for (int j = 0; j < HSP / 8; j++)
@@ -325,7 +329,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
             for (int e = 0; e < PACK; e++) s += fd[e] * fy[e];
         }
         D[i] = quad_sum(s);
-        L[i] = in ? lse[(long long)blockIdx.x * T + row[i]] : 0.f;
+        L[i] = in ? lse[(long long)blockIdx.x * T + row[i]] * LOG2E : 0.f;  // (log2 units)
         if (q == 0 && in) Dbuf[(long long)blockIdx.x * T + row[i]] = D[i];
     }
     for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
@@ -334,15 +338,17 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
         load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
         __syncthreads();
         if (k0 > r0 + 16 * w + 15) continue;
-        float s[FC / 8][4], dp[FC / 8][4];
+        float s[FC / 8][4], dp[FC / 8][4], sl = scale * LOG2E;
         tile_nt<M, HSP, FC>(s, Qs + 16 * w * LD, Ks, LD);
         tile_nt<M, HSP, FC>(dp, dYs + 16 * w * LD, Vs, LD);
+        bool diagonal = k0 + FC - 1 > r0 + 16 * w;  // (warp-uniform: only there a key is masked)
         #pragma unroll
         for (int j = 0; j < FC / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int key = k0 + 8 * j + 2 * q + e % 2, i = e / 2;
-                float p = key > row[i] ? 0.f : expf(s[j][e] * scale - L[i]);
+                float p = exp2f(fmaf(s[j][e], sl, -L[i]));
+                if (diagonal && key > row[i]) p = 0.f;
                 dp[j][e] = (dp[j][e] - D[i]) * p * scale;
             }
         tile_nn<M, FC, HSP>(dq, dp, Ks, LD, pw);
@@ -381,20 +387,22 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
         load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, t0, FC, T, HS);
         for (int i = threadIdx.x; i < FC; i += blockDim.x) {
             bool in = t0 + i < T;
-            Ls[i] = in ? lse[(long long)blockIdx.x * T + t0 + i] : 0.f;
+            Ls[i] = in ? lse[(long long)blockIdx.x * T + t0 + i] * LOG2E : 0.f;  // (log2)
             Ds[i] = in ? Dbuf[(long long)blockIdx.x * T + t0 + i] : 0.f;
         }
         __syncthreads();
         if (t0 + FC - 1 < k0 + 16 * w) continue;  // every query is before this warp's keys
-        float s[FC / 8][4], dp[FC / 8][4];
+        float s[FC / 8][4], dp[FC / 8][4], sl = scale * LOG2E;
         tile_nt<M, HSP, FC>(s, Ks + 16 * w * LD, Qs, LD);
+        // (warp-uniform) a query of the tile before one of the warp's keys, or past T
+        bool edge = t0 < k0 + 16 * w + 15 || t0 + FC > T;
         #pragma unroll
         for (int j = 0; j < FC / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int c = 8 * j + 2 * q + e % 2;
-                bool hidden = t0 + c < key[e / 2] || t0 + c >= T;
-                s[j][e] = hidden ? 0.f : expf(s[j][e] * scale - Ls[c]);
+                s[j][e] = exp2f(fmaf(s[j][e], sl, -Ls[c]));
+                if (edge && (t0 + c < key[e / 2] || t0 + c >= T)) s[j][e] = 0.f;
             }
         tile_nn<M, FC, HSP>(dv, s, dYs, LD, pw);
         tile_nt<M, HSP, FC>(dp, Vs + 16 * w * LD, dYs, LD);
