@@ -694,8 +694,7 @@ def matmul_backward_weight(dw, db, dout, inp):
     if _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0, bias_grad=g):
         _column_sum(db, dout, N, OC)
     elif db is not None:
-        _launch("bias_grad_add", (-(-OC // GEOMETRY["EW_THREADS"]),), (GEOMETRY["EW_THREADS"],),
-                db, g, _i(OC))
+        _ew("bias_grad_add", OC, db, g, _i(OC))
 
 
 @_op

@@ -112,6 +112,14 @@ extern "C" __global__ void column_sum_f32(floatX* out_a, floatX* out_b, int spli
     column_sum(out_a, out_b, split, in, N, OC, rows_per_chunk, partial, done);
 }
 
+// A whole group's squares from one aligned 16-byte load (the norm's, below).
+__device__ __forceinline__ float pack_squares(const floatX* p) {
+    Pack v = *reinterpret_cast<const Pack*>(p);
+    float s = 0.f;
+    for (int k = 0; k < PACK; k++) s += __fmul_rn(load(v.v[k]), load(v.v[k]));
+    return s;
+}
+
 // The gradient norm's sum of squares: acc[0] += sum of x[i]^2, deterministically. The
 // squares are summed in float only within a group, the PACK elements of one 16-byte run
 // of the stage's flat buffer (x[0] is its element `offset`): every way of splitting the
@@ -122,12 +130,8 @@ extern "C" __global__ void column_sum_f32(floatX* out_a, floatX* out_b, int spli
 // of EW_THREADS; block b writes the sum of its grid-strided groups to partial[b].
 // (__fmul_rn: a square rounded before it is added, never fused into an FMA, as NumPy's.)
 __device__ __forceinline__ float group_squares(const floatX* x, long long n, long long i) {
+    if (i >= 0 && i + PACK <= n && aligned16(x + i)) return pack_squares(x + i);
     float s = 0.f;
-    if (i >= 0 && i + PACK <= n && aligned16(x + i)) {
-        Pack p = *reinterpret_cast<const Pack*>(x + i);
-        for (int k = 0; k < PACK; k++) s += __fmul_rn(load(p.v[k]), load(p.v[k]));
-        return s;
-    }
     for (long long j = max(i, 0LL); j < i + PACK && j < n; j++) s += __fmul_rn(load(x[j]), load(x[j]));
     return s;
 }
@@ -140,14 +144,6 @@ __device__ __forceinline__ double block_sum_d(double s) {
     __syncthreads();
     s = threadIdx.x < EW_THREADS / WARP ? part[threadIdx.x] : 0.0;
     if (threadIdx.x < WARP) s = warp_sum_d(s);
-    return s;
-}
-
-// A whole group's squares from one aligned 16-byte load (the _v entry's fast path).
-__device__ __forceinline__ float pack_squares(const floatX* p) {
-    Pack v = *reinterpret_cast<const Pack*>(p);
-    float s = 0.f;
-    for (int k = 0; k < PACK; k++) s += __fmul_rn(load(v.v[k]), load(v.v[k]));
     return s;
 }
 
