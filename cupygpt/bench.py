@@ -26,6 +26,11 @@ def bench(sess, on_step=None):
     each step, warm-up included. With --dtype both: {"fp32": ..., "bf16": ...,
     "bf16_speedup"}, each timed by a runner of its own (the first freed first)."""
     c = sess.config
+    if c.device.attention == "both":  # (validated: not with --dtype both)
+        out = {kind: _bench(sess, c.dtype, on_step, kind) for kind in ATTENTIONS}
+        out["cudnn_speedup"] = (out["own"]["ms_per_step_median"]
+                                / out["cudnn"]["ms_per_step_median"])
+        return out
     if c.dtype != "both":
         return _bench(sess, c.dtype, on_step)
     out = {name: _bench(sess, name, on_step) for name in RUN_DTYPES}
@@ -33,12 +38,30 @@ def bench(sess, on_step=None):
     return out
 
 
-def _bench(sess, dtype, on_step):
+ATTENTIONS = ("cudnn", "own")  # --attention both: in this order, each a runner of its own
+ATTENTION_OPS = ("attention_forward", "attention_backward")
+
+
+def side_by_side(r):
+    """--attention both's comparison: each path's ms per step and, profiled, the ms per
+    step of each kernel (or cuDNN call) inside the attention ops."""
+    lines = ["attention side by side: " + ", ".join(
+        f"{k} {r[k]['ms_per_step_median']:.2f} ms/step" for k in ATTENTIONS)
+        + f"; cuDNN's step is {r['cudnn_speedup']:.2f}x the own kernels' speed"]
+    for k in ATTENTIONS:
+        rows = [row for row in r[k].get("per_kernel", []) if row["op"] in ATTENTION_OPS]
+        lines += [f"  {k:<6}{row['op'] + ': ' + row['kernel']:<48}{row['ms_per_step']:>9.3f} ms"
+                  for row in rows]
+    return "\n".join(lines)
+
+
+def _bench(sess, dtype, on_step, attention=None):
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
     run = sess.runner(cfg, None, batch=B, seq=T, dtype=DTYPES[dtype],
                       adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
-                      graphs=c.graphs and not c.trace, recompute=c.recompute)
+                      graphs=c.graphs and not c.trace, recompute=c.recompute,
+                      attention=attention)
     run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
     if c.trace:
         run.start_trace()
@@ -64,6 +87,7 @@ def _bench(sess, dtype, on_step):
            "mfu": mfu(be, cfg, T, dtype, B * T, ms / 1e3),
            "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
            "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,
+           "attention": sess.attention,
            "planned_memory_bytes": run.memory, "fallbacks": be.fallbacks(),
            "grid": {"dp": sess.mesh.dp, "tp": sess.mesh.tp, "pp": sess.mesh.pp,
                     "micro_batches": c.pipeline.micro_batches, "zero": c.grid.zero,

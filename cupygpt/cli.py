@@ -7,7 +7,7 @@ import time
 
 import click
 
-from .bench import bench as run_bench
+from .bench import ATTENTIONS, bench as run_bench, side_by_side
 from .bench_comm import comm_bench, format_rows, sizes
 from .config_parts import RUN_DTYPES, VERIFY_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
@@ -196,7 +196,8 @@ def bench(out, **kw):
             click.echo(format_rows(rows) + f"\nwrote {out}")
         return
     c = sess.config
-    with progress((c.warmup + c.steps) * (2 if c.dtype == "both" else 1), "benchmarking") as bar:
+    two = "both" in (c.dtype, c.device.attention)
+    with progress((c.warmup + c.steps) * (2 if two else 1), "benchmarking") as bar:
         r = run_bench(sess, lambda: bar.update(1))
     if sess.mesh.rank != 0:
         return
@@ -205,13 +206,16 @@ def bench(out, **kw):
     if c.dtype == "both":
         click.echo("\n".join([bench_line(r["fp32"], out), bench_line(r["bf16"], out),
                               f"bf16 is {r['bf16_speedup']:.2f}x fp32's speed"]))
+    elif c.device.attention == "both":
+        click.echo("\n".join([bench_line(r[k], out) for k in ATTENTIONS] + [side_by_side(r)]))
     else:
         click.echo(bench_line(r, out))
 
 
 def bench_line(r, out):
     """bench's report of one dtype: its step, then its per-op and per-kernel rows."""
-    lines = [f"{r['device']}: {r['model']} {r['dtype']} B={r['B']} T={r['T']}: "
+    lines = [f"{r['device']}: {r['model']} {r['dtype']} B={r['B']} T={r['T']}, attention "
+             f"{r['attention']}: "
              f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"
              + (f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
              + (f", host launch {100 * r['host_launch_fraction']:.1f}% of the step"

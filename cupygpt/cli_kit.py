@@ -113,7 +113,12 @@ device_options = options(
     click.option("--peer-timeout", default=300.0, show_default=True,
                  help="seconds to wait on another rank before failing"),
     click.option("--tf32/--no-tf32", default=None,
-                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"))
+                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
+    click.option("--attention", default="auto", show_default=True,
+                 type=click.Choice(["auto", "cudnn", "own", "both"]),
+                 help="bf16 attention: cuDNN's fused sdpa (the cudnn extra) or the own flash "
+                      "kernels; auto: cuDNN where it can run, saying why not otherwise; "
+                      "both: bench's, the two side by side"))
 pipeline_options = options(
     click.option("--micro-batches", default=1, show_default=True,
                  help="micro-batches per step (must divide the batch; per replica with --dp)"),

@@ -125,7 +125,7 @@ class TrainConfig:
                                    "fix the path", name, getattr(c, name))
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
-        runs_on(be, shape, "init", c.init)
+        runs_on(c, be, shape, "init", c.init)
         c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
         c = replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                     c.grid.rows_per_replica(c.batch)))
@@ -191,7 +191,7 @@ class EvalConfig:
         c = run_dtype(self, be, VERIFY_DTYPES)
         existing("model", c.model)
         shape = model_shape(c.model)
-        runs_on(be, shape, "model", c.model)
+        runs_on(c, be, shape, "model", c.model)
         examples, seq = hellaswag_examples(c.hellaswag, c.batch, c.seq, shape, "hellaswag")
         c = replace(c, seq=seq, examples=examples)
         grid = c.grid.validate(shape, world)
@@ -221,7 +221,7 @@ class VerifyConfig:
         c = run_dtype(self, be, VERIFY_DTYPES)
         c = c if c.expected is None else replace(c, expected_losses=read_expected(c.expected))
         shape = model_shape(self.model)
-        runs_on(be, shape, "model", self.model)
+        runs_on(c, be, shape, "model", self.model)
         if self.state is None:  # (the CLI looked beside the model)
             raise CupyGPTError(f"no NAME_debug_state.bin beside {self.model}: give the "
                                f"model's llm.c debug state with --state")
@@ -254,7 +254,7 @@ class SampleConfig:
         positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
         self = run_dtype(self, be)
         shape = model_shape(self.model)
-        runs_on(be, shape, "model", self.model)
+        runs_on(self, be, shape, "model", self.model)
         if self.top_k is not None and not 0 < self.top_k <= shape.V:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",
                                self.top_k)
@@ -298,7 +298,7 @@ class BenchConfig:
                                f"model file's", "init", c.init)
         shape = preset(c.init)
         fits(c.seq, shape)
-        runs_on(be, shape, "init", c.init)
+        runs_on(c, be, shape, "init", c.init, both=True)
         c = replace(c, device=c.device.validate(be, world))
         if c.comm:  # every rank in one group: the collectives span the world
             if world < 2:

@@ -10,7 +10,7 @@ from typing import Optional
 from . import CupyGPTError
 from .layout import RECOMPUTED
 from .paths import not_regular
-from .precision import dtype_name
+from .precision import DTYPES, dtype_name
 from .parallel.pipeline.plan import plan_split
 from .parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
 
@@ -22,6 +22,7 @@ class Device:
     tf32: Optional[bool] = None     # None: the command's default (train on, verify off)
     transport: str = "auto"
     peer_timeout: float = 300.0
+    attention: str = "auto"         # auto | cudnn | own (| both: bench's side by side)
 
     def validate(self, be, world):
         positive(self, "peer_timeout")
@@ -139,11 +140,43 @@ def fits(seq, shape):
         raise CupyGPTError(f"longer than the model's maxT={shape.maxT}; lower it", "seq", seq)
 
 
-def runs_on(be, shape, name, value):
-    """The backend runs this model's attention (the CUDA kernels take some head sizes)."""
+def runs_on(c, be, shape, name, value, both=False):
+    """The backend runs this model's attention (the CUDA kernels take some head sizes), the
+    way --attention asks, in each dtype the command runs (c's, resolved); both: the command
+    takes --attention both (bench)."""
     why = be.attention_refuses(shape.C // shape.NH)
     if why:
         raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
+    asked = c.device.attention
+    if asked not in ATTENTION:
+        raise CupyGPTError(f"unknown; use {', '.join(ATTENTION)}", "attention", asked)
+    if asked == "both" and not both:
+        raise CupyGPTError("runs the two attentions side by side, which bench alone does; "
+                           "use auto, cudnn or own", "attention", asked)
+    if asked == "both" and c.dtype == "both":
+        raise CupyGPTError("and --dtype both: one side-by-side comparison at a time",
+                           "attention", asked)
+    for dtype in RUN_DTYPES if c.dtype == "both" else (c.dtype,):
+        for one in ("cudnn", "own") if asked == "both" else (asked,):
+            attention_path(one, be, DTYPES[dtype], shape)
+
+
+ATTENTION = ("auto", "cudnn", "own", "both")
+
+
+def attention_path(asked, be, dtype, shape):
+    """(the attention a run of dtype takes for --attention asked: "cudnn" | "own", the run
+    table's words for it: which, and why when auto fell back); an asked cudnn that cannot
+    run raises, saying why."""
+    why = be.fused_attention_refuses(dtype, shape.C // shape.NH)
+    if asked == "own":
+        return "own", "own flash kernels (as asked)"
+    if why is None:
+        return "cudnn", f"cuDNN fused sdpa ({'auto' if asked == 'auto' else 'as asked'})"
+    if asked == "cudnn":
+        raise CupyGPTError(f"{why}; else use --attention auto (cuDNN where it can run, "
+                           f"the own kernels elsewhere) or own", "attention", asked)
+    return "own", f"own flash kernels (auto: {why})"
 
 
 MADE = []  # the directories make_dir created, in order: a command that fails removes them

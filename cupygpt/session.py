@@ -8,6 +8,7 @@ import numpy as np
 from .backends import get_backend
 from .comm import make_transport
 from .comm.launch import host_names, launched_ranks, world_rank
+from .config_parts import attention_path
 from .files import is_model_file, read_model
 from .log import Log
 from .initialize import init_params
@@ -42,10 +43,15 @@ class Session:
         self.log = Log(self.mesh.rank, self.mesh.size)
 
     def runner(self, shape, params, *, batch, seq, dtype=np.float32, adamw=None,
-               graphs=False, recompute=0):
+               graphs=False, recompute=0, attention=None):
         """This rank's Runner over the command's pipeline and grid; params: the whole
-        model's host parameters (None: a resume fills the stages)."""
+        model's host parameters (None: a resume fills the stages); attention: --attention's
+        choice (None: the command's), taken before the memory plan (it counts cuDNN's
+        workspace) and said in `attention` (the run table's words)."""
         p, g = self.config.pipeline, self.config.grid
+        kind, self.attention = attention_path(attention or self.config.device.attention,
+                                              self.be, dtype, shape)
+        self.be.use_attention(kind)
         run = Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
                      batch=batch, seq=seq, micro_batches=p.micro_batches, schedule=p.schedule,
                      virtual=p.virtual_stages, counts=p.counts, dtype=dtype, adamw=adamw,
@@ -63,6 +69,7 @@ class Session:
                  (" (zero 1)" if g.zero else "") if run.overlap else
                  "reduce-scatter (zero 1)" if g.zero else "after backward"),
                 ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
+                ("attention", self.attention),
                 ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
                 ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
                 ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]

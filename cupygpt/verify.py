@@ -49,7 +49,7 @@ def verify(sess, on_step=None):
     tol = TOLERANCES[numerics(sess.be, DTYPES[c.dtype])]
     report = {
         "model": c.model, "state": c.state, "backend": numerics(sess.be, DTYPES[c.dtype]),
-        "ranks": sess.mesh.size, "schedule": c.pipeline.schedule,
+        "ranks": sess.mesh.size, "attention": sess.attention, "schedule": c.pipeline.schedule,
         "micro_batches": c.pipeline.micro_batches, "B": state["B"], "T": state["T"],
         "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],
                    "ok": logit_diff <= tol["logits"]},

@@ -140,13 +140,17 @@ def load_cudasim():
     """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
     real CuPy or nvmath is left as it was."""
     names = ("cupy", "cupy.cuda", "cupy.cuda.nccl", "cupy_backends", "cupy_backends.cuda",
-             "cupy_backends.cuda.libs", "nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt")
+             "cupy_backends.cuda.libs", "nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt",
+             "cudnn", "cupygpt.backends.cudnn_attention")
     saved = {n: sys.modules.get(n) for n in names}
     try:
         cp = _load("cupy", os.path.join(SIM, "cupy.py"))
         _load("nvmath", os.path.join(SIM, "nvmath", "__init__.py"))
         _load("nvmath.bindings", os.path.join(SIM, "nvmath", "bindings", "__init__.py"))
         _load("nvmath.bindings.cublasLt", os.path.join(SIM, "nvmath", "bindings", "cublasLt.py"))
+        _load("cudnn", os.path.join(SIM, "cudnn", "__init__.py"))
+        _load("cupygpt.backends.cudnn_attention",
+              os.path.join(ROOT, "cupygpt", "backends", "cudnn_attention.py"))
         cu = _load("cupygpt.backends.cuda_backend_on_cudasim",
                    os.path.join(ROOT, "cupygpt", "backends", "cuda_backend.py"))
     finally:

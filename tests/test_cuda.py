@@ -16,6 +16,7 @@ import pytest
 from cupygpt.precision import BF16
 from conftest import (DEVICES, cli, device_env, load_cudasim, losses, requires_sim,
                       run_verify, simulated)
+from test_cudnn import env as cudnn_env
 from test_verify import FILES
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 24: flash attention's 32
@@ -244,13 +245,16 @@ def same_losses(device, got, want):
     assert got and (got == want if device == "sim" else got == pytest.approx(want, rel=1e-5))
 
 
-def test_graph_replay_equals_eager(device, tmp_path):
-    # step 1 runs eagerly (it allocates), step 2 is captured, steps 3 and 4 replay it
+@pytest.mark.parametrize("attention", ["own", "cudnn"])
+def test_graph_replay_equals_eager(device, tmp_path, attention):
+    # step 1 runs eagerly (it allocates), step 2 is captured, steps 3 and 4 replay it (bf16:
+    # the cuda backend's default dtype, so cudnn's graphs are in the captured step)
     args = ["train", "--backend", "cuda", "-e", "tiny", "-b", "4", "-t", "32", "-n", "4", "-v",
-            "0", "-g", "0", "--no-tf32"]
-    eager = run(device, *args, "--no-graphs", "-o", tmp_path / "a")
-    graph = run(device, *args, "--graphs", "-o", tmp_path / "b")
+            "0", "-g", "0", "--no-tf32", "--attention", attention]
+    eager = cli(*args, "--no-graphs", "-o", tmp_path / "a", env=cudnn_env(device, attention))
+    graph = cli(*args, "--graphs", "-o", tmp_path / "b", env=cudnn_env(device, attention))
     assert eager.returncode == 0 and graph.returncode == 0, graph.stderr
+    assert ("cuDNN fused" if attention == "cudnn" else "own flash") in graph.stdout
     same_losses(device, losses(graph.stdout), losses(eager.stdout))
 
 

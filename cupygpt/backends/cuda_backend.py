@@ -30,6 +30,9 @@ import numpy as np
 from nvmath.bindings import cublasLt as lt
 
 from .. import CupyGPTError
+# (names, not the module: cudasim's conftest puts its own build of it in sys.modules)
+from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
+                              refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
 from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
                        sources)
 from ..precision import BF16
@@ -56,6 +59,7 @@ tf32 = False
 _modules, _functions, _workspace = {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
+_attention = ["own"]  # which attention bf16 runs take: "cudnn" (use_attention) or "own"
 
 
 def device_name():
@@ -450,11 +454,14 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
     at most 256 columns, plus a row of 4C) and their counters, the norm's, and the embedding
     backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS), the
-    bias gradients' float scratch (4C, the widest) and cuBLASLt's workspace."""
+    bias gradients' float scratch (4C, the widest), cuBLASLt's workspace and, where bf16
+    attention goes through cuDNN, the workspace its graphs ask."""
     ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
     out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C
                + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
+    if _attention[0] == "cudnn" and np.dtype(dtype) == BF16:  # (builds the step's graphs)
+        out += _sdpa_workspace(batch, cfg.NH // part.tp, seq, cfg.C // cfg.NH)
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
 
@@ -473,6 +480,32 @@ def attention_refuses(head_size):
         return (f"the cuda backend's attention runs head sizes (C/NH) that are multiples of "
                 f"8 up to {top}; this model's is {head_size}")
     return None
+
+
+def fused_attention_refuses(dtype, head_size):
+    """Why cuDNN's fused attention cannot run a run of dtype with heads of head_size
+    here, or None."""
+    return _sdpa_refuses(np.dtype(dtype) == BF16, head_size)
+
+
+def use_attention(kind):
+    """Which attention the bf16 runs' attention_forward/backward take from now on:
+    "cudnn" (cuDNN's fused sdpa) or "own" (the flash kernels; fp32 runs always do)."""
+    why = _sdpa_refuses(True, 8) if kind == "cudnn" else None
+    if why or kind not in ("cudnn", "own"):
+        raise CupyGPTError(why or "unknown; use cudnn or own", "attention", kind)
+    _attention[0] = kind
+
+
+def _fused(kind, NH, qkv, **arrays):
+    """cuDNN's graph of kind for this shape, run on the step's stream with the kept
+    workspace (the memory plan counted it: workspace_bytes)."""
+    size = _sdpa_graph(kind, qkv.shape[0], NH, qkv.shape[1], qkv.shape[2] // 3 // NH)[2]
+    ws = _ws("cudnn", size, np.uint8) if size else None
+    if _trace is None:
+        _sdpa_execute(kind, NH, qkv, arrays, ws)
+    else:
+        _traced(f"cudnn_sdpa_{kind}", _sdpa_execute, kind, NH, qkv, arrays, ws)
 
 
 def memory_domain():
@@ -565,7 +598,10 @@ def _flash(kind, qkv, NH, *args):
 
 @_op
 def attention_forward(out, lse, qkv, NH):
-    _flash("forward", qkv, NH, out, lse, qkv)
+    if _attention[0] == "cudnn" and qkv.dtype == BF16:
+        _fused("forward", NH, qkv, o=out, stats=lse)
+    else:
+        _flash("forward", qkv, NH, out, lse, qkv)
 
 
 @_op
@@ -699,6 +735,8 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 @_op
 def attention_backward(dqkv, dout, qkv, out, lse, NH):
+    if _attention[0] == "cudnn" and qkv.dtype == BF16:
+        return _fused("backward", NH, qkv, dqkv=dqkv, do=dout, o=out, stats=lse)
     D = _ws("flash_D", lse.size)  # rowsum(dout * out): flash_dq writes it, flash_dkdv reads
     _flash("dq", qkv, NH, dqkv, D, dout, qkv, out, lse)
     _flash("dkdv", qkv, NH, dqkv, D, dout, qkv, lse)

@@ -90,6 +90,17 @@ def attention_refuses(head_size):
     return None
 
 
+def fused_attention_refuses(dtype, head_size):
+    """Why a fused library attention cannot run here: the CPU has none (cuDNN is a GPU's)."""
+    return "the numpy backend has no cuDNN (a GPU library): it runs with --backend cuda"
+
+
+def use_attention(kind):
+    """Which attention the model's attention ops take: this backend's own, the only one."""
+    if kind != "own":
+        raise ValueError(f"attention {kind!r}: the numpy backend runs its own only")
+
+
 def memory_domain():
     """What ranks with the same answer allocate from: this host's memory."""
     return socket.gethostname()

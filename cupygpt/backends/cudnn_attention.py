@@ -1,0 +1,123 @@
+"""cuDNN's fused attention (its sdpa graphs, through nvidia-cudnn-frontend's `cudnn`) for
+the CUDA backend's bf16 runs, in place of the own flash kernels.
+
+q, k and v are read straight from the packed qkv (B, T, 3, NH, HS) by strides (no permute
+copy), the output is written as (B, T, NH, HS), the softmax stats (cuDNN's: the natural-log
+logsumexp of each row, float) into the model's lse buffer (B, NH, T), and the backward
+writes dq, dk, dv straight into the packed dqkv. The mask is causal (top-left diagonal).
+
+Everything cuDNN needs but a CUDA graph capture may not do (the handle, each shape's graph:
+validate, plans, support check, build, its workspace size) is made on the shape's first
+use, or earlier by workspace_bytes (the memory plan): a shape first met while the stream
+captures raises, naming it. A captured step only calls execute, on the step's stream.
+
+Imported by cuda_backend (cudasim loads both against its stand-ins: conftest.load_cudasim).
+"""
+import math
+
+import cupy as cp
+
+try:
+    import cudnn
+except ImportError:  # the frontend is an extra (setup.cfg's cudnn)
+    cudnn = None
+
+# Head sizes (C/NH) every cuDNN 9 sdpa runs forward and backward on Ampere and Hopper:
+# multiples of 8 (its 16-byte rows) up to 128 (its backward's limit before Blackwell)
+HEAD_MULTIPLE, MAX_HEAD = 8, 128
+_handle = []   # the one cuDNN handle, made with the first graph
+_graphs = {}   # (kind, B, NH, T, HS) -> (graph, its tensors by name, workspace bytes)
+
+
+def refuses(bf16, head_size):
+    """Why cuDNN's fused attention cannot run a run of this type and head size here, or
+    None: its frontend or library missing, fp32 (cuDNN's sdpa is bf16 and fp16 only; fp32
+    runs keep the own kernels), or a head size its sdpa does not run."""
+    if cudnn is None:
+        return "cuDNN's frontend is not installed (pip install '.[cudnn]')"
+    try:
+        cudnn.backend_version()
+    except Exception:  # (the frontend finds no libcudnn: RuntimeError, its symbol missing)
+        return ("the cuDNN library is not installed (pip install '.[cudnn]' brings "
+                "nvidia-cudnn-cu13)")
+    if not bf16:
+        return "cuDNN's fused attention runs bf16 only (fp32 runs take the own kernels)"
+    if head_size % HEAD_MULTIPLE or head_size > MAX_HEAD:
+        return (f"cuDNN's sdpa runs head sizes (C/NH) that are multiples of {HEAD_MULTIPLE} "
+                f"up to {MAX_HEAD}; this model's is {head_size}")
+    return None
+
+
+def _layouts(B, NH, T, HS):
+    """Dims (B, NH, T, HS) and the strides (elements) of each buffer the graphs read: the
+    packed qkv (and dqkv), the (B, T, NH, HS) output (and its gradient), the stats."""
+    C = NH * HS
+    return ([B, NH, T, HS], {"packed": [T * 3 * C, HS, 3 * C, 1], "rows": [T * C, HS, C, 1],
+                             "stats": [NH * T, T, 1, 1]})
+
+
+def _declare(t, dims, stride, dtype):
+    return t.set_output(True).set_dim(dims).set_stride(stride).set_data_type(dtype)
+
+
+def _build(kind, B, NH, T, HS):
+    if not _handle:
+        _handle.append(cudnn.create_handle())
+    bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32,
+                      handle=_handle[0])
+    dims, st = _layouts(B, NH, T, HS)
+    t = {n: g.tensor(dims, st["packed"], bf16, name=n) for n in ("q", "k", "v")}
+    causal = dict(attn_scale=1.0 / math.sqrt(HS), use_causal_mask=True)
+    if kind == "forward":
+        t["o"], t["stats"] = g.sdpa(t["q"], t["k"], t["v"], generate_stats=True, **causal)
+        _declare(t["o"], dims, st["rows"], bf16)
+        _declare(t["stats"], dims[:3] + [1], st["stats"], f32)
+    else:
+        t["o"], t["do"] = (g.tensor(dims, st["rows"], bf16, name=n) for n in ("o", "do"))
+        t["stats"] = g.tensor(dims[:3] + [1], st["stats"], f32, name="stats")
+        grads = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["do"], t["stats"], **causal)
+        for n, d in zip(("dq", "dk", "dv"), grads):
+            t[n] = _declare(d, dims, st["packed"], bf16)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, t, g.get_workspace_size(_handle[0])
+
+
+def graph(kind, B, NH, T, HS):
+    """The built graph of kind ("forward" | "backward") for this shape, its tensors and the
+    workspace it asks: built on first use, which a capturing stream refuses."""
+    key = (kind, B, NH, T, HS)
+    if key not in _graphs:
+        if cp.cuda.get_current_stream().is_capturing():
+            raise RuntimeError(f"cuDNN attention {kind} of a shape first seen while the stream "
+                               f"captures a CUDA graph (B={B} NH={NH} T={T} HS={HS}): its "
+                               f"graph must be built in an eager step first")
+        _graphs[key] = _build(kind, B, NH, T, HS)
+    return _graphs[key]
+
+
+def workspace_bytes(B, NH, T, HS):
+    """The workspace the forward and backward graphs of this shape ask (one buffer serves
+    both: they run one after the other on one stream); builds them, so a step's graphs are
+    ready before any capture."""
+    return max(graph(kind, B, NH, T, HS)[2] for kind in ("forward", "backward"))
+
+
+def execute(kind, NH, qkv, arrays, workspace):
+    """Runs kind's graph on the current stream: q, k, v at their offsets into qkv (and dq,
+    dk, dv into arrays["dqkv"]), the other tensors from arrays by name."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    g, t, size = graph(kind, B, NH, T, C // NH)
+    item = qkv.dtype.itemsize
+    pack = {t[n]: qkv.data.ptr + i * C * item for i, n in enumerate("qkv")}
+    if kind == "backward":
+        pack.update({t[n]: arrays["dqkv"].data.ptr + i * C * item
+                     for i, n in enumerate(("dq", "dk", "dv"))})
+    pack.update({t[n]: arrays[n].data.ptr for n in ("o", "stats", "do") if n in arrays})
+    cudnn.set_stream(_handle[0], cp.cuda.get_current_stream().ptr)
+    g.execute(pack, workspace.data.ptr if size else None, handle=_handle[0])

@@ -1,0 +1,360 @@
+"""cudasim's cudnn (nvidia-cudnn-frontend 1.32's graph API): the part the CUDA backend's
+fused attention uses (cupygpt/backends/cudnn_attention.py), computed by NumPy from the
+very pointers, dims and strides it declares, on cudasim's device memory and streams.
+
+Installed state: CUDASIM_CUDNN picks what this machine pretends to have installed:
+- unset: the frontend without the cuDNN library (backend_version() fails as the real
+  frontend's does when libcudnn is missing), so runs that do not ask for cuDNN keep the
+  project's own attention kernels;
+- "1": the frontend and the library, of version LIBRARY_VERSION;
+- "absent": no frontend (importing this module fails, as `import cudnn` would).
+
+Strict where cuDNN is, and where a mistake would only show on a GPU:
+- a graph goes validate -> build_operation_graph -> create_execution_plans -> check_support
+  -> build_plans in that order, is frozen once validated, and executes only once built;
+- every sdpa tensor is rank 4 (B, H, S, D) with a unit stride on D, the q/k/v/O dims agree,
+  Stats is a FLOAT (B, H, S_q, 1), D is a multiple of 8 (validate) and at most MAX_HEAD_DIM
+  (check_support: what this stand-in's library runs forward and backward), the outputs'
+  dims, strides and data types are declared by the caller and no two of an output's
+  elements share an address;
+- execute wants every tensor of the graph in the variant pack, each one's extent inside one
+  live device allocation of its declared type, a workspace of get_workspace_size() bytes
+  inside one allocation (the forward asks a float per row, the backward a float dQ
+  accumulator plus a float per row: so a missing or short workspace shows), and a handle
+  made by create_handle() whose stream is live;
+- handle creation, graph building, support checks and get_workspace_size are setup, refused
+  while the current stream captures a CUDA graph; execute is recorded on the handle's
+  stream (replayed with the graph, run in stream order under CUDASIM_ORDER=random).
+The math: bf16 inputs widened to float, float accumulation, softmax stats as natural-log
+logsumexp (float), outputs rounded to bf16 once.
+"""
+import ctypes
+import enum
+import itertools
+import os
+
+import cupy as _cp
+import numpy as np
+
+if os.environ.get("CUDASIM_CUDNN") == "absent":
+    raise ImportError("cudasim: CUDASIM_CUDNN=absent (no cudnn frontend installed)")
+
+__version__ = "1.32.0"
+LIBRARY_VERSION = 91300
+MAX_HEAD_DIM = 128
+
+
+class data_type(enum.IntEnum):  # noqa: N801 (the real enum's name)
+    NOT_SET = 0
+    FLOAT = 1
+    HALF = 3
+    BFLOAT16 = 10
+
+
+class heur_mode(enum.IntEnum):  # noqa: N801
+    A = 0
+    B = 1
+    FALLBACK = 2
+
+
+class diagonal_alignment(enum.IntEnum):  # noqa: N801
+    TOP_LEFT = 0
+    BOTTOM_RIGHT = 1
+
+
+class cudnnGraphNotSupportedError(Exception):  # noqa: N818 (the real exception's name)
+    pass
+
+
+_DTYPES = {data_type.FLOAT: np.dtype(np.float32), data_type.BFLOAT16: _cp.BF16}
+_uids = itertools.count(1)
+
+
+def backend_version():
+    if os.environ.get("CUDASIM_CUDNN") != "1":
+        raise RuntimeError("Unable to find symbol cudnnGetVersion")
+    return LIBRARY_VERSION
+
+
+class Handle:
+    """What create_handle gives: the stream its work runs on (0 until set_stream)."""
+
+    def __init__(self, backend_handle, ordinal=None, stream=None):
+        self.backend_handle, self._ordinal, self.stream = backend_handle, ordinal, stream
+
+
+def create_handle():
+    backend_version()  # (no library: no handle)
+    _cp._not_capturing("cudnnCreate")
+    return Handle(next(_uids), None, 0)
+
+
+def set_stream(handle, stream):
+    if not isinstance(handle, Handle):
+        raise TypeError(f"cudnn.set_stream expects a cudnn.Handle, got {type(handle).__name__}")
+    handle.stream = int(stream)
+
+
+class Tensor:
+    """A graph tensor: dims, strides (elements) and type, as declared."""
+
+    def __init__(self, dim=None, stride=None, data_type=None, name="", uid=None):
+        self.dim, self.stride, self.data_type = dim, stride, data_type
+        self.name, self.uid, self.is_output = name, next(_uids) if uid is None else uid, False
+
+    def set_output(self, value):
+        self.is_output = bool(value)
+        return self
+
+    def set_dim(self, dim):
+        self.dim = [int(x) for x in dim]
+        return self
+
+    def set_stride(self, stride):
+        self.stride = [int(x) for x in stride]
+        return self
+
+    def set_data_type(self, dtype):
+        self.data_type = data_type(dtype)
+        return self
+
+    def get_dim(self):
+        return self.dim
+
+    def get_stride(self):
+        return self.stride
+
+
+_FORWARD = {"generate_stats", "is_inference", "attn_scale", "use_causal_mask"}
+_BACKWARD = {"attn_scale", "use_causal_mask"}
+_STAGES = ("validate", "build_operation_graph", "create_execution_plans", "check_support",
+           "build_plans")
+
+
+class pygraph:  # noqa: N801
+    """One sdpa or sdpa_backward node over bf16 tensors (what the backend builds)."""
+
+    def __init__(self, name="test_graph", io_data_type=None, intermediate_data_type=None,
+                 compute_data_type=None, handle=None):
+        if handle is not None and not isinstance(handle, Handle):
+            raise TypeError("handle: a cudnn.Handle from create_handle()")
+        self.name, self._handle, self._done, self._node = name, handle, [], None
+        self._types = (io_data_type, intermediate_data_type, compute_data_type)
+        self._tensors = []
+
+    def _mutable(self):
+        if self._done:
+            raise RuntimeError(f"graph {self.name}: changed after validate()")
+
+    def tensor(self, dim, stride=None, data_type=None, *, name=""):
+        self._mutable()
+        t = Tensor([int(x) for x in dim], None if stride is None else [int(x) for x in stride],
+                   data_type, name)
+        self._tensors.append(t)
+        return t
+
+    def _op(self, kind, inputs, params, allowed, outputs):
+        self._mutable()
+        if self._node is not None:
+            raise cudnnGraphNotSupportedError("cudasim emulates one sdpa node per graph")
+        extra = set(params) - allowed
+        if extra:
+            raise cudnnGraphNotSupportedError(f"cudasim does not emulate {kind} {sorted(extra)}")
+        outs = [Tensor(name=f"{kind}::{o}") for o in outputs]
+        self._tensors += outs
+        self._node = (kind, inputs, params, outs)
+        return outs
+
+    def sdpa(self, q, k, v, **kwargs):
+        if kwargs.get("generate_stats") is None and kwargs.get("is_inference") is None:
+            raise ValueError("sdpa: one of generate_stats, is_inference must be set")
+        stats = kwargs.get("generate_stats")
+        stats = bool(stats) if stats is not None else not kwargs["is_inference"]
+        o, s = self._op("sdpa", dict(q=q, k=k, v=v), kwargs, _FORWARD, ("O", "Stats"))
+        return [o, s if stats else None]
+
+    def sdpa_backward(self, q, k, v, o, dO, stats, **kwargs):  # noqa: N803 (the real name)
+        return self._op("sdpa_backward", dict(q=q, k=k, v=v, o=o, dO=dO, stats=stats), kwargs,
+                        _BACKWARD, ("dQ", "dK", "dV"))
+
+    def _stage(self, name):
+        _cp._not_capturing(f"cudnn graph {name} (build graphs before the capture)")
+        if self._done != list(_STAGES[:_STAGES.index(name)]):
+            raise RuntimeError(f"graph {self.name}: {name}() after {self._done or 'nothing'}; "
+                               f"the order is {', '.join(_STAGES)}")
+        self._done.append(name)
+
+    def validate(self):
+        self._stage("validate")
+        _validate(self)
+
+    def build_operation_graph(self):
+        self._stage("build_operation_graph")
+
+    def create_execution_plans(self, heuristics=None):
+        if not heuristics or any(not isinstance(h, heur_mode) for h in heuristics):
+            raise ValueError("create_execution_plans: a list of cudnn.heur_mode")
+        self._stage("create_execution_plans")
+
+    def check_support(self):
+        self._stage("check_support")
+        d = max(self._node[1]["q"].dim[3], self._node[1]["v"].dim[3])
+        if d > MAX_HEAD_DIM:
+            raise cudnnGraphNotSupportedError(f"no engine runs head dim {d} (cudasim's "
+                                              f"library: at most {MAX_HEAD_DIM})")
+
+    def build_plans(self):
+        self._stage("build_plans")
+
+    def get_workspace_size(self, handle=None):
+        _cp._not_capturing("cudnn get_workspace_size")
+        if handle is not None and not isinstance(handle, Handle):
+            raise TypeError("handle: a cudnn.Handle")
+        if self._done != list(_STAGES):
+            raise RuntimeError(f"graph {self.name}: get_workspace_size() before build_plans()")
+        return self._asks()
+
+    def _asks(self):
+        b, h, s, d = self._node[1]["q"].dim
+        return 4 * b * h * s * (1 if self._node[0] == "sdpa" else d + 1)
+
+    def execute(self, tensor_dict, workspace=None, handle=None):
+        if self._done != list(_STAGES):
+            raise RuntimeError(f"graph {self.name}: execute() before build_plans()")
+        handle = handle or self._handle
+        if not isinstance(handle, Handle) or int(handle.stream) not in _cp._streams:
+            raise RuntimeError("execute: no handle, or its stream is not a live stream")
+        by = {}
+        for key, data in tensor_dict.items():
+            uid = key.uid if isinstance(key, Tensor) else key if isinstance(key, int) else \
+                next((t.uid for t in self._tensors if t.name == key), None)
+            by[uid] = data if isinstance(data, int) else int(data.data.ptr)
+        views, keep = {}, []
+        kind, inputs, params, outs = self._node
+        for port, t in [*inputs.items(), *zip(("O", "Stats", "dQ", "dK", "dV")[
+                0 if kind == "sdpa" else 2:], outs)]:
+            if t is None:
+                continue
+            if t.uid not in by:
+                raise RuntimeError(f"execute: the variant pack lacks tensor {port} (uid {t.uid})")
+            views[port] = _view(by[t.uid], t, port)
+            keep.append(_cp._owner_array(by[t.uid]))
+        ws = _workspace(workspace, self._asks())
+        keep.append(_cp._owner_array(ws) if ws else None)
+        scale = float(params.get("attn_scale", 1.0))
+        causal = bool(params.get("use_causal_mask"))
+        run = (lambda: _forward(views, scale, causal)) if kind == "sdpa" else \
+            (lambda: _backward(views, scale, causal, ws))
+        _cp._enqueue(run, keep=keep, stream=_cp._stream_of(handle.stream))
+
+
+def _declared(t, port):
+    if t.dim is None or t.stride is None or t.data_type is None:
+        raise ValueError(f"{port}: dim, stride and data type must be set")
+    if len(t.dim) != 4 or len(t.stride) != 4:
+        raise ValueError(f"The dim and stride for {port} must be rank 4 (B, H, S, D)")
+    if t.stride[3] != 1:
+        raise cudnnGraphNotSupportedError(f"The stride for the last dimension of {port} "
+                                          f"should be 1")
+    if min(t.dim) < 1 or min(t.stride) < 0:
+        raise ValueError(f"{port}: dims {t.dim}, strides {t.stride}")
+
+
+def _injective(t, port):
+    """No two elements of an output at one address (a write would race with itself)."""
+    idx = np.indices(t.dim).reshape(4, -1).T @ np.array(t.stride)
+    if np.unique(idx).size != idx.size:
+        raise cudnnGraphNotSupportedError(f"output {port}: dims {t.dim} with strides "
+                                          f"{t.stride} give two elements one address")
+
+
+def _validate(g):
+    if g._node is None:
+        raise ValueError(f"graph {g.name}: no operation")
+    kind, inputs, _, outs = g._node
+    ports = dict(inputs)
+    ports.update(zip(("O", "Stats") if kind == "sdpa" else ("dQ", "dK", "dV"), outs))
+    for port, t in ports.items():
+        if t is None:
+            continue
+        _declared(t, port)
+        if port in ("O", "Stats", "dQ", "dK", "dV"):
+            if not t.is_output:
+                raise ValueError(f"{port}: an output not marked set_output(True)")
+            _injective(t, port)
+    b, h, s, d = ports["q"].dim
+    for port in ("k", "v", "o", "dO", "O", "dQ", "dK", "dV"):
+        if port in ports and ports[port].dim != [b, h, s, d]:
+            raise cudnnGraphNotSupportedError(f"{port} dims {ports[port].dim}; q's are "
+                                              f"{[b, h, s, d]} (cudasim: one head dim, S_q = S_kv)")
+    stats = ports.get("Stats", ports.get("stats"))
+    if stats is not None and (stats.dim != [b, h, s, 1] or stats.data_type != data_type.FLOAT):
+        raise cudnnGraphNotSupportedError(f"Stats: a FLOAT {[b, h, s, 1]}, not "
+                                          f"{stats.data_type!r} {stats.dim}")
+    for port, t in ports.items():
+        if t is not None and t is not stats and t.data_type != data_type.BFLOAT16:
+            raise cudnnGraphNotSupportedError(f"{port}: cudasim emulates bf16 sdpa only")
+    if d % 8:
+        raise cudnnGraphNotSupportedError("hidden_dim should be multiple of 8")
+
+
+def _view(ptr, t, port):
+    """The (B, H, S, D) NumPy view of a tensor at ptr, checked to lie in one allocation of
+    its declared type."""
+    dt = _DTYPES[t.data_type]
+    extent = sum((n - 1) * s for n, s in zip(t.dim, t.stride)) + 1
+    if _cp._owner(ptr, extent * dt.itemsize) is None:
+        raise RuntimeError(f"execute: tensor {port} ({t.dim}, strides {t.stride}) at {ptr:#x} "
+                           f"reaches outside one live device allocation")
+    owner = _cp._owner_array(ptr)
+    if owner.dtype != dt:
+        raise RuntimeError(f"execute: tensor {port} lies in a {owner.dtype} allocation; the "
+                           f"graph says {dt}")
+    flat = np.frombuffer((ctypes.c_char * (extent * dt.itemsize)).from_address(ptr), dt)
+    return np.lib.stride_tricks.as_strided(flat, t.dim, [s * dt.itemsize for s in t.stride])
+
+
+def _workspace(ptr, size):
+    if size == 0:
+        return 0
+    if not ptr:
+        raise RuntimeError(f"execute: no workspace; the plan asks {size} bytes")
+    ptr = ptr if isinstance(ptr, int) else int(ptr.data.ptr)
+    if _cp._owner(ptr, size) is None:
+        raise RuntimeError(f"execute: the workspace at {ptr:#x} has less than the {size} bytes "
+                           f"the plan asks inside one live device allocation")
+    return ptr
+
+
+def _scores(q, k, scale, causal):
+    s = np.float32(scale) * np.matmul(q.astype(np.float32), k.astype(np.float32)
+                                      .swapaxes(-1, -2))
+    if causal:  # top-left diagonal: row i sees keys 0..i
+        n = s.shape[-1]
+        s[..., np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] = -np.inf
+    return s
+
+
+def _forward(v, scale, causal):
+    s = _scores(v["q"], v["k"], scale, causal)
+    m = s.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(s - m).sum(-1, keepdims=True, dtype=np.float32))
+    p = np.exp(s - lse)
+    v["O"][...] = np.matmul(p, v["v"].astype(np.float32))
+    if "Stats" in v:
+        v["Stats"][...] = lse
+
+
+def _backward(v, scale, causal, ws):
+    q, k, vv = (v[n].astype(np.float32) for n in ("q", "k", "v"))
+    do, o = v["dO"].astype(np.float32), v["o"].astype(np.float32)
+    p = np.exp(_scores(v["q"], v["k"], scale, causal) - v["stats"].astype(np.float32))
+    dp = np.matmul(do, vv.swapaxes(-1, -2))
+    ds = p * (dp - (do * o).sum(-1, keepdims=True, dtype=np.float32))
+    b, h, s, d = q.shape
+    acc = np.frombuffer((ctypes.c_char * (4 * b * h * s * d)).from_address(ws), np.float32)
+    acc = acc.reshape(b, h, s, d)  # the dQ accumulator lives in the workspace, as cuDNN's
+    acc[...] = np.float32(scale) * np.matmul(ds, k)
+    v["dQ"][...] = acc
+    v["dK"][...] = np.float32(scale) * np.matmul(ds.swapaxes(-1, -2), q)
+    v["dV"][...] = np.matmul(p.swapaxes(-1, -2), do)
