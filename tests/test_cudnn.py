@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DEVICES, cli, device_env, fixture, run_verify
+from conftest import DEVICES, cli, device_env, fixture, requires_sim, run_verify
 from test_verify import FILES
 
 ATTENTIONS = ("own", "cudnn")
@@ -64,3 +64,82 @@ def test_heads_of_16_at_an_odd_t_verify_in_either_attention(device, heads16):
         assert res.returncode == 0 and got[attention]["ok"], res.stdout + res.stderr
     # two arithmetics: the paths differ in their roundings, so the logits do too
     assert got["own"]["logits"]["max_abs_diff"] != got["cudnn"]["logits"]["max_abs_diff"]
+
+
+SIM_ONLY = requires_sim  # (cudasim's installed states: CUDASIM_CUDNN)
+
+
+@SIM_ONLY
+@pytest.mark.parametrize("cudnn,extra,said", [
+    ("", [], "the cuDNN library is not installed"),
+    ("absent", [], "cuDNN's frontend is not installed"),
+    ("1", ["--dtype", "fp32"], "runs bf16 only"),
+    ("1", ["--backend", "numpy"], "the numpy backend has no cuDNN"),
+])
+def test_attention_cudnn_where_it_cannot_run_is_one_line(tmp_path, cudnn, extra, said):
+    """Refused before anything is allocated: the run's directory is not even made."""
+    res = cli("train", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "16", "-n", "1",
+              "--dtype", "bf16", "--attention", "cudnn", *extra, "-o", tmp_path / "out",
+              env={**device_env("sim"), "CUDASIM_CUDNN": cudnn})
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: --attention cudnn: ") and said in lines[0]
+    assert "--attention auto" in lines[0] and not (tmp_path / "out").exists()
+
+
+@SIM_ONLY
+def test_cudnn_refuses_head_sizes_its_sdpa_does_not_run():
+    from conftest import load_cudasim
+    cu = load_cudasim()[1]
+    os.environ["CUDASIM_CUDNN"] = "1"
+    try:
+        assert cu.fused_attention_refuses(np.dtype("float32"), 64) is not None
+        from cupygpt.precision import BF16
+        assert cu.fused_attention_refuses(BF16, 64) is None
+        for hs in (12, 136, 256):
+            assert "multiples of 8 up to 128" in cu.fused_attention_refuses(BF16, hs)
+    finally:
+        del os.environ["CUDASIM_CUDNN"]
+
+
+@SIM_ONLY
+@pytest.mark.parametrize("cudnn,dtype,said", [
+    ("", "bf16", "own flash kernels (auto: the cuDNN library is not installed"),
+    ("1", "fp32", "own flash kernels (auto: cuDNN's fused attention runs bf16 only"),
+    ("1", "bf16", "cuDNN fused sdpa (auto)"),
+])
+def test_auto_takes_cudnn_where_it_runs_and_says_why_not(tmp_path, cudnn, dtype, said):
+    res = cli("train", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "16", "-n", "1",
+              "-v", "0", "-g", "0", "--dtype", dtype, "-o", tmp_path / "out",
+              env={**device_env("sim"), "CUDASIM_CUDNN": cudnn})
+    assert res.returncode == 0, res.stderr
+    row = next(line for line in res.stdout.splitlines() if line.startswith("| attention"))
+    assert said in row
+
+
+def test_bench_attention_both_side_by_side(device, tmp_path):
+    out = tmp_path / "b.json"
+    res = cli("bench", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", "32", "--steps",
+              "1", "--warmup", "1", "--dtype", "bf16", "--profile", "--attention", "both",
+              "--out", out, env=env(device))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(out.read_text())
+    assert r["cudnn"]["attention"].startswith("cuDNN") and r["own"]["attention"].startswith(
+        "own") and r["cudnn_speedup"] > 0
+    assert "attention side by side: cudnn " in res.stdout
+    kernels = {k: {row["kernel"] for row in r[k]["per_kernel"]} for k in ("cudnn", "own")}
+    assert {"cudnn_sdpa_forward", "cudnn_sdpa_backward"} <= kernels["cudnn"]
+    assert not any(k.startswith("cudnn") for k in kernels["own"])
+    assert "cudnn attention_backward: cudnn_sdpa_backward" in res.stdout
+    assert "own   attention_forward: flash_forward_32" in res.stdout
+    ws = {k: r[k]["planned_memory_bytes"]["workspace"] for k in ("cudnn", "own")}
+    if device == "sim":  # the stand-in's backward asks a float dQ and a float per row
+        assert ws["cudnn"] - ws["own"] == 4 * 2 * 4 * 32 * (32 + 1)
+
+
+@SIM_ONLY
+@pytest.mark.parametrize("command", [["verify"], ["sample", "--model",
+                                                   fixture("tiny_model.bin")]])
+def test_attention_both_is_benchs_alone(command):
+    res = cli(*command, "--backend", "cuda", "--attention", "both", env=device_env("sim"))
+    assert res.returncode == 1 and "error: --attention both: " in res.stderr, res.stderr
