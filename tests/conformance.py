@@ -29,7 +29,8 @@ import types
 
 import numpy as np
 
-LIBS = ("cupy", "cupy_backends", "cupyx", "nvshmem", "cuda", "nvmath")
+LIBS = ("cupy", "cupy_backends", "cupyx", "nvshmem", "cuda", "nvmath", "cudnn")
+OPTIONAL = ("cudnn",)  # an extra of its own (setup.cfg's cudnn): checked where installed
 OTHER = "<other>"  # surely no library object: a literal, a non-library import, our own self.X
 # What calls return where neither a class call, CuPy's convention (its functions and array
 # methods give arrays) nor an annotation says; None: plain data, nothing in it to check.
@@ -556,7 +557,9 @@ def compare(mod, chain, obj, owner):
     cls = real  # for a constructor
     real, bound = attribute(real, name, owner is not None)  # raises Mismatch
     if isinstance(obj, enum.IntEnum):  # a library constant: the same number
-        return (None if obj == real else f"{int(obj)}; the real package's is {int(real)}"), None
+        # (int() both: a pybind11 enum, cudnn's, equals no IntEnum of the same number)
+        return (None if int(obj) == int(real) else f"{int(obj)}; the real package's is "
+                f"{int(real)}"), None
     if isinstance(obj, np.dtype):  # a struct's layout (cuBLASLt's heuristic result): the same
         return (None if obj == real else f"the real package's is {real}"), None
     if obj is INSTANCE_ATTR or _plain(obj) or isinstance(obj, (type, types.SimpleNamespace,

@@ -80,6 +80,24 @@ def real():
         pytest.skip(why)
 
 
+def frontend_missing():
+    """Why the real cuDNN frontend (the cudnn extra, not the test extra) is not importable,
+    or None: without it the checks leave out what uses or stands in for it."""
+    try:
+        import cudnn  # noqa: F401
+        return None
+    except Exception as e:
+        return f"cuDNN's frontend is not installed (pip install -e '.[cudnn]'): {e!r}"
+
+
+def installed(uses_or_entries, chain_of):
+    """What can be checked here: all, or without cudnn's part where it is missing."""
+    if not frontend_missing():
+        return uses_or_entries
+    warnings.warn(f"not checked: cudnn ({frontend_missing()})")
+    return [u for u in uses_or_entries if chain_of(u).split(".")[0] not in cf.OPTIONAL]
+
+
 def sources():
     """{file relative to the repository: text} for each cupygpt module using a library."""
     out = {}
@@ -94,7 +112,7 @@ def report(texts):
     """The check of several modules' sources, as one Report."""
     total = cf.Report()
     for where, text in texts.items():
-        rep = cf.check(cf.read(text, where))
+        rep = cf.check(installed(cf.read(text, where), lambda u: u.chain))
         total.checked += rep.checked
         for field in ("errors", "skipped", "partial"):
             getattr(total, field).extend(getattr(rep, field))
@@ -119,11 +137,29 @@ def test_cupygpt_uses_the_real_api(real):
     texts = sources()
     found = {lib for t in texts.values() for lib in cf.LIBS
              if re.search(rf"^\s*(import|from) {lib}\b", t, re.M)}
-    assert {"cupy", "nvshmem", "cuda", "nvmath"} <= found, \
+    assert {"cupy", "nvshmem", "cuda", "nvmath", "cudnn"} <= found, \
         f"the search found only {sorted(texts)}"
     rep = report(texts)
     assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
     tell("cupygpt's library calls", rep)
+
+
+def test_cudnn_uses_and_stand_in_hold_to_the_real_frontend(real):
+    """The cudnn part of the two checks above, which must have been made: the frontend's
+    calls the backend makes and what cudasim's cudnn offers, against the real package
+    (skipped, saying so, where the cudnn extra is not installed)."""
+    if frontend_missing():
+        pytest.skip(frontend_missing())
+    uses = [u for w, t in sources().items() for u in cf.read(t, w)
+            if u.chain.startswith("cudnn.")]
+    assert {"cudnn.pygraph", "cudnn.create_handle", "cudnn.set_stream"} <= {
+        u.chain.split("(")[0] for u in uses}, uses
+    rep = cf.check(uses)
+    assert rep.checked and not rep.errors, rep.errors
+    mods = cf.standins(SIM)
+    entries = [e for e in cf.offered(mods, {})[0] if e[0] == "cudnn"]
+    rep = cf.check_offer(entries)
+    assert len(entries) > 20 and not rep.errors, rep.errors
 
 
 def test_cudasim_offers_nothing_the_real_packages_lack(real):
@@ -132,7 +168,7 @@ def test_cudasim_offers_nothing_the_real_packages_lack(real):
     entries, unplaced = cf.offered(mods, stands_for)
     unplaced = [c for c in unplaced if c not in MACHINERY]
     assert not unplaced, f"cudasim classes at no real place: {unplaced}; add them to STANDS_FOR"
-    rep = cf.check_offer(entries)
+    rep = cf.check_offer(installed(entries, lambda e: e[0]))
     assert not unknown_errors(rep), "\n".join(unknown_errors(rep))
     tell("cudasim's offer", rep)
 

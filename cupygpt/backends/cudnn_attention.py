@@ -19,8 +19,9 @@ import cupy as cp
 
 try:
     import cudnn
-except ImportError:  # the frontend is an extra (setup.cfg's cudnn)
-    cudnn = None
+    FRONTEND = True
+except ImportError:  # the frontend is an extra (setup.cfg's cudnn); (the name cudnn is
+    FRONTEND = False  # left unbound, not None: the conformance check follows it to cudnn)
 
 # Head sizes (C/NH) every cuDNN 9 sdpa runs forward and backward on Ampere and Hopper:
 # multiples of 8 (its 16-byte rows) up to 128 (its backward's limit before Blackwell)
@@ -33,7 +34,7 @@ def refuses(bf16, head_size):
     """Why cuDNN's fused attention cannot run a run of this type and head size here, or
     None: its frontend or library missing, fp32 (cuDNN's sdpa is bf16 and fp16 only; fp32
     runs keep the own kernels), or a head size its sdpa does not run."""
-    if cudnn is None:
+    if not FRONTEND:
         return "cuDNN's frontend is not installed (pip install '.[cudnn]')"
     try:
         cudnn.backend_version()

@@ -80,7 +80,7 @@ class Handle:
     """What create_handle gives: the stream its work runs on (0 until set_stream)."""
 
     def __init__(self, backend_handle, ordinal=None, stream=None):
-        self.backend_handle, self._ordinal, self.stream = backend_handle, ordinal, stream
+        self._backend, self._ordinal, self._stream = backend_handle, ordinal, stream
 
 
 def create_handle():
@@ -92,37 +92,37 @@ def create_handle():
 def set_stream(handle, stream):
     if not isinstance(handle, Handle):
         raise TypeError(f"cudnn.set_stream expects a cudnn.Handle, got {type(handle).__name__}")
-    handle.stream = int(stream)
+    handle._stream = int(stream)
 
 
 class Tensor:
     """A graph tensor: dims, strides (elements) and type, as declared."""
 
-    def __init__(self, dim=None, stride=None, data_type=None, name="", uid=None):
-        self.dim, self.stride, self.data_type = dim, stride, data_type
-        self.name, self.uid, self.is_output = name, next(_uids) if uid is None else uid, False
+    def __init__(self, name="", data_type=None, dim=None, stride=None):
+        self._dim, self._stride, self._dtype = dim, stride, data_type
+        self._name, self._uid, self._output = name, next(_uids), False
 
     def set_output(self, value):
-        self.is_output = bool(value)
+        self._output = bool(value)
         return self
 
     def set_dim(self, dim):
-        self.dim = [int(x) for x in dim]
+        self._dim = [int(x) for x in dim]
         return self
 
     def set_stride(self, stride):
-        self.stride = [int(x) for x in stride]
+        self._stride = [int(x) for x in stride]
         return self
 
     def set_data_type(self, dtype):
-        self.data_type = data_type(dtype)
+        self._dtype = data_type(dtype)
         return self
 
     def get_dim(self):
-        return self.dim
+        return self._dim
 
     def get_stride(self):
-        return self.stride
+        return self._stride
 
 
 _FORWARD = {"generate_stats", "is_inference", "attn_scale", "use_causal_mask"}
@@ -138,18 +138,18 @@ class pygraph:  # noqa: N801
                  compute_data_type=None, handle=None):
         if handle is not None and not isinstance(handle, Handle):
             raise TypeError("handle: a cudnn.Handle from create_handle()")
-        self.name, self._handle, self._done, self._node = name, handle, [], None
+        self._name, self._handle, self._done, self._node = name, handle, [], None
         self._types = (io_data_type, intermediate_data_type, compute_data_type)
         self._tensors = []
 
     def _mutable(self):
         if self._done:
-            raise RuntimeError(f"graph {self.name}: changed after validate()")
+            raise RuntimeError(f"graph {self._name}: changed after validate()")
 
     def tensor(self, dim, stride=None, data_type=None, *, name=""):
         self._mutable()
-        t = Tensor([int(x) for x in dim], None if stride is None else [int(x) for x in stride],
-                   data_type, name)
+        t = Tensor(name, data_type, [int(x) for x in dim],
+                   None if stride is None else [int(x) for x in stride])
         self._tensors.append(t)
         return t
 
@@ -160,7 +160,7 @@ class pygraph:  # noqa: N801
         extra = set(params) - allowed
         if extra:
             raise cudnnGraphNotSupportedError(f"cudasim does not emulate {kind} {sorted(extra)}")
-        outs = [Tensor(name=f"{kind}::{o}") for o in outputs]
+        outs = [Tensor(f"{kind}::{o}") for o in outputs]
         self._tensors += outs
         self._node = (kind, inputs, params, outs)
         return outs
@@ -180,7 +180,7 @@ class pygraph:  # noqa: N801
     def _stage(self, name):
         _cp._not_capturing(f"cudnn graph {name} (build graphs before the capture)")
         if self._done != list(_STAGES[:_STAGES.index(name)]):
-            raise RuntimeError(f"graph {self.name}: {name}() after {self._done or 'nothing'}; "
+            raise RuntimeError(f"graph {self._name}: {name}() after {self._done or 'nothing'}; "
                                f"the order is {', '.join(_STAGES)}")
         self._done.append(name)
 
@@ -198,7 +198,7 @@ class pygraph:  # noqa: N801
 
     def check_support(self):
         self._stage("check_support")
-        d = max(self._node[1]["q"].dim[3], self._node[1]["v"].dim[3])
+        d = max(self._node[1]["q"]._dim[3], self._node[1]["v"]._dim[3])
         if d > MAX_HEAD_DIM:
             raise cudnnGraphNotSupportedError(f"no engine runs head dim {d} (cudasim's "
                                               f"library: at most {MAX_HEAD_DIM})")
@@ -211,23 +211,23 @@ class pygraph:  # noqa: N801
         if handle is not None and not isinstance(handle, Handle):
             raise TypeError("handle: a cudnn.Handle")
         if self._done != list(_STAGES):
-            raise RuntimeError(f"graph {self.name}: get_workspace_size() before build_plans()")
+            raise RuntimeError(f"graph {self._name}: get_workspace_size() before build_plans()")
         return self._asks()
 
     def _asks(self):
-        b, h, s, d = self._node[1]["q"].dim
+        b, h, s, d = self._node[1]["q"]._dim
         return 4 * b * h * s * (1 if self._node[0] == "sdpa" else d + 1)
 
     def execute(self, tensor_dict, workspace=None, handle=None):
         if self._done != list(_STAGES):
-            raise RuntimeError(f"graph {self.name}: execute() before build_plans()")
+            raise RuntimeError(f"graph {self._name}: execute() before build_plans()")
         handle = handle or self._handle
-        if not isinstance(handle, Handle) or int(handle.stream) not in _cp._streams:
+        if not isinstance(handle, Handle) or int(handle._stream) not in _cp._streams:
             raise RuntimeError("execute: no handle, or its stream is not a live stream")
         by = {}
         for key, data in tensor_dict.items():
-            uid = key.uid if isinstance(key, Tensor) else key if isinstance(key, int) else \
-                next((t.uid for t in self._tensors if t.name == key), None)
+            uid = key._uid if isinstance(key, Tensor) else key if isinstance(key, int) else \
+                next((t._uid for t in self._tensors if t._name == key), None)
             by[uid] = data if isinstance(data, int) else int(data.data.ptr)
         views, keep = {}, []
         kind, inputs, params, outs = self._node
@@ -235,42 +235,42 @@ class pygraph:  # noqa: N801
                 0 if kind == "sdpa" else 2:], outs)]:
             if t is None:
                 continue
-            if t.uid not in by:
-                raise RuntimeError(f"execute: the variant pack lacks tensor {port} (uid {t.uid})")
-            views[port] = _view(by[t.uid], t, port)
-            keep.append(_cp._owner_array(by[t.uid]))
+            if t._uid not in by:
+                raise RuntimeError(f"execute: the variant pack lacks tensor {port} (uid {t._uid})")
+            views[port] = _view(by[t._uid], t, port)
+            keep.append(_cp._owner_array(by[t._uid]))
         ws = _workspace(workspace, self._asks())
         keep.append(_cp._owner_array(ws) if ws else None)
         scale = float(params.get("attn_scale", 1.0))
         causal = bool(params.get("use_causal_mask"))
         run = (lambda: _forward(views, scale, causal)) if kind == "sdpa" else \
             (lambda: _backward(views, scale, causal, ws))
-        _cp._enqueue(run, keep=keep, stream=_cp._stream_of(handle.stream))
+        _cp._enqueue(run, keep=keep, stream=_cp._stream_of(handle._stream))
 
 
 def _declared(t, port):
-    if t.dim is None or t.stride is None or t.data_type is None:
+    if t._dim is None or t._stride is None or t._dtype is None:
         raise ValueError(f"{port}: dim, stride and data type must be set")
-    if len(t.dim) != 4 or len(t.stride) != 4:
+    if len(t._dim) != 4 or len(t._stride) != 4:
         raise ValueError(f"The dim and stride for {port} must be rank 4 (B, H, S, D)")
-    if t.stride[3] != 1:
+    if t._stride[3] != 1:
         raise cudnnGraphNotSupportedError(f"The stride for the last dimension of {port} "
                                           f"should be 1")
-    if min(t.dim) < 1 or min(t.stride) < 0:
-        raise ValueError(f"{port}: dims {t.dim}, strides {t.stride}")
+    if min(t._dim) < 1 or min(t._stride) < 0:
+        raise ValueError(f"{port}: dims {t._dim}, strides {t._stride}")
 
 
 def _injective(t, port):
     """No two elements of an output at one address (a write would race with itself)."""
-    idx = np.indices(t.dim).reshape(4, -1).T @ np.array(t.stride)
+    idx = np.indices(t._dim).reshape(4, -1).T @ np.array(t._stride)
     if np.unique(idx).size != idx.size:
-        raise cudnnGraphNotSupportedError(f"output {port}: dims {t.dim} with strides "
-                                          f"{t.stride} give two elements one address")
+        raise cudnnGraphNotSupportedError(f"output {port}: dims {t._dim} with strides "
+                                          f"{t._stride} give two elements one address")
 
 
 def _validate(g):
     if g._node is None:
-        raise ValueError(f"graph {g.name}: no operation")
+        raise ValueError(f"graph {g._name}: no operation")
     kind, inputs, _, outs = g._node
     ports = dict(inputs)
     ports.update(zip(("O", "Stats") if kind == "sdpa" else ("dQ", "dK", "dV"), outs))
@@ -279,20 +279,20 @@ def _validate(g):
             continue
         _declared(t, port)
         if port in ("O", "Stats", "dQ", "dK", "dV"):
-            if not t.is_output:
+            if not t._output:
                 raise ValueError(f"{port}: an output not marked set_output(True)")
             _injective(t, port)
-    b, h, s, d = ports["q"].dim
+    b, h, s, d = ports["q"]._dim
     for port in ("k", "v", "o", "dO", "O", "dQ", "dK", "dV"):
-        if port in ports and ports[port].dim != [b, h, s, d]:
-            raise cudnnGraphNotSupportedError(f"{port} dims {ports[port].dim}; q's are "
+        if port in ports and ports[port]._dim != [b, h, s, d]:
+            raise cudnnGraphNotSupportedError(f"{port} dims {ports[port]._dim}; q's are "
                                               f"{[b, h, s, d]} (cudasim: one head dim, S_q = S_kv)")
     stats = ports.get("Stats", ports.get("stats"))
-    if stats is not None and (stats.dim != [b, h, s, 1] or stats.data_type != data_type.FLOAT):
+    if stats is not None and (stats._dim != [b, h, s, 1] or stats._dtype != data_type.FLOAT):
         raise cudnnGraphNotSupportedError(f"Stats: a FLOAT {[b, h, s, 1]}, not "
-                                          f"{stats.data_type!r} {stats.dim}")
+                                          f"{stats._dtype!r} {stats._dim}")
     for port, t in ports.items():
-        if t is not None and t is not stats and t.data_type != data_type.BFLOAT16:
+        if t is not None and t is not stats and t._dtype != data_type.BFLOAT16:
             raise cudnnGraphNotSupportedError(f"{port}: cudasim emulates bf16 sdpa only")
     if d % 8:
         raise cudnnGraphNotSupportedError("hidden_dim should be multiple of 8")
@@ -301,17 +301,17 @@ def _validate(g):
 def _view(ptr, t, port):
     """The (B, H, S, D) NumPy view of a tensor at ptr, checked to lie in one allocation of
     its declared type."""
-    dt = _DTYPES[t.data_type]
-    extent = sum((n - 1) * s for n, s in zip(t.dim, t.stride)) + 1
+    dt = _DTYPES[t._dtype]
+    extent = sum((n - 1) * s for n, s in zip(t._dim, t._stride)) + 1
     if _cp._owner(ptr, extent * dt.itemsize) is None:
-        raise RuntimeError(f"execute: tensor {port} ({t.dim}, strides {t.stride}) at {ptr:#x} "
+        raise RuntimeError(f"execute: tensor {port} ({t._dim}, strides {t._stride}) at {ptr:#x} "
                            f"reaches outside one live device allocation")
     owner = _cp._owner_array(ptr)
     if owner.dtype != dt:
         raise RuntimeError(f"execute: tensor {port} lies in a {owner.dtype} allocation; the "
                            f"graph says {dt}")
     flat = np.frombuffer((ctypes.c_char * (extent * dt.itemsize)).from_address(ptr), dt)
-    return np.lib.stride_tricks.as_strided(flat, t.dim, [s * dt.itemsize for s in t.stride])
+    return np.lib.stride_tricks.as_strided(flat, t._dim, [s * dt.itemsize for s in t._stride])
 
 
 def _workspace(ptr, size):
