@@ -413,3 +413,126 @@ def test_random_order_runs_streams_in_any_order(monkeypatch):
             stale[wait] += int(cp.asnumpy(got)[0]) != i
             a.synchronize()
     assert stale[False] > 0 and stale[True] == 0, stale
+
+
+@pytest.fixture()
+def sdpa(monkeypatch):
+    """cudasim's cupy, the cuda backend on it taking cuDNN's attention (its stand-in, told
+    the library is installed), and that stand-in."""
+    monkeypatch.setenv("CUDASIM_CUDNN", "1")
+    cp, cu = load_cudasim()
+    cu.configure()
+    cu.use_attention("cudnn")
+    return cp, cu, cu._sdpa_graph.__globals__["cudnn"]
+
+
+def test_cudnn_sdpa_is_attention_from_the_strides_and_captures_once_built(sdpa):
+    """The stand-in's sdpa on the packed qkv, read and written by strides, is the NumPy
+    reference's attention (lse too: natural log) to bf16's rounding; a captured execute is
+    recorded and replays the eager bits; a shape first met in a capture is refused."""
+    from cupygpt.backends import numpy_backend as npb
+    cp, cu, _ = sdpa
+    B, T, NH, HS = 2, 5, 2, 8
+    rng = np.random.default_rng(1)
+    qkv = rng.normal(size=(B, T, 3 * NH * HS)).astype(BF16)
+    dout = rng.normal(size=(B, T, NH * HS)).astype(BF16)
+    want = {n: np.zeros(s, np.float32) for n, s in (("out", dout.shape), ("lse", (B, NH, T)),
+                                                    ("dqkv", qkv.shape))}
+    npb.attention_forward(want["out"], want["lse"], qkv.astype(np.float32), NH)
+    npb.attention_backward(want["dqkv"], dout.astype(np.float32), qkv.astype(np.float32),
+                           want["out"], want["lse"], NH)
+    q, d = cp.asarray(qkv), cp.asarray(dout)
+    out, lse, dqkv = cp.zeros(dout.shape, BF16), cp.zeros((B, NH, T)), cp.zeros(qkv.shape, BF16)
+    cu.attention_forward(out, lse, q, NH)
+    cu.attention_backward(dqkv, d, q, out, lse, NH)
+    for name, got in (("out", out), ("lse", lse), ("dqkv", dqkv)):
+        np.testing.assert_allclose(cp.asnumpy(got).astype(np.float32), want[name],
+                                   rtol=2e-2, atol=2e-2, err_msg=name)
+    eager = [cp.asnumpy(x).copy() for x in (out, lse, dqkv)]
+    for x in (out, lse, dqkv):
+        x.fill(0)
+    graph = cu.capture(lambda: (cu.attention_forward(out, lse, q, NH),
+                                cu.attention_backward(dqkv, d, q, out, lse, NH)))
+    assert not cp.asnumpy(dqkv).astype(np.float32).any()  # recorded, not run
+    cu.replay(graph)
+    for x, e in zip((out, lse, dqkv), eager):
+        assert np.array_equal(cp.asnumpy(x), e)
+    with pytest.raises(RuntimeError, match=r"first seen while the stream captures.*T=4"):
+        cu.capture(lambda: cu.attention_forward(out[:, :4], lse, q[:, :4], NH))
+
+
+def _graph(lib, dims=(1, 2, 4, 8), strides=None, stride_o=None):
+    """A causal sdpa graph over (B, H, S, D) bf16 tensors, built."""
+    h = lib.create_handle()
+    g = lib.pygraph(io_data_type=lib.data_type.BFLOAT16, handle=h)
+    st = strides or [int(np.prod(dims[1:])), dims[2] * dims[3], dims[3], 1]
+    q, k, v = (g.tensor(list(dims), st, lib.data_type.BFLOAT16, name=n) for n in "qkv")
+    o, s = g.sdpa(q, k, v, generate_stats=True, use_causal_mask=True, attn_scale=0.5)
+    o.set_output(True).set_dim(list(dims)).set_stride(stride_o or st).set_data_type(
+        lib.data_type.BFLOAT16)
+    s.set_output(True).set_dim(list(dims[:3]) + [1]).set_stride(
+        [dims[1] * dims[2], dims[2], 1, 1]).set_data_type(lib.data_type.FLOAT)
+    return g, h, dict(q=q, k=k, v=v, o=o, s=s)
+
+
+def _build(g, lib):
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([lib.heur_mode.A, lib.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+
+
+def test_cudnn_refuses_what_the_library_refuses(sdpa):
+    """Graph stages out of order, a head dim with a stride, dims that disagree, an output
+    with two elements at one address, a pack missing a tensor, a workspace missing, short
+    or outside memory, a tensor outside its allocation, and setup inside a capture."""
+    cp, _, lib = sdpa
+    g, h, t = _graph(lib)
+    with pytest.raises(RuntimeError, match="build_operation_graph.. after nothing"):
+        g.build_operation_graph()
+    with pytest.raises(RuntimeError, match="before build_plans"):
+        g.execute({}, None, handle=h)
+    for bad, err in ((dict(strides=[64, 32, 1, 4]), "last dimension"),
+                     (dict(stride_o=[64, 32, 4, 1]), "two elements one address")):
+        g2 = _graph(lib, **bad)[0]
+        with pytest.raises(lib.cudnnGraphNotSupportedError, match=err):
+            g2.validate()
+    g3 = lib.pygraph(io_data_type=lib.data_type.BFLOAT16, handle=h)
+    q, k, v = (g3.tensor([1, 2, n, 8], [16 * n, 8 * n, 8, 1], lib.data_type.BFLOAT16)
+               for n in (4, 4, 3))
+    for o in g3.sdpa(q, k, v, is_inference=True)[:1]:
+        o.set_output(True).set_dim([1, 2, 4, 8]).set_stride([64, 32, 8, 1]).set_data_type(
+            lib.data_type.BFLOAT16)
+    with pytest.raises(lib.cudnnGraphNotSupportedError, match="v dims"):
+        g3.validate()
+    _build(g, lib)
+    size = g.get_workspace_size(h)
+    assert size == 4 * 2 * 4  # the stand-in's forward: a float per row
+    x = {**{n: cp.zeros(64, BF16) for n in "qkvo"}, "s": cp.zeros(8),  # (kept alive: a
+         "short": cp.zeros(63, BF16), "f32": cp.zeros(64), "ws": cp.zeros(size, np.uint8)}
+    pack = {t[n]: x[n].data.ptr for n in "qkvos"}  # freed allocation is no live memory)
+    lib.set_stream(h, cp.cuda.get_current_stream().ptr)
+    with pytest.raises(RuntimeError, match="lacks tensor O"):
+        g.execute({k_: p for k_, p in pack.items() if k_ is not t["o"]}, x["ws"].data.ptr,
+                  handle=h)
+    for ws, err in ((None, "no workspace"), (cp.zeros(size - 1, np.uint8), "less than")):
+        with pytest.raises(RuntimeError, match=err):
+            g.execute(pack, None if ws is None else ws.data.ptr, handle=h)
+    with pytest.raises(RuntimeError, match="outside one live device allocation"):
+        g.execute({**pack, t["q"]: x["short"].data.ptr}, x["ws"].data.ptr, handle=h)
+    with pytest.raises(RuntimeError, match="float32 allocation"):
+        g.execute({**pack, t["q"]: x["f32"].data.ptr}, x["ws"].data.ptr, handle=h)
+    g.execute(pack, x["ws"].data.ptr, handle=h)  # (and all that given right, it runs)
+    # zero q and k: row i averages its i + 1 keys, so its logsumexp is log(i + 1)
+    np.testing.assert_allclose(cp.asnumpy(x["s"]), np.tile(np.log(np.arange(1, 5)), 2),
+                               rtol=1e-6)
+    stream = cp.cuda.get_current_stream()
+    g4 = _graph(lib)[0]
+    stream.begin_capture()
+    try:
+        for setup in (lib.create_handle, g4.validate, lambda: g.get_workspace_size(h)):
+            with pytest.raises(RuntimeError, match="capturing"):
+                setup()
+    finally:
+        stream.end_capture()

@@ -170,8 +170,9 @@ class pygraph:  # noqa: N801
             raise ValueError("sdpa: one of generate_stats, is_inference must be set")
         stats = kwargs.get("generate_stats")
         stats = bool(stats) if stats is not None else not kwargs["is_inference"]
-        o, s = self._op("sdpa", dict(q=q, k=k, v=v), kwargs, _FORWARD, ("O", "Stats"))
-        return [o, s if stats else None]
+        outs = self._op("sdpa", dict(q=q, k=k, v=v), kwargs, _FORWARD,
+                        ("O", "Stats") if stats else ("O",))
+        return outs + [None] * (2 - len(outs))
 
     def sdpa_backward(self, q, k, v, o, dO, stats, **kwargs):  # noqa: N803 (the real name)
         return self._op("sdpa_backward", dict(q=q, k=k, v=v, o=o, dO=dO, stats=stats), kwargs,
