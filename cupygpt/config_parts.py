@@ -143,10 +143,8 @@ def fits(seq, shape):
 def runs_on(c, be, shape, name, value, both=False):
     """The backend runs this model's attention (the CUDA kernels take some head sizes), the
     way --attention asks, in each dtype the command runs (c's, resolved); both: the command
-    takes --attention both (bench)."""
-    why = be.attention_refuses(shape.C // shape.NH)
-    if why:
-        raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
+    takes --attention both (bench). --attention's own refusals come first: a head size
+    cuDNN does not run, asked of it, is its to say."""
     asked = c.device.attention
     if asked not in ATTENTION:
         raise CupyGPTError(f"unknown; use {', '.join(ATTENTION)}", "attention", asked)
@@ -159,6 +157,9 @@ def runs_on(c, be, shape, name, value, both=False):
     for dtype in RUN_DTYPES if c.dtype == "both" else (c.dtype,):
         for one in ("cudnn", "own") if asked == "both" else (asked,):
             attention_path(one, be, DTYPES[dtype], shape)
+    why = be.attention_refuses(shape.C // shape.NH)
+    if why:
+        raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
 
 
 ATTENTION = ("auto", "cudnn", "own", "both")

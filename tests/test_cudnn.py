@@ -143,3 +143,19 @@ def test_bench_attention_both_side_by_side(device, tmp_path):
 def test_attention_both_is_benchs_alone(command):
     res = cli(*command, "--backend", "cuda", "--attention", "both", env=device_env("sim"))
     assert res.returncode == 1 and "error: --attention both: " in res.stderr, res.stderr
+
+
+@SIM_ONLY
+def test_a_head_size_cudnn_does_not_run_is_attentions_line(tmp_path):
+    """Heads of 136 (a multiple of 8 past 128): --attention cudnn says cuDNN's limit, from
+    the model file's header alone, before anything is read or allocated."""
+    from cupygpt.files import write_model
+    from cupygpt.initialize import init_params
+    from cupygpt.shape import GPT2Config
+    cfg = GPT2Config(maxT=8, V=50, Vp=64, L=1, NH=1, C=136)
+    write_model(tmp_path / "m.bin", cfg, init_params(cfg, 1))
+    res = cli("sample", "--backend", "cuda", "--dtype", "bf16", "--attention", "cudnn",
+              "--model", tmp_path / "m.bin", env=env("sim"))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: --attention cudnn: cuDNN's sdpa runs head sizes "
+                                 "(C/NH) that are multiples of 8 up to 128; this model's is 136")
