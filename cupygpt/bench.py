@@ -24,7 +24,8 @@ def mfu(be, cfg, T, dtype, tokens, seconds, devices=1):
 def bench(sess, on_step=None):
     """The `bench` command over a Session holding its validated BenchConfig; on_step() after
     each step, warm-up included. With --dtype both: {"fp32": ..., "bf16": ...,
-    "bf16_speedup"}, each timed by a runner of its own (the first freed first)."""
+    "bf16_speedup"}, with --attention both: {"cudnn": ..., "own": ..., "cudnn_speedup"},
+    each timed by a runner of its own (the first freed first)."""
     c = sess.config
     if c.device.attention == "both":  # (validated: not with --dtype both)
         out = {kind: _bench(sess, c.dtype, on_step, kind) for kind in ATTENTIONS}

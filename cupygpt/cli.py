@@ -213,7 +213,8 @@ def bench(out, **kw):
 
 
 def bench_line(r, out):
-    """bench's report of one dtype: its step, then its per-op and per-kernel rows."""
+    """bench's report of one run (a dtype, an attention): its step, then its per-op and
+    per-kernel rows."""
     lines = [f"{r['device']}: {r['model']} {r['dtype']} B={r['B']} T={r['T']}, attention "
              f"{r['attention']}: "
              f"{r['ms_per_step_median']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s"

@@ -20,7 +20,8 @@ CAPABILITIES = {"name": str, "DTYPES": tuple, "TRANSPORTS": tuple, "DEFAULT_RUN"
                 "supports_graphs": bool, "asynchronous": bool, "memory_name": str}
 CAPABILITY_FUNCTIONS = {"configure", "device_memory", "memory_domain", "memory_in_use",
                         "numerics", "peak_flops", "device_info", "device_name", "kernel_profile",
-                        "workspace_bytes", "fallbacks"}
+                        "workspace_bytes", "fallbacks", "fused_attention_refuses",
+                        "use_attention"}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   dtype's dense peak; None: no MFU),
   device_info(), device_name() (the run table's name of this rank's device), kernel_profile(step, steps) (per-op and per-kernel time, None: none),
   attention_refuses(head_size) (why it cannot run such attention heads, or None),
+  fused_attention_refuses(dtype, head_size) (why a library's fused attention, cuDNN's,
+  cannot run such a run here, or None) and use_attention(kind) (which attention the
+  attention ops take from now on: "cudnn" or "own"; --attention resolves it),
   fallbacks() (what it ran a slower way than planned, and why: one line each).
 """
 import importlib

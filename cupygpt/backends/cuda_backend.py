@@ -32,7 +32,8 @@ from nvmath.bindings import cublasLt as lt
 from .. import CupyGPTError
 # (names, not the module: cudasim's conftest puts its own build of it in sys.modules)
 from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
-                              refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
+                              missing as _sdpa_missing, refuses as _sdpa_refuses,
+                              workspace_bytes as _sdpa_workspace)
 from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
                        sources)
 from ..precision import BF16
@@ -490,8 +491,9 @@ def fused_attention_refuses(dtype, head_size):
 
 def use_attention(kind):
     """Which attention the bf16 runs' attention_forward/backward take from now on:
-    "cudnn" (cuDNN's fused sdpa) or "own" (the flash kernels; fp32 runs always do)."""
-    why = _sdpa_refuses(True, 8) if kind == "cudnn" else None
+    "cudnn" (cuDNN's fused sdpa) or "own" (the flash kernels; fp32 runs always do). The
+    config has checked the run's dtype and head size (fused_attention_refuses)."""
+    why = _sdpa_missing() if kind == "cudnn" else None
     if why or kind not in ("cudnn", "own"):
         raise CupyGPTError(why or "unknown; use cudnn or own", "attention", kind)
     _attention[0] = kind

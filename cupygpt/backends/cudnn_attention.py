@@ -30,10 +30,9 @@ _handle = []   # the one cuDNN handle, made with the first graph
 _graphs = {}   # (kind, B, NH, T, HS) -> (graph, its tensors by name, workspace bytes)
 
 
-def refuses(bf16, head_size):
-    """Why cuDNN's fused attention cannot run a run of this type and head size here, or
-    None: its frontend or library missing, fp32 (cuDNN's sdpa is bf16 and fp16 only; fp32
-    runs keep the own kernels), or a head size its sdpa does not run."""
+def missing():
+    """What of cuDNN is not installed here (its frontend, or the library it loads), or
+    None."""
     if not FRONTEND:
         return "cuDNN's frontend is not installed (pip install '.[cudnn]')"
     try:
@@ -41,6 +40,15 @@ def refuses(bf16, head_size):
     except Exception:  # (the frontend finds no libcudnn: RuntimeError, its symbol missing)
         return ("the cuDNN library is not installed (pip install '.[cudnn]' brings "
                 "nvidia-cudnn-cu13)")
+    return None
+
+
+def refuses(bf16, head_size):
+    """Why cuDNN's fused attention cannot run a run of this type and head size here, or
+    None: cuDNN missing, fp32 (cuDNN's sdpa is bf16 and fp16 only; fp32 runs keep the own
+    kernels), or a head size its sdpa does not run."""
+    if missing():
+        return missing()
     if not bf16:
         return "cuDNN's fused attention runs bf16 only (fp32 runs take the own kernels)"
     if head_size % HEAD_MULTIPLE or head_size > MAX_HEAD:
@@ -65,8 +73,10 @@ def _build(kind, B, NH, T, HS):
     if not _handle:
         _handle.append(cudnn.create_handle())
     bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    # (replay expected: a training step is captured once and replayed, so the frontend may
+    # rank plans by their GPU time alone; a hint only, no numerics change)
     g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32,
-                      handle=_handle[0])
+                      handle=_handle[0], is_cuda_graph_replay_expected=True)
     dims, st = _layouts(B, NH, T, HS)
     t = {n: g.tensor(dims, st["packed"], bf16, name=n) for n in ("q", "k", "v")}
     causal = dict(attn_scale=1.0 / math.sqrt(HS), use_causal_mask=True)

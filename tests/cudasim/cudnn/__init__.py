@@ -135,10 +135,11 @@ class pygraph:  # noqa: N801
     """One sdpa or sdpa_backward node over bf16 tensors (what the backend builds)."""
 
     def __init__(self, name="test_graph", io_data_type=None, intermediate_data_type=None,
-                 compute_data_type=None, handle=None):
+                 compute_data_type=None, handle=None, *, is_cuda_graph_replay_expected=False):
         if handle is not None and not isinstance(handle, Handle):
             raise TypeError("handle: a cudnn.Handle from create_handle()")
         self._name, self._handle, self._done, self._node = name, handle, [], None
+        self._replay = bool(is_cuda_graph_replay_expected)  # (a plan-ranking hint: no math)
         self._types = (io_data_type, intermediate_data_type, compute_data_type)
         self._tensors = []
 
