@@ -159,3 +159,13 @@ def test_a_head_size_cudnn_does_not_run_is_attentions_line(tmp_path):
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith("error: --attention cudnn: cuDNN's sdpa runs head sizes "
                                  "(C/NH) that are multiples of 8 up to 128; this model's is 136")
+
+
+@SIM_ONLY
+def test_tensor_parallel_shards_take_cudnn_on_their_heads():
+    """--tp 2: each rank's graphs are over its 8 of the 16 heads, in its shard's packed qkv
+    (and the graphs' workspace is in each rank's plan)."""
+    res, r = run_verify(FILES[1], "--backend", "cuda", "--dtype", "bf16", "--attention",
+                        "cudnn", "--tp", "2", ranks=2, env=env("sim"))
+    assert res.returncode == 0 and r["ok"] and r["ranks"] == 2, res.stdout + res.stderr
+    assert r["attention"].startswith("cuDNN")
