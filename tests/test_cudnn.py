@@ -4,7 +4,6 @@ and, where one is installed, on a GPU: verify on every reference and on heads of
 an odd T in both attentions, graph replay, the refusals, auto's fallback and bench's side
 by side. The stand-in's own strictness: test_cudasim.py."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -33,13 +32,14 @@ def env(device, attention="cudnn", cudnn="1"):
     return {**device_env(device), "CUDASIM_CUDNN": cudnn}
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("files", FILES, ids=[f[0] for f in FILES])
-def test_verify_bf16_in_either_attention(device, files, attention):
+def test_verify_bf16_through_cudnn(device, files):
+    """Every reference in bf16 through cuDNN's attention (the own kernels':
+    test_cuda.test_verify_bf16_cuda, which asks --attention own)."""
     res, r = run_verify(files, "--backend", "cuda", "--dtype", "bf16", "--attention",
-                        attention, env=env(device, attention))
+                        "cudnn", env=env(device))
     assert res.returncode == 0 and r["ok"] and r["backend"] == "cuda-bf16", res.stdout
-    assert r["attention"].startswith("cuDNN" if attention == "cudnn" else "own")
+    assert r["attention"] == "cuDNN fused sdpa (as asked)"
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +88,15 @@ def test_attention_cudnn_where_it_cannot_run_is_one_line(tmp_path, cudnn, extra,
 
 
 @SIM_ONLY
-def test_cudnn_refuses_head_sizes_its_sdpa_does_not_run():
+def test_cudnn_refuses_head_sizes_its_sdpa_does_not_run(monkeypatch):
     from conftest import load_cudasim
+    from cupygpt.precision import BF16
     cu = load_cudasim()[1]
-    os.environ["CUDASIM_CUDNN"] = "1"
-    try:
-        assert cu.fused_attention_refuses(np.dtype("float32"), 64) is not None
-        from cupygpt.precision import BF16
-        assert cu.fused_attention_refuses(BF16, 64) is None
-        for hs in (12, 136, 256):
-            assert "multiples of 8 up to 128" in cu.fused_attention_refuses(BF16, hs)
-    finally:
-        del os.environ["CUDASIM_CUDNN"]
+    monkeypatch.setenv("CUDASIM_CUDNN", "1")
+    assert "bf16 only" in cu.fused_attention_refuses(np.dtype("float32"), 64)
+    assert cu.fused_attention_refuses(BF16, 64) is None
+    for hs in (12, 136, 256):
+        assert "multiples of 8 up to 128" in cu.fused_attention_refuses(BF16, hs)
 
 
 @SIM_ONLY
