@@ -158,8 +158,9 @@ def write(out, report):
 
 
 def optional(key):
-    """The comparisons: a peer's failure or skip, or MPS's, is reported, never the check's."""
-    return key.split(" ")[0] == "peers" or key.endswith("_mps")
+    """The comparisons and the extras: a peer's failure or skip, MPS's, or a cuDNN run's
+    skip (cuDNN, an extra, not installed) is reported, never the check's."""
+    return key.split(" ")[0] == "peers" or key.endswith(("_mps", "_cudnn"))
 
 
 def problems(report):

@@ -27,15 +27,24 @@ CLONE = os.path.dirname(PKG)
 CLI = [sys.executable, "-m", "cupygpt"]
 
 
+# (mode, its flags): bf16 twice, each attention asked by name so neither hides the other
+VERIFY_MODES = (("no_tf32", ["--no-tf32"]), ("tf32", ["--tf32"]),
+                ("bf16", ["--dtype", "bf16", "--attention", "own"]),
+                ("bf16_cudnn", ["--dtype", "bf16", "--attention", "cudnn"]))
+
+
+def no_cudnn(line):
+    """verify's one line when cuDNN (its frontend or library) is not installed here."""
+    return line.startswith("error: --attention cudnn: ") and "is not installed" in line
 
 
 def verify(out, work, plan, budget):
-    """verify --backend cuda on each reference, fp32 with TF32 off and on, and bf16: the
-    largest differences from PyTorch, checked against (and to set) README's tolerances for
-    each mode."""
+    """verify --backend cuda on each reference, fp32 with TF32 off and on, and bf16 through
+    the own flash kernels and through cuDNN's (where it is installed: else a skip, its
+    refusal the reason): the largest differences from PyTorch, checked against (and to set)
+    README's tolerances for each mode."""
     for name in plan["verify"]:
-        for mode, flags in (("no_tf32", ["--no-tf32"]), ("tf32", ["--tf32"]),
-                            ("bf16", ["--dtype", "bf16"])):
+        for mode, flags in VERIFY_MODES:
             fx = os.path.join(REFERENCE, name)
             key = f"{name}_{mode}"  # e.g. tiny_no_tf32
             why = budget.short(plan["need"]["verify"])
@@ -49,7 +58,8 @@ def verify(out, work, plan, budget):
             try:  # its one JSON line (exit 1 when outside the tolerances still prints it)
                 r = json.loads(next(x for x in text.splitlines()[::-1] if x.startswith("{")))
             except (ValueError, StopIteration):
-                yield {key: {"error": last_line(text, rc)}}
+                line = last_line(text, rc)
+                yield {key: Skip(line) if no_cudnn(line) else {"error": line}}
                 continue
             yield {key: {
                 "ok": r["ok"], "logits": r["logits"]["max_abs_diff"],
@@ -128,12 +138,25 @@ def bench(work, name, budget, *args):
     return {"error": last_line(log, rc)} if rc != 0 else json.load(open(path))
 
 
+def cudnn_frontend():
+    """cuDNN (its frontend and the library it loads) is installed here: bench's auto then
+    runs cuDNN's attention where the shape allows."""
+    try:
+        import cudnn
+        cudnn.backend_version()
+    except Exception:  # (ImportError; RuntimeError when the frontend finds no libcudnn)
+        return False
+    return True
+
+
 def benches(out, work, plan, budget):
-    """bf16 (the GPU's default, llm.c's mainline) at B=4 and the long T first, with and
-    without graphs, and in fp32: the runs the peers compare with; then its profile, the
-    short T and the larger batches."""
+    """bf16 (the GPU's default, llm.c's mainline) at B=4 and the long T first (again with
+    the own attention kernels where auto may take cuDNN's), with and without graphs, and
+    in fp32: the runs the peers compare with; then its profile, the short T and the larger
+    batches."""
     m, ts, tl = plan["model"], plan["t_short"], plan["t_long"]
-    runs = [(4, tl, ()), (4, tl, ("--no-graphs",)), (4, tl, ("--dtype=fp32",)),
+    own = [(4, tl, ("--attention=own",))] if cudnn_frontend() else []
+    runs = [(4, tl, ()), *own, (4, tl, ("--no-graphs",)), (4, tl, ("--dtype=fp32",)),
             (4, tl, ("--profile",)), (4, ts, ())]
     runs += [(B, tl, ()) for B in plan["batches"]]
     for B, T, extra in runs:  # named e.g. d12_T1024_B4_no_graphs, d12_T1024_B4_dtype_fp32

@@ -54,7 +54,10 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
         "sanitize_racecheck.log"], "the runs' own outputs stay out of the report directory"
     r = json.loads((out / "report.json").read_text())
     assert r["plan"] == "quick" and r["versions"]["device"] == "cudasim (CPU)"
-    assert r["skipped"] == {"peers": f"nvidia-smi found no GPU to build llm.c for: {no_gpu}"}
+    no_cudnn = r["skipped"]["verify tiny_bf16_cudnn"]  # cudasim's cuDNN: no library
+    assert no_cudnn.startswith("error: --attention cudnn: the cuDNN library is not installed")
+    assert r["skipped"] == {"verify tiny_bf16_cudnn": no_cudnn,
+                            "peers": f"nvidia-smi found no GPU to build llm.c for: {no_gpu}"}
     assert "peers" not in r and r["ratios"] == {}
     assert list(r["elapsed_s"]) == list(PARTS) and r["elapsed_s"]["peers"] == 0
     assert all(r["elapsed_s"][p] > 0 for p in PARTS if p != "peers"), r["elapsed_s"]
@@ -74,7 +77,8 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     md = (out / "report.md").read_text()
     assert md.startswith("# GPU check: cudasim (CPU)") and "\nresult: PASS\n" in md
     assert "budget 420 s (this call's); elapsed: verify " in md
-    assert f"skipped: peers (nvidia-smi found no GPU to build llm.c for: {no_gpu})" in md
+    assert f"skipped: verify tiny_bf16_cudnn ({no_cudnn}); peers (nvidia-smi found no GPU to " \
+        f"build llm.c for: {no_gpu})" in md
     assert "| tiny_no_tf32 | True |" in md and "| `python cli.py train` | ok |" in md
     profile = f"| tiny_T{PLANS['quick']['t_long']}_B4_profile |"  # the profiled bench's ops
     assert profile in md and "| cross_entropy |" in md and "nvshmem_2" in md
@@ -390,8 +394,9 @@ emit "{\"peer\": \"pytorch --compile --flash --bf16\", \"result\": {\"peer\": \"
 def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatch):
     """llm.c's build starts with the check (before bench ends: the fake bench waits for
     its stamp), the peers run after bench at its B=4 and long T, and each ratio divides
-    the cupygpt run of the peer's B, T and dtype (graphs where they worked) by the peer;
-    a peer's failure is reported and fails nothing; peers from another call get no ratio."""
+    the cupygpt run of the peer's B, T and dtype (graphs where they worked) by the peer,
+    auto's attention (cuDNN's here) and the own kernels' each; a peer's failure is
+    reported and fails nothing; peers from another call get no ratio."""
     from cupygpt import gpucheck, gpucheck_parts, gpucheck_report
     peers_dir = tmp_path / "peers"
     peers_dir.mkdir()
@@ -399,6 +404,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", tools(tmp_path, nvcc="exit 0\n", nvidia_smi="echo 'NVIDIA H200'\n")
                        + os.pathsep + os.environ["PATH"])
     monkeypatch.setattr(gpucheck, "versions", lambda: {"device": "NVIDIA H200"})
+    monkeypatch.setattr(gpucheck_parts, "cudnn_frontend", lambda: True)
     stamps = []
 
     def bench(work, name, budget, *args):
@@ -409,9 +415,12 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
             time.sleep(0.1)
         stamps.append(open(stamp).read().split())
         B, T = int(args[args.index("-b") + 1]), int(args[args.index("-t") + 1])
-        ms = {"tiny_T32_B4": 16.19, "tiny_T32_B4_no_graphs": 16.71, "tiny_T32_B4_dtype_fp32": 30.0,
+        ms = {"tiny_T32_B4": 16.19, "tiny_T32_B4_attention_own": 17.5,
+              "tiny_T32_B4_no_graphs": 16.71, "tiny_T32_B4_dtype_fp32": 30.0,
               "tiny_T32_B4_profile": 16.4, "tiny_T16_B4": 9.0, "tiny_T32_B8": 30.2}[name]
+        own = "--attention=own" in args or "--dtype=fp32" in args
         return {"device": "NVIDIA H200", "B": B, "T": T, "ms_per_step_median": ms,
+                "attention": "own flash kernels" if own else "cuDNN fused sdpa (auto)",
                 "graphs": "--no-graphs" not in args,
                 "dtype": "fp32" if "--dtype=fp32" in args else "bf16",
                 "tok_per_s": B * T / ms * 1e3, "mfu": None, "host_launch_fraction": 0.1,
@@ -436,21 +445,29 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     ours = {"cupygpt_device": "NVIDIA H200", "peer_device": "NVIDIA H200"}
     bf16 = {**ours, "cupygpt": "tiny_T32_B4", "cupygpt_ms": 16.19}
     fp32 = {**ours, "cupygpt": "tiny_T32_B4_dtype_fp32", "cupygpt_ms": 30.0}
+    own = {**ours, "cupygpt": "tiny_T32_B4_attention_own", "cupygpt_ms": 17.5}
     assert report["ratios"] == {
         "llm.c train_gpt2_fp32.cu": {**fp32, "peer_ms": 54.4, "ratio": pytest.approx(30 / 54.4)},
         "llm.c train_gpt2.cu (bf16)": {**bf16, "peer_ms": 14.19,
                                        "ratio": pytest.approx(16.19 / 14.19)},
+        "llm.c train_gpt2.cu (bf16) / own": {**own, "peer_ms": 14.19,
+                                             "ratio": pytest.approx(17.5 / 14.19)},
         "pytorch eager": {**fp32, "peer_ms": 43.9, "ratio": pytest.approx(30 / 43.9)},
         "pytorch --compile --flash --bf16": {**bf16, "peer_ms": 20.0,
-                                             "ratio": pytest.approx(16.19 / 20)}}
+                                             "ratio": pytest.approx(16.19 / 20)},
+        "pytorch --compile --flash --bf16 / own": {**own, "peer_ms": 20.0,
+                                                   "ratio": pytest.approx(17.5 / 20)}}
     assert json.loads((out / "report.json").read_text())["ratios"] == report["ratios"]
     assert gpucheck.verdict(report) == "FAIL: verify: not run; readme: not run; tests: not run; " \
         "pipeline: not run; sanitizer: not run", "the peer failures are not among them"
     assert ("| llm.c train_gpt2.cu (bf16) | NVIDIA H200 | 4 | 32 | bf16 | 14.19 | tiny_T32_B4: "
             "16.19 ms on NVIDIA H200 | 1.14 |") in md
+    assert ("| llm.c train_gpt2.cu (bf16) | NVIDIA H200 | 4 | 32 | bf16 | 14.19 | "
+            "tiny_T32_B4_attention_own: 17.50 ms on NVIDIA H200 | 1.23 |") in md
     assert "| pytorch --compile --flash | torch._dynamo.exc.BackendCompilerFailed / Runtime" in md
     # the graph run failing (as every capture did on the H200), the eager one stands in
     failed = {**report, "bench": {**report["bench"], "tiny_T32_B4": {"error": "capture"},
+                                  "tiny_T32_B4_attention_own": {"error": "capture"},
                                   "tiny_T32_B4_profile": {"error": "capture"}}}
     assert gpucheck_report.ratios(failed)["llm.c train_gpt2.cu (bf16)"]["cupygpt"] == \
         "tiny_T32_B4_no_graphs"
