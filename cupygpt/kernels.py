@@ -90,8 +90,10 @@ def sources():
 
 
 def kernels_in(src):
-    """{name: parameter list as written} for each extern "C" kernel in CUDA C source."""
-    return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
+    """{name: parameter list as written} for each extern "C" kernel in CUDA C source (its
+    __launch_bounds__, if any, skipped)."""
+    return dict(re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+                           r'(\w+)\(([^)]*)\)', src))
 
 
 def nvrtc_compile(path, arch, opts=None, cubin=False):

@@ -66,7 +66,7 @@ def test_the_flash_numbers_are_the_kernels_sass():
         pytest.skip("NVRTC or cuobjdump not installed")
     import flash_sass
     table = flash_sass.flash_table()
-    keys = ("occ", "cols", "instr", "copy", "hmma")
+    keys = ("occ", "cols", "instr", "copy", "hmma", "ldsm")
     got = {k: {f: table[k][f] for f in keys} for k in table}
     want = {k: {f: v[f] for f in keys} for k, v in model_h200.FLASH["now"].items()}
     assert got == want

@@ -23,9 +23,9 @@ FLASH = {
              "dq": dict(occ=5, cols=32, instr=352, copy=58, rt=4, expb=0, hmma=48),
              "dkdv": dict(occ=3, cols=32, instr=486, copy=58, rt=5, expb=0, hmma=64)},
     # python bench/gpumodel/flash_sass.py (tests/test_gpumodel.py keeps these in step)
-    "now": {"forward": dict(occ=4, cols=64, instr=728, copy=75, rt=0, expb=0, hmma=64),
-            "dq": dict(occ=3, cols=64, instr=577, copy=81, rt=0, expb=0, hmma=96),
-            "dkdv": dict(occ=2, cols=64, instr=697, copy=101, rt=0, expb=0, hmma=128)},
+    "now": {"forward": dict(occ=4, cols=64, instr=626, copy=75, rt=0, expb=0, hmma=64, ldsm=32),
+            "dq": dict(occ=3, cols=64, instr=481, copy=81, rt=0, expb=0, hmma=96, ldsm=48),
+            "dkdv": dict(occ=3, cols=64, instr=650, copy=106, rt=0, expb=0, hmma=128, ldsm=64)},
 }
 ORDER = {"measured": "heads", "head": "longest", "now": "longest"}
 MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}
@@ -34,6 +34,8 @@ CPI_DEP = 4.0          # cycles per instruction of one warp's dependent compute 
 EXP_CHAIN = 45         # cycles of one IEEE expf chain serialized by a per-element branch
 BARRIER = 0.05e-6      # a tile's barrier and its skew
 HMMA_CYC = 6           # SMSP cycles per HMMA.16816 (mma.sync at ~2/3 of sm_90's wgmma peak)
+SMEM_BPC = 128         # shared memory bytes per cycle and SM (an LDSM.x4 moves 512)
+WARPS = 4              # FLASH_WARPS
 
 
 def makespan(occ, B=4, cols=32, order="longest"):
@@ -55,13 +57,15 @@ def makespan(occ, B=4, cols=32, order="longest"):
 
 def tile_time(k):
     """A tile's time for one block: with the tile prefetched (rt 0), the longest of its
-    dependent compute stream, the SMSP's issue of occ warps' instructions and its tensor
-    core's HMMA (an L2 round trip at least); else its serialized round trips, then its
-    compute."""
+    dependent compute stream, the SMSP's issue of occ warps' instructions, its tensor
+    core's HMMA and the SM's shared memory (occ blocks' ldmatrix reads and cp.async
+    writes of the walked tiles: two of cols rows of HS bf16; an L2 round trip at least);
+    else its serialized round trips, then its compute."""
     comp = ((k["instr"] - k["copy"]) * CPI_DEP + k["expb"] * EXP_CHAIN) / CLK
     if k["rt"] == 0:
         pipes = k["occ"] * max(k["instr"], k["hmma"] * HMMA_CYC) / CLK
-        return max(comp, pipes, LAT_L2) + BARRIER
+        smem = k["occ"] * (WARPS * k["ldsm"] * 512 + 2 * k["cols"] * HS * 2) / SMEM_BPC / CLK
+        return max(comp, pipes, smem, LAT_L2) + BARRIER
     return k["rt"] * LAT_L2 + comp + BARRIER
 
 

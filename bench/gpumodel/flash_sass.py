@@ -4,7 +4,7 @@ ptxas's registers, the launch's shared memory, the blocks per SM they leave, and
 walked tile and warp the instructions on the common path (the 16-byte cp.async copies
 and the unmasked softmax; the misaligned views' element-wise copies and the masked
 variant left out), of which the copies' (the runs holding a cp.async or a 16-byte load),
-and the HMMA and MUFU.EX2 among them.
+and the HMMA, LDSM and MUFU.EX2 among them.
 model_h200.py's FLASH["now"] is this tool's output for d12's kernels (head size 64,
 bf16); tests/test_gpumodel.py checks it still is.
 
@@ -51,21 +51,26 @@ def runs(loop):
 
 
 def tile_stats(body, cols):
-    """{instr, copy, hmma, exp2} per tile and warp on the common path of a kernel's tile
+    """{instr, copy, hmma, ldsm, exp2} per tile and warp on the common path of a kernel's tile
     loop: runs with an element-wise global load (the misaligned path) dropped, and of the
-    two softmax variants (each a run holding a tile's cols / 2 exponentials) the shorter."""
+    softmax's masked and unmasked variants (runs of 16 exponentials or more: a chunk of
+    32 columns or the whole tile, cols / 2 exponentials a tile) the shorter of each pair."""
     kept = [r for r in runs(tile_loop(sass_ops(body)))
             if not any(re.search(r"LDG\.E(?!\.128)", op) for op in r)]
-    soft = sorted((r for r in kept if sum("MUFU.EX2" in op for op in r) >= cols // 2), key=len)
-    kept = [r for r in kept if not any(r is s for s in soft[1:])]
+    exps = [sum("MUFU.EX2" in op for op in r) for r in kept]
+    soft = sorted((r for r, e in zip(kept, exps) if e >= 16), key=len)
+    pairs = max(1, cols // 2 // min((e for e in exps if e >= 16), default=cols))
+    kept = [r for r in kept if not any(r is s for s in soft[pairs:])]
     ops = [op for r in kept for op in r]
     loads = [r for r in kept if any(re.search(r"LDGSTS|LDG\.E\.128", o) for o in r)]
     return {"instr": len(ops), "copy": sum(map(len, loads)),
-            "hmma": sum("HMMA" in o for o in ops), "exp2": sum("MUFU.EX2" in o for o in ops)}
+            "hmma": sum("HMMA" in o for o in ops), "ldsm": sum("LDSM" in o for o in ops),
+            "exp2": sum("MUFU.EX2" in o for o in ops)}
 
 
 def flash_table(head_size=64, dtype="bf16"):
-    """{kind: {regs, smem, occ, cols, instr, copy, hmma, exp2}} of flash_{kind}_{head_size}."""
+    """{kind: {regs, smem, occ, cols, instr, copy, hmma, ldsm, exp2}} of
+    flash_{kind}_{head_size}."""
     x = 2 if dtype == "bf16" else 4
     log, cubin = nvrtc_compile(os.path.join(KERNEL_DIR, "flash_attention.cu"), "sm_90",
                                options(dtype) + ("--ptxas-options=-v",), cubin=True)

@@ -113,7 +113,7 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 
 // --- tensor cores and dynamic shared memory --------------------------------------------
 // The warp-wide matrix instructions are inline PTX (sm_80+). cudasim (g++, no PTX) defines
-// CUDASIM and brings its own versions of these ten, emulating the PTX ISA's fragment
+// CUDASIM and brings its own versions of these eleven, emulating the PTX ISA's fragment
 // layouts and cp.async's groups (tests/cudasim/sim_mma.h); a kernel uses only these names.
 #ifndef CUDASIM
 // d += a b on one warp: m16n8k16, A 16x16 row-major bf16 (4 registers of 2), B 16x8
@@ -191,6 +191,15 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// 2^x in one MUFU.EX2: exp2f's own instruction without the four or so around it that
+// handle results below 2^-126 (flushed to 0 here: flash attention's probabilities, where
+// such a value adds nothing beside the row's largest, 1).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
 }
 
 // The block's dynamic shared memory (the launch's shared_mem bytes), and its size.

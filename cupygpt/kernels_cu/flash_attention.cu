@@ -325,14 +325,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[FC / 8][4], float (&m)
     #pragma unroll
     for (int i = 0; i < 2; i++) {  // key 0 is in every row's first tile: mx is finite
         mx[i] = quad_max(mx[i]);
-        alpha[i] = exp2f(m[i] - mx[i]);
+        alpha[i] = exp2_ftz(m[i] - mx[i]);
         m[i] = mx[i];
     }
     #pragma unroll
     for (int j = 0; j < FC / 8; j++)
         #pragma unroll
         for (int e = 0; e < 4; e++) {
-            s[j][e] = exp2f(s[j][e] - m[e / 2]);
+            s[j][e] = exp2_ftz(s[j][e] - m[e / 2]);
             sum[e / 2] += s[j][e];
         }
     #pragma unroll
@@ -369,7 +369,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     WarpRows<HSP, M == BF16MMA, floatX> Q(Qs + 16 * w * LD, LD);
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
-    float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2
+    float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2_ftz
     for (int j = 0; j < n; j++) {
         if (j > 0) {
             cp_async_wait<0>();
@@ -439,7 +439,7 @@ __device__ __forceinline__ void query_ds(float (&dp)[FC / 8][4], const float (&s
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             int i = e / 2;
-            float p = exp2f(fmaf(s[j][e], sl, -L[i]));
+            float p = exp2_ftz(fmaf(s[j][e], sl, -L[i]));
             if (MASK && k0 + 8 * j + 2 * q + e % 2 > row[i]) p = 0.f;
             dp[j][e] = (dp[j][e] - D[i]) * p * scale;
         }
@@ -520,7 +520,7 @@ __device__ __forceinline__ void key_probs(float (&s)[FC / 8][4], const float* Ls
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             int c = 8 * j + 2 * q + e % 2;
-            s[j][e] = exp2f(fmaf(s[j][e], sl, -Ls[c] * LOG2E));
+            s[j][e] = exp2_ftz(fmaf(s[j][e], sl, -Ls[c] * LOG2E));
             if (MASK && (t0 + c < key[e / 2] || t0 + c >= T)) s[j][e] = 0.f;
         }
 }
@@ -531,7 +531,8 @@ template <int HSP, int M>
 __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, const floatX* qkv,
                            const float* lse, float scale, int T, int NH,
                            int HS) {
-    constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>();
+    constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>(), SUB = 32;
+    static_assert(FC % SUB == 0, "whole chunks of 32 queries");
     DYNAMIC_SHARED(smem);
     check_launch<HSP, M>(2, 2 * FC);
     floatX *Ks = reinterpret_cast<floatX*>(smem), *Vs = Ks + FR * LD, *Qs = Vs + FR * LD,
@@ -571,20 +572,26 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
         if (S == 2 && j + 1 < n) walk(j + 1);
         int t0 = k0 + j * FC, u = j % S;
         const floatX *Qt = Qs + u * FC * LD, *dYt = dYs + u * FC * LD;
-        if (t0 + FC - 1 >= k0 + 16 * w) {  // (else every query is before this warp's keys)
-            float s[FC / 8][4], dp[FC / 8][4];
-            tile_nt<M, HSP, FC>(s, Kr, Qt, LD);
-            const float *Lt = Ls + u * FC, *Dt = Ds + u * FC;
-            if (t0 < k0 + 16 * w + 15 || t0 + FC > T) key_probs<true, FC>(s, Lt, t0, key, T, sl);
-            else key_probs<false, FC>(s, Lt, t0, key, T, sl);
-            tile_nn<M, FC, HSP>(dv, s, dYt, LD, pw);
-            tile_nt<M, HSP, FC>(dp, Vr, dYt, LD);
+        // 32 queries at a time (one after the other: a 64-wide tile's P and dS at once would
+        // leave dk and dv too few registers for three blocks per SM)
+        #pragma unroll
+        for (int c0 = 0; c0 < FC; c0 += SUB) {
+            int tc = t0 + c0;
+            if (tc + SUB - 1 < k0 + 16 * w) continue;  // every query is before this warp's keys
+            float s[SUB / 8][4], dp[SUB / 8][4];
+            const floatX *Qc = Qt + c0 * LD, *dYc = dYt + c0 * LD;
+            const float *Lc = Ls + u * FC + c0, *Dc = Ds + u * FC + c0;
+            tile_nt<M, HSP, SUB>(s, Kr, Qc, LD);
+            if (tc < k0 + 16 * w + 15 || tc + SUB > T) key_probs<true, SUB>(s, Lc, tc, key, T, sl);
+            else key_probs<false, SUB>(s, Lc, tc, key, T, sl);
+            tile_nn<M, SUB, HSP>(dv, s, dYc, LD, pw);
+            tile_nt<M, HSP, SUB>(dp, Vr, dYc, LD);
             #pragma unroll
-            for (int jj = 0; jj < FC / 8; jj++)
+            for (int jj = 0; jj < SUB / 8; jj++)
                 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    dp[jj][e] = (dp[jj][e] - Dt[8 * jj + 2 * q + e % 2]) * s[jj][e] * scale;
-            tile_nn<M, FC, HSP>(dk, dp, Qt, LD, pw);
+                    dp[jj][e] = (dp[jj][e] - Dc[8 * jj + 2 * q + e % 2]) * s[jj][e] * scale;
+            tile_nn<M, SUB, HSP>(dk, dp, Qc, LD, pw);
         }
         if (S == 1 && j + 1 < n) {
             __syncthreads();
@@ -613,7 +620,16 @@ FLASH_BY_MATH(flash_forward)
 FLASH_BY_MATH(flash_dq)
 FLASH_BY_MATH(flash_dkdv)
 
-// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py).
+// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). dkdv up to 64
+// dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
+// spills: it works 32 queries at a time), the occupancy its critical path wants
+// (bench/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
+// and dv alone would not fit three.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define DKDV_BLOCKS 2
+#else
+#define DKDV_BLOCKS 3
+#endif
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
                                            float scale, int T, int NH, int HS, int tf32) {
     flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
@@ -623,9 +639,10 @@ extern "C" __global__ void flash_dq_16(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_32(floatX* out, float* lse, const floatX* qkv,
@@ -637,9 +654,10 @@ extern "C" __global__ void flash_dq_32(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_64(floatX* out, float* lse, const floatX* qkv,
@@ -651,9 +669,10 @@ extern "C" __global__ void flash_dq_64(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_96(floatX* out, float* lse, const floatX* qkv,

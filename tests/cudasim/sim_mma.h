@@ -113,6 +113,12 @@ inline unsigned to_tf32(float x) {
     return (u + 0x1000u) & 0xffffe000u;
 }
 
+// ex2.approx.ftz.f32: 2^x, results below the smallest normal float flushed to 0.
+inline float exp2_ftz(float x) {
+    float r = exp2f(x);
+    return r < 1.17549435e-38f ? 0.f : r;
+}
+
 #define DYNAMIC_SHARED(name) unsigned char* name = sim::dynamic_shared()
 inline unsigned dynamic_smem_bytes() { return sim::dynamic_shared_bytes(); }
 
