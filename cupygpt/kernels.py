@@ -29,7 +29,7 @@ GEOMETRY = {
     "COL_TILE": 32,       # column sums: threads across a block's columns (16 bytes each)
     "ROW_LANES": 8,       # column sums: threads down the rows of each column
     "FLASH_WARPS": 4,     # flash attention: warps per block, 16 rows (queries or keys) each
-    "FLASH_COLS": 32,     # flash attention: columns (keys or queries) per tile walked
+    "FLASH_COLS": 64,     # flash attention: columns (keys or queries) per tile walked, at most
     "SORT_KEYS": 1024,    # the embedding's gradient: positions a block sorts in shared memory
 }
 # The head sizes flash attention is built for (a kernel per size): a head of HS (a
@@ -37,15 +37,32 @@ GEOMETRY = {
 FLASH_HEAD_SIZES = (16, 32, 64, 96, 128)
 
 
+def flash_cols(head_size, itemsize):
+    """Columns per walked tile of flash_*_{head_size} (flash_attention.cu's cols()):
+    FLASH_COLS for bf16 heads up to 64, half that above (the accumulators of 128 dimensions
+    leave no registers for 64-wide tiles) and in fp32 (shared memory)."""
+    cols = GEOMETRY["FLASH_COLS"]
+    return cols if itemsize == 2 and head_size <= 64 else cols // 2
+
+
+def flash_stages(head_size, itemsize):
+    """Buffers per walked tile (flash_attention.cu's stages()): 2, the next tile copied while
+    this one computes; 1 for fp32 heads above 96, where two would leave room for one block
+    per SM."""
+    return 1 if itemsize == 4 and head_size > 96 else 2
+
+
 def flash_smem_bytes(kind, head_size, itemsize, fma):
     """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's smem_need,
     which checks it was given this much): its own tiles of 16 * FLASH_WARPS rows (forward
-    1, dq and dkdv 2) and two walked tiles of FLASH_COLS rows, each row padded by 16 bytes;
-    dkdv's walked lse and D; with fma (fp32 without TF32), each warp's 16 operand rows."""
-    warps, cols = GEOMETRY["FLASH_WARPS"], GEOMETRY["FLASH_COLS"]
+    1, dq and dkdv 2) and flash_stages buffers of each of its two walked tiles, each row
+    padded by 16 bytes; dkdv's walked lse and D (as many buffers); with fma (fp32 without
+    TF32), each warp's 16 operand rows."""
+    warps = GEOMETRY["FLASH_WARPS"]
+    cols, stages = flash_cols(head_size, itemsize), flash_stages(head_size, itemsize)
     own = 1 if kind == "forward" else 2
-    n = (own * 16 * warps + 2 * cols) * (head_size + 16 // itemsize) * itemsize
-    n += 4 * 2 * cols if kind == "dkdv" else 0
+    n = (own * 16 * warps + 2 * stages * cols) * (head_size + 16 // itemsize) * itemsize
+    n += 4 * 2 * stages * cols if kind == "dkdv" else 0
     return n + (4 * warps * 16 * (cols + 4) if fma else 0)
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
@@ -73,8 +90,10 @@ def sources():
 
 
 def kernels_in(src):
-    """{name: parameter list as written} for each extern "C" kernel in CUDA C source."""
-    return dict(re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', src))
+    """{name: parameter list as written} for each extern "C" kernel in CUDA C source (its
+    __launch_bounds__, if any, skipped)."""
+    return dict(re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+                           r'(\w+)\(([^)]*)\)', src))
 
 
 def nvrtc_compile(path, arch, opts=None, cubin=False):

@@ -392,6 +392,43 @@ def test_ldmatrix_gives_the_ptx_fragment_layout(sim):
         fn((1,), (32,), (out, cp.asarray(M.ravel()), np.int32(0), np.int32(1)))
 
 
+CP_ASYNC = r'''
+extern "C" __global__ void copy_async(float* out, const float* in, int waited, int src_bytes) {
+    alignas(16) __shared__ float tile[2][4 * 32];
+    for (int k = 0; k < 8; k++) tile[k / 4][4 * threadIdx.x + k % 4] = -1.f;
+    __syncthreads();
+    for (int g = 0; g < 2; g++) {  // two groups: in's halves, 16 bytes (4 floats) a thread
+        cp_async16(&tile[g][4 * threadIdx.x], in + 128 * g + 4 * threadIdx.x, src_bytes);
+        cp_async_commit();
+    }
+    if (waited == 2) cp_async_wait<0>();
+    if (waited == 1) cp_async_wait<1>();
+    __syncthreads();
+    for (int k = 0; k < 8; k++)
+        out[128 * (k / 4) + 4 * threadIdx.x + k % 4] = tile[k / 4][4 * threadIdx.x + k % 4];
+}
+'''
+
+
+def test_cp_async_lands_only_when_waited_for(sim):
+    """cp.async's copies land at the wait covering their group, not before: reading
+    without waiting gets the old bytes, waiting for all but the last group gets the first
+    half; a copy reading fewer than 16 bytes zero-fills the rest."""
+    cp, _ = sim
+    fn = cp.RawModule(code=CP_ASYNC).get_function("copy_async")
+    x = np.arange(1, 257, dtype=np.float32)
+    for waited, want_first, want_second in ((2, True, True), (1, True, False), (0, False, False)):
+        out = cp.zeros(256, np.float32)
+        fn((1,), (32,), (out, cp.asarray(x), np.int32(waited), np.int32(16)))
+        got = cp.asnumpy(out)
+        assert np.array_equal(got[:128], x[:128] if want_first else np.full(128, -1.0)), waited
+        assert np.array_equal(got[128:], x[128:] if want_second else np.full(128, -1.0)), waited
+    out = cp.zeros(256, np.float32)
+    fn((1,), (32,), (out, cp.asarray(x), np.int32(2), np.int32(8)))
+    assert np.array_equal(cp.asnumpy(out).reshape(64, 4)[:, 2:], np.zeros((64, 2)))
+    assert np.array_equal(cp.asnumpy(out).reshape(64, 4)[:, :2], x.reshape(64, 4)[:, :2])
+
+
 @requires_sim
 def test_random_order_runs_streams_in_any_order(monkeypatch):
     """Under CUDASIM_ORDER=random a stream's work may run before another stream's work

@@ -13,7 +13,7 @@ from conftest import cli, device_env
 from test_cuda import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
 
 SIZES = (8, 16, 32, 64, 96, 128)   # the fixtures' head sizes (8, 16) and every kernel's
-LENGTHS = (1, 17, 64, 128, 1000)   # 1000: not a multiple of any tile
+LENGTHS = (1, 17, 64, 128, 200, 1000)  # 17, 200, 1000: not a multiple of any tile
 
 
 def materialized(qkv, dy, NH):
@@ -68,7 +68,7 @@ def test_numpy_blocks_of_queries_equal_the_whole_attention(T):
 
 
 def cases():
-    for HS in SIZES:
+    for HS in SIZES:  # (T = 200: four 64-wide tiles, the last 8 rows long, on every size)
         for T in LENGTHS:
             if T < 1000 or HS >= 32:
                 yield HS, T

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_smem_bytes, kernels_in,
-                             nvrtc_compile, options, sources)
+from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols, flash_smem_bytes,
+                             kernels_in, nvrtc_compile, options, sources)
 
 ARCHS = ("compute_80", "compute_90")
 SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)
@@ -47,8 +47,9 @@ def test_nvrtc_compiles(tmp_path, path, arch, dtype):
     """To the GPU's code, with no register spills; flash attention's kernels leave room for
     two blocks per SM (registers, and the dynamic shared memory the backend launches them
     with; an fp32 head above 64 only on the H100); on sm_90 the WIDE_ACCESSES kernels'
-    SASS holds LDG.E.128 (and STG.E.128), and bf16 flash attention reads its tensor-core
-    operands from shared memory with ldmatrix (LDSM), no 2-byte loads."""
+    SASS holds LDG.E.128 (or LDGSTS.E.BYPASS.128, and STG.E.128), bf16 flash attention reads
+    its tensor-core operands from shared memory with ldmatrix (LDSM), no 2-byte loads, and
+    every flash kernel's tile loop is as check_flash_sass wants it."""
     log, cubin = nvrtc_compile(path, arch, options(dtype) + ("--ptxas-options=-v",), cubin=True)
     report = ptxas_report(log)
     assert report, "ptxas reported no kernel"
@@ -60,7 +61,7 @@ def test_nvrtc_compiles(tmp_path, path, arch, dtype):
         kind, hs = name[len("flash_"):].rsplit("_", 1)
         x = 2 if dtype == "bf16" else 4
         smem = flash_smem_bytes(kind, int(hs), x, x == 4)
-        assert 2 * regs * threads <= REGISTERS_PER_SM, (name, regs)
+        assert 2 * -(-regs // 8) * 8 * threads <= REGISTERS_PER_SM, (name, regs)  # (8 a unit)
         if arch == "sm_90" or dtype == "bf16" or int(hs) <= 64:
             assert 2 * (smem + 1024) <= SM[arch], (name, smem)  # (1 KiB reserved per block)
     if arch == "sm_90" and cuobjdump():
@@ -75,6 +76,23 @@ def test_nvrtc_compiles(tmp_path, path, arch, dtype):
         for fn in report:  # bf16 tensor-core operands come through ldmatrix, never 2 bytes
             if fn.startswith("flash_") and dtype == "bf16":
                 assert "M" in marks[fn] and "H" not in marks[fn], (fn, marks[fn])
+        for fn in (f for f in report if f.startswith("flash_")):
+            check_flash_sass(fn, kernels[fn], 2 if dtype == "bf16" else 4)
+
+
+def check_flash_sass(fn, body, itemsize):
+    """The flash kernels' tile loop (the widest loop with tensor-core products and a
+    barrier) copies the next tiles with cp.async (LDGSTS) and waits on them (DEPBAR); the
+    exponentials of a tile, or of a chunk of 32 columns (dkdv's), 4 per 8 columns a lane
+    holds, issue in one straight run, no branch around each (the masked and unmasked
+    tiles are separate code)."""
+    ops = sass_ops(body)
+    loop = tile_loop(ops)
+    assert loop, (fn, "no loop with HMMA and BAR.SYNC")
+    text = " ".join(op for _, op in loop)
+    assert "LDGSTS" in text and "DEPBAR" in text, (fn, "tile loop without cp.async")
+    cols = flash_cols(int(fn.rsplit("_", 1)[1]), itemsize)
+    assert most_exp2_in_a_run(loop) >= min(cols, 32) // 2, (fn, most_exp2_in_a_run(loop))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -122,7 +140,8 @@ def test_every_backend_kernel_exists():
 
 
 # The kernels that move the bulk of a step's non-GEMM bytes, and which of their global
-# accesses must be 16 bytes wide (L: loads, S: stores) on the aligned path.
+# accesses must be 16 bytes wide (L: loads, A: cp.async copies to shared memory, S: stores)
+# on the aligned path.
 WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f32": "L",
                  "layernorm_forward": "LS", "residual_layernorm_forward": "LS",
                  "layernorm_backward": "LS", "layernorm_forward_v": "LS",
@@ -133,7 +152,7 @@ WIDE_ACCESSES = {"sum_squares_partial": "L", "column_sum_x": "L", "column_sum_f3
                  "sum_squares_partial_v": "L",
                  "gelu_forward": "LS",
                  "gelu_backward": "LS", "residual_forward": "LS",
-                 "flash_forward_64": "LS", "flash_dq_64": "LS", "flash_dkdv_64": "LS",
+                 "flash_forward_64": "AS", "flash_dq_64": "AS", "flash_dkdv_64": "AS",
                  "adamw": "LS", "encoder_forward": "LS", "encoder_backward_wpe": "LS",
                  "encoder_backward_wte": "LS"}
 
@@ -172,9 +191,11 @@ def sass(cubin, tmp_path):
 
 
 def sass_marks(kernels):
-    """{kernel: "L" if its SASS has a 16-byte global load, + "S" for a store, + "M" for a
-    shared-memory matrix load (LDSM), + "H" for a 2-byte shared load}."""
-    return {fn: "L" * ("LDG.E.128" in body) + "S" * ("STG.E.128" in body) +
+    """{kernel: "L" if its SASS has a 16-byte global load, + "A" for a 16-byte cp.async
+    (LDGSTS, L2 only), + "S" for a store, + "M" for a shared-memory matrix load (LDSM), + "H"
+    for a 2-byte shared load}."""
+    return {fn: "L" * ("LDG.E.128" in body) + "A" * ("LDGSTS.E.BYPASS.128" in body) +
+            "S" * ("STG.E.128" in body) +
             "M" * ("LDSM" in body) + "H" * ("LDS.U16" in body) for fn, body in kernels.items()}
 
 
@@ -196,6 +217,70 @@ def loads_in_flight(body):
             n += "LDG.E.128" in later
         most = max(most, n)
     return most
+
+
+def sass_ops(body):
+    """[(address, instruction)] of a kernel's SASS, in program order."""
+    found = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", body)
+    return [(int(a, 16), op.strip()) for a, op in found]
+
+
+def back_branches(ops):
+    """[(target, address)] of every branch to an earlier address: the loops."""
+    out = []
+    for a, op in ops:
+        m = re.search(r"\bBRA\b(?:\s+!?U?P\w+,)?\s+(?:`\(\.L_x_\d+\)\s+)?0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) <= a:
+            out.append((int(m.group(1), 16), a))
+    return out
+
+
+def tile_loop(ops):
+    """The instructions of the narrowest loop holding both HMMA and BAR.SYNC (a flash
+    kernel's walk over its tiles: the loops inside it have no barrier, and out-of-line code
+    jumping back into it makes wider ones); [] if there is none."""
+    best = None
+    for lo, hi in back_branches(ops):
+        body = [(a, op) for a, op in ops if lo <= a <= hi]
+        text = " ".join(op for _, op in body)
+        if "HMMA" in text and "BAR.SYNC" in text and (best is None or len(body) < len(best)):
+            best = body
+    return best or []
+
+
+def most_exp2_in_a_run(ops):
+    """The most MUFU.EX2 in one straight run of instructions: a run ends at any branch,
+    convergence barrier (BSSY/BSYNC) or branch target."""
+    targets = {t for t, _ in back_branches(ops)} | {
+        int(m, 16) for _, op in ops for m in re.findall(r"\bBRA\b.*0x([0-9a-f]+)", op)}
+    most = n = 0
+    for a, op in ops:
+        if a in targets:
+            n = 0
+        n += "MUFU.EX2" in op
+        most = max(most, n)
+        if re.search(r"\b(BRA|BSSY|BSYNC|EXIT|RET|CALL)\b", op):
+            n = 0
+    return most
+
+
+def test_the_flash_sass_checks_fail_on_a_branch_per_exponential_or_no_cp_async():
+    branchy = """
+        /*0010*/  LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/  HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0030*/  BSSY B0, 0x60 ;
+        /*0040*/  @P0 BRA 0x60 ;
+        /*0050*/  MUFU.EX2 R9, R9 ;
+        /*0060*/  BSYNC B0 ;
+        /*0070*/  MUFU.EX2 R10, R10 ;
+        /*0080*/  BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/  @P1 BRA 0x10 ;"""
+    straight = branchy.replace("@P0 BRA 0x60", "FSEL R9, R9, RZ, P0")
+    straight = straight.replace("BSSY B0, 0x60", "NOP").replace("BSYNC B0", "NOP")
+    assert most_exp2_in_a_run(tile_loop(sass_ops(branchy))) == 1
+    assert most_exp2_in_a_run(tile_loop(sass_ops(straight))) == 2
+    assert "LDGSTS" not in str(tile_loop(sass_ops(branchy)))
+    assert tile_loop(sass_ops(branchy.replace("BAR.SYNC", "NOP"))) == []
 
 
 def test_loads_in_flight_counts_the_loads_issued_before_a_use():

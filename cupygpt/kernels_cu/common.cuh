@@ -113,8 +113,8 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 
 // --- tensor cores and dynamic shared memory --------------------------------------------
 // The warp-wide matrix instructions are inline PTX (sm_80+). cudasim (g++, no PTX) defines
-// CUDASIM and brings its own versions of these seven, emulating the PTX ISA's fragment
-// layouts (tests/cudasim/sim_mma.h); a kernel uses only these names.
+// CUDASIM and brings its own versions of these eleven, emulating the PTX ISA's fragment
+// layouts and cp.async's groups (tests/cudasim/sim_mma.h); a kernel uses only these names.
 #ifndef CUDASIM
 // d += a b on one warp: m16n8k16, A 16x16 row-major bf16 (4 registers of 2), B 16x8
 // column-major bf16 (2 of 2), C/D 16x8 float. Lane l = 4g + q holds A's (g, 2q..2q+1),
@@ -161,6 +161,44 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row
 __device__ __forceinline__ unsigned to_tf32(float x) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// Asynchronous copies from global to shared memory (sm_80+): issued without waiting, so a
+// tile's loads fly while the tile before it computes, and without passing through
+// registers. cp_async16: 16 bytes (dst and src 16-byte aligned), .cg (L2 only: a tile is
+// read once per block); src_bytes of them read, the rest zero-filled (0: src is not read,
+// but must still be a valid address). cp_async4: 4 bytes (.ca, the only size .cg lacks), 0
+// or 4 read. A thread's copies since its last commit form a group; cp_async_wait<N>()
+// returns once at most N of its committed groups are still in flight. Each thread waits
+// for its own copies: a __syncthreads after the wait makes every thread's visible.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::
+                 "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::
+                 "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// 2^x in one MUFU.EX2: exp2f's own instruction without the four or so around it that
+// handle results below 2^-126 (flushed to 0 here: flash attention's probabilities, where
+// such a value adds nothing beside the row's largest, 1).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
 

@@ -7,14 +7,20 @@
 //
 // A block owns FR = 16 * FLASH_WARPS rows of one (b, h) (queries; keys in dkdv), a warp 16 of
 // them (grid: x the (b, h), y the row tile, longest first, so every head's longest tiles
-// start first), and walks tiles of FC = FLASH_COLS columns (keys; queries in dkdv) through shared
-// memory, skipping the tiles the causal mask hides from all its rows. The two products per
-// tile run on one warp's 16 rows with fp32 accumulators in mma.sync's layout (acc[j][e]:
-// lane 4g + q holds row g (e 0, 1) and g + 8 (e 2, 3), column 8j + 2q + e % 2):
+// start first), and walks tiles of FC = cols() columns (keys; queries in dkdv) through shared
+// memory, skipping the tiles the causal mask hides from all its rows. The walked tiles are
+// copied with cp.async into stages() buffers each: with two, tile j + 1 is on its way while
+// tile j computes, one barrier per tile. The two products per tile run on one warp's 16 rows
+// with fp32 accumulators in mma.sync's layout (acc[j][e]: lane 4g + q holds row g (e 0, 1)
+// and g + 8 (e 2, 3), column 8j + 2q + e % 2):
 //   bf16: tensor cores, m16n8k16 (bf16 in, fp32 sums; the probabilities and their
-//         gradients rounded to bf16 on the way in, as the NumPy reference stores them);
+//         gradients rounded to bf16 on the way in, as the NumPy reference stores them); the
+//         warp's own rows (q; dy; k and v up to 64 dimensions) read once into registers as
+//         ldmatrix fragments, reused by every tile;
 //   fp32 with tf32: tensor cores, m16n8k8 (inputs rounded to TF32, as cuBLAS's TF32 mode);
 //   fp32 without: exact FMA dot products (verify's arithmetic).
+// The causal mask is applied only on the tiles that cross the diagonal (or T), chosen once
+// per tile and warp: the other tiles' softmax is straight-line code.
 // Head sizes up to 128, multiples of 8: each kernel is built for HSP in FLASH_HEAD_SIZES,
 // the smallest one >= HS taken, dimensions HS..HSP zero in shared memory.
 // Backward is two kernels, so every sum has one owner and a fixed order (deterministic, no
@@ -25,20 +31,53 @@
 #if !defined(FLASH_WARPS) || !defined(FLASH_COLS)
 #error "flash geometry not defined: compile with cupygpt.kernels.OPTIONS"
 #endif
-constexpr int FR = 16 * FLASH_WARPS, FC = FLASH_COLS;
-static_assert(FR % FC == 0 && FC % 16 == 0, "a block's rows are whole column tiles");
-constexpr int SKEW = PACK;          // shared rows padded by 16 bytes: fewer bank conflicts
-constexpr int LP = FC + 4;          // the FMA path's per-warp operand rows (floats)
+constexpr int FR = 16 * FLASH_WARPS, THREADS = FLASH_WARPS * WARP;
+static_assert(FR % FLASH_COLS == 0 && FLASH_COLS % 32 == 0, "a block's rows are whole tiles");
+constexpr int SKEW = PACK;  // shared rows padded by 16 bytes: fewer bank conflicts
 enum Math { FMA, TF32, BF16MMA };
+
+// Columns per walked tile and buffers per walked tile, by head size (kernels.py's flash_cols
+// and flash_stages, which size the launch's shared memory): 64-wide tiles where the
+// registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit.
+template <int HSP>
+__device__ constexpr int cols() {
+    return sizeof(floatX) == 2 && HSP <= 64 ? FLASH_COLS : FLASH_COLS / 2;
+}
+template <int HSP>
+__device__ constexpr int stages() { return sizeof(floatX) == 4 && HSP > 96 ? 1 : 2; }
 
 __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {  // rounded, lo low
     return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
            ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
 
+// A warp's 16 rows of K columns (ld apart in shared memory) as tile_nt's A operand. HOLD
+// (bf16): their ldmatrix fragments read once into registers, for every tile walked; else
+// each product reads the rows from shared memory.
+template <int K, bool H, class X>
+struct WarpRows {
+    static constexpr bool HOLD = H;
+    const X* rows;
+    int ld;
+    unsigned f[HOLD ? K / 16 : 1][4];
+    __device__ WarpRows(const X* r, int ld_) : rows(r), ld(ld_) {
+        if constexpr (HOLD) {
+            #pragma unroll
+            for (int k0 = 0; k0 < K; k0 += 16) fragment(f[k0 / 16], k0);
+        }
+    }
+    // A's m16n8k16 fragment for columns k0..k0+15: its 8x8 quarters (rows +8 for a1,
+    // columns +8 for a2)
+    __device__ __forceinline__ void fragment(unsigned (&x)[4], int k0) const {
+        int l = threadIdx.x % WARP, m = l / 8, r = l % 8;
+        ldmatrix_x4(x, rows + (r + 8 * (m % 2)) * ld + k0 + 8 * (m / 2));
+    }
+};
+
 // acc (16 x N) = A (16 x K) B^T, B (N x K): both row-major in shared memory, ld apart.
-template <int M, int K, int N, class X>
-__device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, const X* B, int ld) {
+template <int M, int K, int N, class Rows, class X>
+__device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const Rows& A, const X* B,
+                                        int ld) {
     int g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
     #pragma unroll
     for (int j = 0; j < N / 8; j++)
@@ -49,7 +88,7 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
         for (int j = 0; j < N / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const X *a = A + (g + 8 * (e / 2)) * ld, *b = B + (8 * j + 2 * q + e % 2) * ld;
+                const X *a = A.rows + (g + 8 * (e / 2)) * ld, *b = B + (8 * j + 2 * q + e % 2) * ld;
                 float s = 0.f;
 #pragma unroll 8
                 for (int k = 0; k < K; k++) s = fmaf(load(a[k]), load(b[k]), s);
@@ -58,7 +97,7 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
     } else if constexpr (M == TF32) {
         #pragma unroll
         for (int k0 = 0; k0 < K; k0 += 8) {
-            const X *a = A + g * ld + k0 + q;
+            const X* a = A.rows + g * ld + k0 + q;
             unsigned x[4] = {to_tf32(a[0]), to_tf32(a[8 * ld]), to_tf32(a[4]),
                              to_tf32(a[8 * ld + 4])};
             #pragma unroll
@@ -69,13 +108,14 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
             }
         }
     } else {
-        // ldmatrix: A's fragment is its 8x8 quarters (rows +8 for a1, columns +8 for a2);
-        // B's for tiles j and j + 1 are rows 8j.. and 8j + 8.., columns k0 and k0 + 8
+        // B's fragments for tiles j and j + 1 are rows 8j.. and 8j + 8.., columns k0 and k0 + 8
         int l = threadIdx.x % WARP, m = l / 8, r = l % 8;
         #pragma unroll
         for (int k0 = 0; k0 < K; k0 += 16) {
-            unsigned x[4];
-            ldmatrix_x4(x, A + (r + 8 * (m % 2)) * ld + k0 + 8 * (m / 2));
+            unsigned read[4];
+            const unsigned* x = read;
+            if constexpr (Rows::HOLD) x = A.f[k0 / 16];
+            else A.fragment(read, k0);
             #pragma unroll
             for (int j = 0; j < N / 8; j += 2) {
                 unsigned y[4];
@@ -88,13 +128,14 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const X* A, cons
 }
 
 // acc (16 x N) += a (16 x K, in registers, the accumulators' layout) B, B (K x N) row-major
-// in shared memory, ld apart. pw: the warp's 16 x LP floats (FMA only: each lane needs whole
-// rows of a, which other lanes hold).
+// in shared memory, ld apart. pw: the warp's 16 rows of K + 4 floats (FMA only: each lane
+// needs whole rows of a, which other lanes hold).
 template <int M, int K, int N, class X>
 __device__ __forceinline__ void tile_nn(float (&acc)[N / 8][4], const float (&a)[K / 8][4],
                                         const X* B, int ld, float* pw) {
     int g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
     if constexpr (M == FMA) {
+        constexpr int LP = K + 4;
         #pragma unroll
         for (int t = 0; t < K / 8; t++)
             #pragma unroll
@@ -160,26 +201,63 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 2);
 }
 
-// dst (rows x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1;
-// zeros past T and HS. 16 bytes at a time when src is 16-byte aligned (HS and C are
-// multiples of 8, so then every row is), else one element at a time.
-template <int HSP>
-__device__ void load_rows(floatX* dst, const floatX* src, long long stride, int r0, int rows,
-                          int T, int HS) {
+// One pack (16 bytes) of a tile: cp.async when WIDE (zero-filled unless in; src then
+// points anywhere valid), else element by element, synchronously.
+template <bool WIDE>
+__device__ __forceinline__ void copy_pack(floatX* d, const floatX* s, bool in, const floatX* any) {
+    if constexpr (WIDE) {
+        cp_async16(d, in ? s : any, in ? 16 : 0);
+    } else {
+        for (int e = 0; e < PACK; e++) d[e] = in ? s[e] : floatX(0.f);
+    }
+}
+
+// dst (ROWS x HSP, ld HSP + SKEW) = rows r0.. of src (stride apart), columns 0..HS-1;
+// zeros past T and HS. WIDE (src 16-byte aligned; HS and C are multiples of 8, so then
+// every row is): cp.async, 16 bytes a copy, issued back to back and not waited for here (a
+// copy out of range reads nothing and zero-fills); else element by element, synchronously
+// (misaligned views: the same bytes). Where the block's threads are whole rows of packs,
+// each thread keeps its column and steps down the rows (a few instructions a copy, every
+// copy unrolled); else (96 dimensions) a thread walks the packs by their index.
+template <int HSP, int ROWS, bool WIDE>
+__device__ __forceinline__ void copy_rows(floatX* dst, const floatX* src, long long stride,
+                                          int r0, int T, int HS) {
     constexpr int LD = HSP + SKEW, PER = HSP / PACK;
-    bool wide = aligned16(src);
-    for (int i = threadIdx.x; i < rows * PER; i += blockDim.x) {
-        int r = i / PER, c = i % PER * PACK;
-        Pack* d = reinterpret_cast<Pack*>(dst + r * LD + c);
-        const floatX* s = src + (r0 + r) * stride + c;
-        if (r0 + r >= T || c >= HS) {
-            for (int e = 0; e < PACK; e++) d->v[e] = floatX(0.f);
-        } else if (wide) {
-            *d = *reinterpret_cast<const Pack*>(s);
-        } else {
-            for (int e = 0; e < PACK; e++) d->v[e] = s[e];
+    if constexpr (THREADS % PER == 0) {
+        constexpr int RS = THREADS / PER;  // the rows one pass of the block covers
+        int r = threadIdx.x / PER, c = threadIdx.x % PER * PACK;
+        const floatX* s = src + (long long)(r0 + r) * stride + c;
+        #pragma unroll
+        for (int k = 0; k < (ROWS + RS - 1) / RS; k++, r += RS, s += RS * stride) {
+            if (ROWS % RS && r >= ROWS) break;
+            copy_pack<WIDE>(dst + r * LD + c, s, r0 + r < T && c < HS, src);
+        }
+    } else {
+        #pragma unroll 1
+        for (int i = threadIdx.x; i < ROWS * PER; i += THREADS) {
+            int r = i / PER, c = i % PER * PACK;
+            copy_pack<WIDE>(dst + r * LD + c, src + (long long)(r0 + r) * stride + c,
+                            r0 + r < T && c < HS, src);
         }
     }
+}
+
+// copy_rows with its alignment decided by the caller once per launch (wide).
+template <int HSP, int ROWS>
+__device__ __forceinline__ void load_rows(floatX* dst, const floatX* src, long long stride,
+                                          int r0, int T, int HS, bool wide) {
+    if (wide) copy_rows<HSP, ROWS, true>(dst, src, stride, r0, T, HS);
+    else copy_rows<HSP, ROWS, false>(dst, src, stride, r0, T, HS);
+}
+
+// dst[i] = src[t0 + i] below T, else 0, for i < N: cp.async of 4 bytes by each of the
+// first N threads (a row of lse or D starts anywhere: T is any length).
+template <int N>
+__device__ __forceinline__ void load_floats(float* dst, const float* src, int t0, int T) {
+    static_assert(N <= THREADS, "a float per thread");
+    int i = threadIdx.x;
+    bool in = t0 + i < T;
+    if (i < N) cp_async4(dst + i, in ? src + t0 + i : src, in ? 4 : 0);
 }
 
 // rows r0.. of dst (stride apart), columns 0..HS-1, below T = src (rows x HSP in shared
@@ -216,74 +294,105 @@ __device__ void stage(floatX* tile, const float (&acc)[HSP / 8][4]) {
 }
 
 // Shared memory: the block's own rows (own tiles of FR rows), the walked tiles (2 of FC
-// rows), and the FMA path's per-warp operand rows; flash_smem_bytes in cuda_backend.py
-// computes the same, and each kernel checks it was given that much.
+// rows, stages() buffers each, and walked_floats more floats per buffer), and the FMA path's
+// per-warp operand rows; flash_smem_bytes in kernels.py computes the same, and each kernel
+// checks it was given that much, and FLASH_WARPS warps.
 template <int HSP, int M>
-__device__ __forceinline__ unsigned smem_need(int own, int extra_floats) {
-    return (own * FR + 2 * FC) * (HSP + SKEW) * sizeof(floatX) +
-           4 * (extra_floats + (M == FMA ? FLASH_WARPS * 16 * LP : 0));
+__device__ __forceinline__ void check_launch(int own, int walked_floats) {
+    constexpr int FC = cols<HSP>(), S = stages<HSP>();
+    unsigned need = (own * FR + 2 * S * FC) * (HSP + SKEW) * sizeof(floatX) +
+                    4 * (S * walked_floats + (M == FMA ? FLASH_WARPS * 16 * (FC + 4) : 0));
+    if (dynamic_smem_bytes() < need || blockDim.x != THREADS) __trap();
+}
+
+// One key tile of the forward for a warp's 16 queries: the scores s (in log2 units) into
+// probabilities, the running max m and sum l, the output o rescaled. MASK: the tile crosses
+// the diagonal (keys after a query are -inf).
+template <bool MASK, int FC, int HSP>
+__device__ __forceinline__ void online_softmax(float (&s)[FC / 8][4], float (&m)[2],
+                                               float (&l)[2], float (&o)[HSP / 8][4], int k0,
+                                               const int (&row)[2], float sl) {
+    int q = threadIdx.x % 4;
+    float mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f}, alpha[2];
+    #pragma unroll
+    for (int j = 0; j < FC / 8; j++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[j][e] *= sl;
+            if (MASK && k0 + 8 * j + 2 * q + e % 2 > row[e / 2]) s[j][e] = -INFINITY;
+            mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
+        }
+    #pragma unroll
+    for (int i = 0; i < 2; i++) {  // key 0 is in every row's first tile: mx is finite
+        mx[i] = quad_max(mx[i]);
+        alpha[i] = exp2_ftz(m[i] - mx[i]);
+        m[i] = mx[i];
+    }
+    #pragma unroll
+    for (int j = 0; j < FC / 8; j++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[j][e] = exp2_ftz(s[j][e] - m[e / 2]);
+            sum[e / 2] += s[j][e];
+        }
+    #pragma unroll
+    for (int i = 0; i < 2; i++) l[i] = l[i] * alpha[i] + quad_sum(sum[i]);
+    #pragma unroll
+    for (int j = 0; j < HSP / 8; j++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) o[j][e] *= alpha[e / 2];
 }
 
 template <int HSP, int M>
 __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
                               float scale, int T, int NH, int HS) {
-    constexpr int LD = HSP + SKEW;
+    constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>();
     DYNAMIC_SHARED(smem);
-    if (dynamic_smem_bytes() < smem_need<HSP, M>(1, 0)) __trap();
-    floatX *Qs = reinterpret_cast<floatX*>(smem), *Ks = Qs + FR * LD, *Vs = Ks + FC * LD;
-    float* pw = reinterpret_cast<float*>(Vs + FC * LD) + threadIdx.x / WARP * 16 * LP;
-    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
+    check_launch<HSP, M>(1, 0);
+    floatX *Qs = reinterpret_cast<floatX*>(smem), *Ks = Qs + FR * LD, *Vs = Ks + S * FC * LD;
+    float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
+    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
     int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;  // the longest rows first
-    int b = blockIdx.x / NH, h = blockIdx.x % NH;
+    int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (min(T, r0 + FR) + FC - 1) / FC;
     long long C = (long long)NH * HS;
     const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
+    bool wide = aligned16(qkv);
+    auto walk = [&](int j) {  // key tile j's K and V into buffer j % S
+        load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
+        load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
+        cp_async_commit();
+    };
+    load_rows<HSP, FR>(Qs, base, 3 * C, r0, T, HS, wide);
+    walk(0);
+    cp_async_wait<0>();
+    __syncthreads();
+    WarpRows<HSP, M == BF16MMA, floatX> Q(Qs + 16 * w * LD, LD);
     int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
-    float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2
-    for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
-        __syncthreads();  // the last tile's readers are done
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
-        __syncthreads();
-        if (k0 > r0 + 16 * w + 15) continue;  // every key is after this warp's queries
-        float s[FC / 8][4], mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f};
-        tile_nt<M, HSP, FC>(s, Qs + 16 * w * LD, Ks, LD);
-        bool diagonal = k0 + FC - 1 > r0 + 16 * w;  // (warp-uniform: only there a key is masked)
-        #pragma unroll
-        for (int j = 0; j < FC / 8; j++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int key = k0 + 8 * j + 2 * q + e % 2;
-                s[j][e] *= sl;
-                if (diagonal && key > row[e / 2]) s[j][e] = -INFINITY;
-                mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
-            }
-        float alpha[2];
-        #pragma unroll
-        for (int i = 0; i < 2; i++) {  // key 0 is in every row's first tile: mx is finite
-            mx[i] = quad_max(mx[i]);
-            alpha[i] = exp2f(m[i] - mx[i]);
-            m[i] = mx[i];
+    float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2_ftz
+    for (int j = 0; j < n; j++) {
+        if (j > 0) {
+            cp_async_wait<0>();
+            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
         }
-        #pragma unroll
-        for (int j = 0; j < FC / 8; j++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                s[j][e] = exp2f(s[j][e] - m[e / 2]);
-                sum[e / 2] += s[j][e];
-            }
-        #pragma unroll
-        for (int i = 0; i < 2; i++) l[i] = l[i] * alpha[i] + quad_sum(sum[i]);
-        #pragma unroll
-        for (int j = 0; j < HSP / 8; j++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) o[j][e] *= alpha[e / 2];
-        tile_nn<M, FC, HSP>(o, s, Vs, LD, pw);
+        if (S == 2 && j + 1 < n) walk(j + 1);  // in flight while this tile computes
+        int k0 = j * FC;
+        const floatX *Kt = Ks + j % S * FC * LD, *Vt = Vs + j % S * FC * LD;
+        if (k0 <= r0 + 16 * w + 15) {  // (else every key is after this warp's queries)
+            float s[FC / 8][4];
+            tile_nt<M, HSP, FC>(s, Q, Kt, LD);
+            if (k0 + FC - 1 > r0 + 16 * w) online_softmax<true, FC, HSP>(s, m, l, o, k0, row, sl);
+            else online_softmax<false, FC, HSP>(s, m, l, o, k0, row, sl);
+            tile_nn<M, FC, HSP>(o, s, Vt, LD, pw);
+        }
+        if (S == 1 && j + 1 < n) {
+            __syncthreads();  // every warp is done with the one buffer
+            walk(j + 1);
+        }
     }
     #pragma unroll
     for (int i = 0; i < 2; i++)
-        if (q == 0 && row[i] < T)  // (natural log: m is in log2 units)
+        if (threadIdx.x % 4 == 0 && row[i] < T)  // (natural log: m is in log2 units)
             lse[(long long)blockIdx.x * T + row[i]] = (m[i] + log2f(l[i])) * LN2;
     __syncthreads();  // Qs is the output's staging now
     #pragma unroll
@@ -295,33 +404,18 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     store_rows<HSP>(out + (long long)b * T * C + h * HS, C, Qs, r0, FR, T, HS);
 }
 
-// dq for a query tile: dS = P (dP - D) * scale, dq = dS k over the keys up to the tile's end;
-// first D = rowsum(dy * y) of its rows, written for flash_dkdv.
-template <int HSP, int M>
-__device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floatX* qkv,
-                         const floatX* y, const float* lse, float scale,
-                         int T, int NH, int HS) {
+// D = rowsum(dy * y) of a warp's two rows of this lane (dy from shared, y from global),
+// its quad's lanes summing packs q, q + 4, ..; written to Dbuf for flash_dkdv.
+template <int HSP>
+__device__ void rowsum_dy_y(float (&D)[2], const floatX* dYs, const floatX* y, float* Dbuf,
+                            const int (&row)[2], long long C, int T, int HS) {
     constexpr int LD = HSP + SKEW;
-    DYNAMIC_SHARED(smem);
-    if (dynamic_smem_bytes() < smem_need<HSP, M>(2, 0)) __trap();
-    floatX *Qs = reinterpret_cast<floatX*>(smem), *dYs = Qs + FR * LD, *Ks = dYs + FR * LD,
-           *Vs = Ks + FC * LD;
-    float* pw = reinterpret_cast<float*>(Vs + FC * LD) + threadIdx.x / WARP * 16 * LP;
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
-    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;
-    int b = blockIdx.x / NH, h = blockIdx.x % NH;
-    long long C = (long long)NH * HS;
-    const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Qs, base, 3 * C, r0, FR, T, HS);
-    load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, r0, FR, T, HS);
-    __syncthreads();
-    int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
-    float D[2], L[2], dq[HSP / 8][4] = {};
     #pragma unroll
-    for (int i = 0; i < 2; i++) {  // a quad sums a row: lane q takes packs q, q + 4, ..
+    for (int i = 0; i < 2; i++) {
         bool in = row[i] < T;
         const floatX* dyr = dYs + (16 * w + g + 8 * i) * LD;
-        const floatX* yr = y + ((long long)b * T + row[i]) * C + h * HS;
+        const floatX* yr = y + (long long)row[i] * C;
         float s = 0.f, fd[PACK], fy[PACK];
         for (int c = q * PACK; c < HS && in; c += 4 * PACK) {  // (HS: a multiple of PACK)
             load_pack(fd, dyr + c, PACK, true);
@@ -329,34 +423,106 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
             for (int e = 0; e < PACK; e++) s += fd[e] * fy[e];
         }
         D[i] = quad_sum(s);
-        L[i] = in ? lse[(long long)blockIdx.x * T + row[i]] * LOG2E : 0.f;  // (log2 units)
-        if (q == 0 && in) Dbuf[(long long)blockIdx.x * T + row[i]] = D[i];
+        if (q == 0 && in) Dbuf[row[i]] = D[i];
     }
-    for (int k0 = 0; k0 < T && k0 < r0 + FR; k0 += FC) {
-        __syncthreads();
-        load_rows<HSP>(Ks, base + C, 3 * C, k0, FC, T, HS);
-        load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FC, T, HS);
-        __syncthreads();
-        if (k0 > r0 + 16 * w + 15) continue;
-        float s[FC / 8][4], dp[FC / 8][4], sl = scale * LOG2E;
-        tile_nt<M, HSP, FC>(s, Qs + 16 * w * LD, Ks, LD);
-        tile_nt<M, HSP, FC>(dp, dYs + 16 * w * LD, Vs, LD);
-        bool diagonal = k0 + FC - 1 > r0 + 16 * w;  // (warp-uniform: only there a key is masked)
+}
+
+// dS = P (dP - D) * scale in place of dp, P from the scores s and the rows' lse L (log2
+// units). MASK: the tile crosses the diagonal (keys after a query have P = 0).
+template <bool MASK, int FC>
+__device__ __forceinline__ void query_ds(float (&dp)[FC / 8][4], const float (&s)[FC / 8][4],
+                                         int k0, const int (&row)[2], const float (&L)[2],
+                                         const float (&D)[2], float sl, float scale) {
+    int q = threadIdx.x % 4;
+    #pragma unroll
+    for (int j = 0; j < FC / 8; j++)
         #pragma unroll
-        for (int j = 0; j < FC / 8; j++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int key = k0 + 8 * j + 2 * q + e % 2, i = e / 2;
-                float p = exp2f(fmaf(s[j][e], sl, -L[i]));
-                if (diagonal && key > row[i]) p = 0.f;
-                dp[j][e] = (dp[j][e] - D[i]) * p * scale;
-            }
-        tile_nn<M, FC, HSP>(dq, dp, Ks, LD, pw);
+        for (int e = 0; e < 4; e++) {
+            int i = e / 2;
+            float p = exp2_ftz(fmaf(s[j][e], sl, -L[i]));
+            if (MASK && k0 + 8 * j + 2 * q + e % 2 > row[i]) p = 0.f;
+            dp[j][e] = (dp[j][e] - D[i]) * p * scale;
+        }
+}
+
+// dq for a query tile: dS = P (dP - D) * scale, dq = dS k over the keys up to the tile's end;
+// first D = rowsum(dy * y) of its rows, written for flash_dkdv.
+template <int HSP, int M>
+__device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floatX* qkv,
+                         const floatX* y, const float* lse, float scale,
+                         int T, int NH, int HS) {
+    constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>();
+    DYNAMIC_SHARED(smem);
+    check_launch<HSP, M>(2, 0);
+    floatX *Qs = reinterpret_cast<floatX*>(smem), *dYs = Qs + FR * LD, *Ks = dYs + FR * LD,
+           *Vs = Ks + S * FC * LD;
+    float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
+    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
+    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;
+    int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (min(T, r0 + FR) + FC - 1) / FC;
+    long long C = (long long)NH * HS;
+    const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
+    bool wide = aligned16(qkv);
+    auto walk = [&](int j) {  // key tile j's K and V into buffer j % S
+        load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
+        load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
+        cp_async_commit();
+    };
+    load_rows<HSP, FR>(Qs, base, 3 * C, r0, T, HS, wide);
+    load_rows<HSP, FR>(dYs, dy + (long long)b * T * C + h * HS, C, r0, T, HS, aligned16(dy));
+    walk(0);
+    cp_async_wait<0>();
+    __syncthreads();
+    int row[2] = {r0 + 16 * w + g, r0 + 16 * w + g + 8};
+    float D[2], L[2], dq[HSP / 8][4] = {}, sl = scale * LOG2E;
+    rowsum_dy_y<HSP>(D, dYs, y + (long long)b * T * C + h * HS, Dbuf + (long long)blockIdx.x * T,
+                     row, C, T, HS);
+    #pragma unroll
+    for (int i = 0; i < 2; i++)  // (log2 units)
+        L[i] = row[i] < T ? lse[(long long)blockIdx.x * T + row[i]] * LOG2E : 0.f;
+    WarpRows<HSP, M == BF16MMA, floatX> Q(Qs + 16 * w * LD, LD), dY(dYs + 16 * w * LD, LD);
+    for (int j = 0; j < n; j++) {
+        if (j > 0) {
+            cp_async_wait<0>();
+            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
+        }
+        if (S == 2 && j + 1 < n) walk(j + 1);
+        int k0 = j * FC;
+        const floatX *Kt = Ks + j % S * FC * LD, *Vt = Vs + j % S * FC * LD;
+        if (k0 <= r0 + 16 * w + 15) {  // (else every key is after this warp's queries)
+            float s[FC / 8][4], dp[FC / 8][4];
+            tile_nt<M, HSP, FC>(s, Q, Kt, LD);
+            tile_nt<M, HSP, FC>(dp, dY, Vt, LD);
+            if (k0 + FC - 1 > r0 + 16 * w) query_ds<true, FC>(dp, s, k0, row, L, D, sl, scale);
+            else query_ds<false, FC>(dp, s, k0, row, L, D, sl, scale);
+            tile_nn<M, FC, HSP>(dq, dp, Kt, LD, pw);
+        }
+        if (S == 1 && j + 1 < n) {
+            __syncthreads();
+            walk(j + 1);
+        }
     }
     __syncthreads();
     stage<HSP>(Qs, dq);
     __syncthreads();
     store_rows<HSP>(dqkv + (long long)b * T * 3 * C + h * HS, 3 * C, Qs, r0, FR, T, HS);
+}
+
+// P^T of a key tile's warp rows against query tile t0, in place of the scores s: lse Ls
+// (natural log) of the tile's queries. MASK: the tile has a query before one of the warp's
+// keys, or past T (P = 0 there).
+template <bool MASK, int FC>
+__device__ __forceinline__ void key_probs(float (&s)[FC / 8][4], const float* Ls, int t0,
+                                          const int (&key)[2], int T, float sl) {
+    int q = threadIdx.x % 4;
+    #pragma unroll
+    for (int j = 0; j < FC / 8; j++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int c = 8 * j + 2 * q + e % 2;
+            s[j][e] = exp2_ftz(fmaf(s[j][e], sl, -Ls[c] * LOG2E));
+            if (MASK && (t0 + c < key[e / 2] || t0 + c >= T)) s[j][e] = 0.f;
+        }
 }
 
 // dk, dv for a key tile, over the query tiles from its own on: P^T and dS^T are this tile's
@@ -365,55 +531,72 @@ template <int HSP, int M>
 __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, const floatX* qkv,
                            const float* lse, float scale, int T, int NH,
                            int HS) {
-    constexpr int LD = HSP + SKEW;
+    constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>(), SUB = 32;
+    static_assert(FC % SUB == 0, "whole chunks of 32 queries");
     DYNAMIC_SHARED(smem);
-    if (dynamic_smem_bytes() < smem_need<HSP, M>(2, 2 * FC)) __trap();
+    check_launch<HSP, M>(2, 2 * FC);
     floatX *Ks = reinterpret_cast<floatX*>(smem), *Vs = Ks + FR * LD, *Qs = Vs + FR * LD,
-           *dYs = Qs + FC * LD;
-    float *Ls = reinterpret_cast<float*>(dYs + FC * LD), *Ds = Ls + FC,
-          *pw = Ds + FC + threadIdx.x / WARP * 16 * LP;
+           *dYs = Qs + S * FC * LD;
+    float *Ls = reinterpret_cast<float*>(dYs + S * FC * LD), *Ds = Ls + S * FC,
+          *pw = Ds + S * FC + threadIdx.x / WARP * 16 * (FC + 4);
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
     int k0 = blockIdx.y * FR;  // the first key tiles see the most queries: launched first
-    int b = blockIdx.x / NH, h = blockIdx.x % NH;
+    int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (T - k0 + FC - 1) / FC;
     long long C = (long long)NH * HS;
-    const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    load_rows<HSP>(Ks, base + C, 3 * C, k0, FR, T, HS);
-    load_rows<HSP>(Vs, base + 2 * C, 3 * C, k0, FR, T, HS);
+    const floatX *base = qkv + (long long)b * T * 3 * C + h * HS,
+                 *dyb = dy + (long long)b * T * C + h * HS;
+    bool wide = aligned16(qkv), wide_dy = aligned16(dy);
+    auto walk = [&](int j) {  // query tile j (from k0) into buffer j % S: q, dy, lse, D
+        int t0 = k0 + j * FC, u = j % S;
+        load_rows<HSP, FC>(Qs + u * FC * LD, base, 3 * C, t0, T, HS, wide);
+        load_rows<HSP, FC>(dYs + u * FC * LD, dyb, C, t0, T, HS, wide_dy);
+        load_floats<FC>(Ls + u * FC, lse + (long long)blockIdx.x * T, t0, T);
+        load_floats<FC>(Ds + u * FC, Dbuf + (long long)blockIdx.x * T, t0, T);
+        cp_async_commit();
+    };
+    load_rows<HSP, FR>(Ks, base + C, 3 * C, k0, T, HS, wide);
+    load_rows<HSP, FR>(Vs, base + 2 * C, 3 * C, k0, T, HS, wide);
+    walk(0);
+    cp_async_wait<0>();
+    __syncthreads();
+    // k and v held as fragments up to 64 dimensions: above, dk and dv leave no registers
+    constexpr bool HOLD = M == BF16MMA && HSP <= 64;
+    WarpRows<HSP, HOLD, floatX> Kr(Ks + 16 * w * LD, LD), Vr(Vs + 16 * w * LD, LD);
     int key[2] = {k0 + 16 * w + g, k0 + 16 * w + g + 8};
-    float dk[HSP / 8][4] = {}, dv[HSP / 8][4] = {};
-    for (int t0 = k0; t0 < T; t0 += FC) {  // FR is a multiple of FC: t0 starts a tile
-        __syncthreads();
-        load_rows<HSP>(Qs, base, 3 * C, t0, FC, T, HS);
-        load_rows<HSP>(dYs, dy + (long long)b * T * C + h * HS, C, t0, FC, T, HS);
-        for (int i = threadIdx.x; i < FC; i += blockDim.x) {
-            bool in = t0 + i < T;
-            Ls[i] = in ? lse[(long long)blockIdx.x * T + t0 + i] * LOG2E : 0.f;  // (log2)
-            Ds[i] = in ? Dbuf[(long long)blockIdx.x * T + t0 + i] : 0.f;
+    float dk[HSP / 8][4] = {}, dv[HSP / 8][4] = {}, sl = scale * LOG2E;
+    for (int j = 0; j < n; j++) {
+        if (j > 0) {
+            cp_async_wait<0>();
+            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
         }
-        __syncthreads();
-        if (t0 + FC - 1 < k0 + 16 * w) continue;  // every query is before this warp's keys
-        float s[FC / 8][4], dp[FC / 8][4], sl = scale * LOG2E;
-        tile_nt<M, HSP, FC>(s, Ks + 16 * w * LD, Qs, LD);
-        // (warp-uniform) a query of the tile before one of the warp's keys, or past T
-        bool edge = t0 < k0 + 16 * w + 15 || t0 + FC > T;
+        if (S == 2 && j + 1 < n) walk(j + 1);
+        int t0 = k0 + j * FC, u = j % S;
+        const floatX *Qt = Qs + u * FC * LD, *dYt = dYs + u * FC * LD;
+        // 32 queries at a time (one after the other: a 64-wide tile's P and dS at once would
+        // leave dk and dv too few registers for three blocks per SM)
         #pragma unroll
-        for (int j = 0; j < FC / 8; j++)
+        for (int c0 = 0; c0 < FC; c0 += SUB) {
+            int tc = t0 + c0;
+            if (tc + SUB - 1 < k0 + 16 * w) continue;  // every query is before this warp's keys
+            float s[SUB / 8][4], dp[SUB / 8][4];
+            const floatX *Qc = Qt + c0 * LD, *dYc = dYt + c0 * LD;
+            const float *Lc = Ls + u * FC + c0, *Dc = Ds + u * FC + c0;
+            tile_nt<M, HSP, SUB>(s, Kr, Qc, LD);
+            if (tc < k0 + 16 * w + 15 || tc + SUB > T) key_probs<true, SUB>(s, Lc, tc, key, T, sl);
+            else key_probs<false, SUB>(s, Lc, tc, key, T, sl);
+            tile_nn<M, SUB, HSP>(dv, s, dYc, LD, pw);
+            tile_nt<M, HSP, SUB>(dp, Vr, dYc, LD);
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int c = 8 * j + 2 * q + e % 2;
-                s[j][e] = exp2f(fmaf(s[j][e], sl, -Ls[c]));
-                if (edge && (t0 + c < key[e / 2] || t0 + c >= T)) s[j][e] = 0.f;
-            }
-        tile_nn<M, FC, HSP>(dv, s, dYs, LD, pw);
-        tile_nt<M, HSP, FC>(dp, Vs + 16 * w * LD, dYs, LD);
-        #pragma unroll
-        for (int j = 0; j < FC / 8; j++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int c = 8 * j + 2 * q + e % 2;
-                dp[j][e] = (dp[j][e] - Ds[c]) * s[j][e] * scale;
-            }
-        tile_nn<M, FC, HSP>(dk, dp, Qs, LD, pw);
+            for (int jj = 0; jj < SUB / 8; jj++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++)
+                    dp[jj][e] = (dp[jj][e] - Dc[8 * jj + 2 * q + e % 2]) * s[jj][e] * scale;
+            tile_nn<M, SUB, HSP>(dk, dp, Qc, LD, pw);
+        }
+        if (S == 1 && j + 1 < n) {
+            __syncthreads();
+            walk(j + 1);
+        }
     }
     __syncthreads();
     stage<HSP>(Ks, dk);
@@ -437,7 +620,16 @@ FLASH_BY_MATH(flash_forward)
 FLASH_BY_MATH(flash_dq)
 FLASH_BY_MATH(flash_dkdv)
 
-// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py).
+// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). dkdv up to 64
+// dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
+// spills: it works 32 queries at a time), the occupancy its critical path wants
+// (bench/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
+// and dv alone would not fit three.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define DKDV_BLOCKS 2
+#else
+#define DKDV_BLOCKS 3
+#endif
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
                                            float scale, int T, int NH, int HS, int tf32) {
     flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
@@ -447,9 +639,10 @@ extern "C" __global__ void flash_dq_16(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_32(floatX* out, float* lse, const floatX* qkv,
@@ -461,9 +654,10 @@ extern "C" __global__ void flash_dq_32(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_64(floatX* out, float* lse, const floatX* qkv,
@@ -475,9 +669,10 @@ extern "C" __global__ void flash_dq_64(floatX* dqkv, float* D, const floatX* dy,
                                       float scale, int T, int NH, int HS, int tf32) {
     flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
 }
-extern "C" __global__ void flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
+flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
+              const floatX* qkv, const float* lse, float scale,
+              int T, int NH, int HS, int tf32) {
     flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
 }
 extern "C" __global__ void flash_forward_96(floatX* out, float* lse, const floatX* qkv,

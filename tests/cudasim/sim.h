@@ -43,6 +43,7 @@ const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)  // registers: nothing to bound on the CPU
 #define __shared__ static  // one block runs at a time: a static is that block's shared memory
 
 inline void __syncthreads() { sim::syncthreads(); }

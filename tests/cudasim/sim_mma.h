@@ -1,6 +1,6 @@
 // cudasim's versions of what common.cuh does in inline PTX: the warp's tensor-core products
 // (mma.sync m16n8k16 bf16 and m16n8k8 tf32), the shared-memory matrix loads (ldmatrix x4,
-// plain and transposed), the TF32 rounding, and the dynamic shared memory. An mma gathers all 32 lanes' fragments (a warp barrier: a lane that exited or
+// plain and transposed), the TF32 rounding, the dynamic shared memory, and cp.async. An mma gathers all 32 lanes' fragments (a warp barrier: a lane that exited or
 // diverged is reported, as mma.sync.aligned requires the whole warp), rebuilds A, B and C
 // from the PTX ISA's fragment layouts and gives each lane its part of D. The sums run in
 // float in k order; the hardware's order and internal width are its own (the tests allow
@@ -113,5 +113,33 @@ inline unsigned to_tf32(float x) {
     return (u + 0x1000u) & 0xffffe000u;
 }
 
+// ex2.approx.ftz.f32: 2^x, results below the smallest normal float flushed to 0.
+inline float exp2_ftz(float x) {
+    float r = exp2f(x);
+    return r < 1.17549435e-38f ? 0.f : r;
+}
+
 #define DYNAMIC_SHARED(name) unsigned char* name = sim::dynamic_shared()
 inline unsigned dynamic_smem_bytes() { return sim::dynamic_shared_bytes(); }
+
+// cp.async: each copy is deferred to the wait that covers its group (both its read and its
+// write), so a kernel that reads a tile before waiting for it, or waits for too few groups,
+// reads the shared memory's old bytes (the tile before, or the launch's NaN-like fill), and
+// copies no commit closed are never made. Per thread, as on the GPU.
+namespace sim {
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
+}  // namespace sim
+
+inline void cp_async16(void* dst, const void* src, int src_bytes) {
+    if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) sim::fail("cp.async: 16 bytes misaligned");
+    sim::cp_async(dst, src, 16, src_bytes);
+}
+inline void cp_async4(void* dst, const void* src, int src_bytes) {
+    if ((uintptr_t)dst % 4 || (uintptr_t)src % 4) sim::fail("cp.async: 4 bytes misaligned");
+    sim::cp_async(dst, src, 4, src_bytes);
+}
+inline void cp_async_commit() { sim::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() { sim::cp_async_wait(N); }

@@ -104,7 +104,46 @@ void* fresh_stack(int i) {
     sp[6] = reinterpret_cast<void*>(&fiber_main);
     return sp;
 }
+
+// cp.async's copies, per thread of the block: those no commit closed yet, then the
+// committed groups, oldest first.
+struct Copy {
+    void* dst;
+    const void* src;
+    int bytes, src_bytes;
+};
+struct AsyncCopies {
+    std::vector<Copy> open;
+    std::vector<std::vector<Copy>> groups;
+};
+std::vector<AsyncCopies> async_copies;
+
+AsyncCopies& my_copies() {
+    return async_copies[thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z)];
+}
 }  // namespace
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    my_copies().open.push_back({dst, src, bytes, src_bytes});
+}
+
+void cp_async_commit() {
+    AsyncCopies& a = my_copies();
+    a.groups.push_back(std::move(a.open));
+    a.open.clear();
+}
+
+// Makes the oldest groups' copies until at most `pending` groups are left.
+void cp_async_wait(int pending) {
+    AsyncCopies& a = my_copies();
+    size_t done = a.groups.size() > (size_t)pending ? a.groups.size() - pending : 0;
+    for (size_t g = 0; g < done; g++)
+        for (const Copy& c : a.groups[g]) {
+            memcpy(c.dst, c.src, c.src_bytes);
+            memset((char*)c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+        }
+    a.groups.erase(a.groups.begin(), a.groups.begin() + done);
+}
 
 void syncthreads() { block_on(block_bar, live); }
 
@@ -249,6 +288,7 @@ const char* launch(dim3 grid, dim3 block, unsigned shared_bytes,
         long long b = order.empty() ? nblock : order[nblock];
         unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / grid.x / grid.y;
         block_idx = {bx, by, bz};
+        async_copies.assign(nthreads, AsyncCopies());  // a block's copies end with it
         bool reverse = nblock & 1;
         if (nblock == 0 || cooperative) {
             if (run_fibers(block, reverse)) return error;
