@@ -16,14 +16,20 @@ MODEL = "model.bin"
 
 
 def earlier_output(out, log_file):
-    """What a fresh run would replace in out: an earlier run's model, log, checkpoints."""
+    """What a fresh run would replace in out: an earlier run's model, log, checkpoints (a
+    --log-file elsewhere is log_elsewhere's)."""
     found = [os.path.basename(p) for p in (os.path.join(out, MODEL), log_file)
-             if os.path.exists(p)]
+             if os.path.exists(p) and not log_elsewhere(out, p)]
     done = listed(out)
     if done:
         found.append(f"{len(done)} checkpoint(s), the newest {done[-1]}, which a resume "
                      f"from it would take for this run's")
     return found
+
+
+def log_elsewhere(out, log_file):
+    """Whether the log is not in out (a --log-file of its own): refused by that name."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(log_file))) != os.path.realpath(out)
 
 
 def replace_earlier(out):
@@ -91,12 +97,19 @@ def claim(opts, tr, need):
         why = why or room(opts.out, need)
         if found and not why:
             replace_earlier(opts.out)
+        why = why and ("out", opts.out, why)
+        log = opts.log_file
+        if not why and log_elsewhere(opts.out, log) and os.path.exists(log) and \
+                not opts.overwrite:
+            link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
+            why = ("log_file", log, f"exists{link}; add --overwrite to replace it, or give "
+                   f"another --log-file")
     why = tr.bcast(why)
     if why:
         unmake(opts, tr, fd)
         if fd is not None:
             os.close(fd)
-        raise CupyGPTError(why, "out", opts.out)
+        raise CupyGPTError(why[2], why[0], why[1])
     return fd
 
 
