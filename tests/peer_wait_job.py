@@ -29,6 +29,8 @@ try:
     if wait in ("to_host", "synchronize"):  # rank 0's activation, which never comes
         tr.recv("act", got, 0)
         be.to_host(got) if wait == "to_host" else be.synchronize()
+    elif wait == "close":  # at exit: NVSHMEM's collective frees
+        tr.close()
     elif wait == "bcast":
         tr.bcast(None, root=0)
     else:
@@ -36,4 +38,6 @@ try:
     print(f"rank {rank}: {wait} returned", flush=True)
 except CupyGPTError as e:
     print(f"error: {e}", flush=True)
+except SystemExit:  # close's own line (launch.fail, which under the CLI aborts the job)
+    sys.stderr.flush()
 MPI.COMM_WORLD.Abort(1)

@@ -19,7 +19,7 @@ pytestmark = [requires_sim, pytest.mark.skipif(mpiexec() is None, reason="needs 
 
 @pytest.mark.parametrize("transport,wait", [
     ("nvshmem", "to_host"), ("nvshmem", "synchronize"), ("nccl", "to_host"),
-    ("nvshmem", "bcast"), ("nvshmem", "gather")])
+    ("nvshmem", "bcast"), ("nvshmem", "gather"), ("nvshmem", "close")])
 def test_a_stopped_peer_ends_every_host_wait_within_the_peer_timeout(transport, wait):
     env = {**os.environ, **device_env("sim"), "CUDASIM_DEVICES": "2", "CUDASIM_LAG_S": "0.001",
            "CUDASIM_ORDER": "random", "PYTHONUNBUFFERED": "1"}

@@ -56,7 +56,8 @@ class Mpi(Transport):
         return [pickle.loads(got[e - n:e].tobytes()) for n, e in zip(sizes, ends)]
 
     def barrier(self):
-        self.wait(self.comm.Ibarrier(), "the other ranks at a barrier")
+        others = ", ".join(f"rank {q}" for q in range(self.size) if q != self.rank)
+        self.wait(self.comm.Ibarrier(), f"the other ranks ({others}) at a barrier")
 
     def any(self, flag):
         """Through rank 0, point to point, so a timeout names the rank that went quiet."""

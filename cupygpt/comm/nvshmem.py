@@ -34,6 +34,7 @@ import numpy as np
 from .. import CupyGPTError
 from .base import AXES, chunks, poll
 from .gpu import start_on_side
+from .launch import fail
 from .mpi import Mpi
 from .symmetric import Ledger, Window
 
@@ -230,9 +231,16 @@ class Nvshmem(Mpi):
 
     def close(self):
         """Collective, at exit: frees the symmetric memory in the same order on every PE
-        (NVSHMEM's frees are collective), then finalizes NVSHMEM."""
-        self.host_wait(self.cp.cuda.get_current_stream())
-        self.host_wait(self.side)
+        (NVSHMEM's frees are collective), then finalizes NVSHMEM. Each free waits for every
+        PE without a timeout, so every PE is met here first, within the peer timeout; a
+        stopped one is one line and the job aborted (at exit, an exception would only be
+        printed as a traceback, and the frees would hang)."""
+        try:
+            self.host_wait(self.cp.cuda.get_current_stream())
+            self.host_wait(self.side)
+            self.barrier()
+        except CupyGPTError as e:
+            fail(f"error: {e}")
         for w in self.windows.values():
             for a in (w.inbox, w.gather):
                 self.nv.free_array(a)
