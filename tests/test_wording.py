@@ -123,3 +123,27 @@ def test_prepare_workers_are_capped_at_the_cores(tmp_path):
     assert f"note: --workers 1000: this process may run on {cores} core(s); using {cores}" \
         in res.stderr
     assert f"{cores} worker(s)" in res.stdout, res.stdout
+
+
+# The two below were already so on this branch's base (make_dir and unmake_dirs, an
+# earlier commit of issue 36); they keep the cases the issue lists.
+
+@pytest.mark.parametrize("case", ["empty text", "long name", "past PATH_MAX"])
+def test_a_refused_prepare_leaves_no_directory_it_made(tmp_path, case):
+    text = tmp_path / "t.txt"
+    text.write_text("" if case == "empty text" else open(TEXT).read())
+    deep = os.path.join(*["d" * 250] * 17)  # 4,266 characters, past PATH_MAX
+    args = {"empty text": ["--out", "new"], "long name": ["--out", "new", "--name", "n" * 300],
+            "past PATH_MAX": ["--out", deep]}[case]
+    one_line(cli("prepare", text, *args, cwd=tmp_path), "")
+    assert sorted(os.listdir(tmp_path)) == ["t.txt"]
+
+
+@pytest.mark.parametrize("target", ["loop", "nowhere/x"])
+def test_an_out_that_is_a_broken_link_is_named_as_one(tmp_path, target):
+    os.symlink(target, tmp_path / "out")
+    if target == "loop":
+        os.symlink("out", tmp_path / "loop")
+    one_line(cli(*TINY, "-o", "out", cwd=tmp_path), f"is a symbolic link to {target!r}",
+             "does not resolve", absent=("File exists",))
+    one_line(cli("prepare", TEXT, "--out", "out", cwd=tmp_path), "does not resolve")
