@@ -6,6 +6,7 @@ its root's side: there rank 1 stops and rank 0 waits."""
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -40,4 +41,5 @@ except CupyGPTError as e:
     print(f"error: {e}", flush=True)
 except SystemExit:  # close's own line (launch.fail, which under the CLI aborts the job)
     sys.stderr.flush()
+time.sleep(0.5)  # the launcher forwards the line before the abort tears the job down
 MPI.COMM_WORLD.Abort(1)

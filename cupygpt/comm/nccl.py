@@ -21,7 +21,7 @@ import numpy as np
 from .. import CupyGPTError
 from ..precision import BF16
 from .base import AXES, chunks, poll
-from .gpu import start_on_side
+from .gpu import start_on_side, wait_stream
 from .mpi import Mpi
 
 
@@ -61,7 +61,7 @@ class Nccl(Mpi):
             for q in (g if len(g) > 1 else ())} - {r})
         what = ("the GPU stream's NCCL transfers and collectives with "
                 + ", ".join(f"rank {q}" for q in peers))
-        be.bound_host_waits(lambda s: poll(lambda: s.done, self.timeout, r, what))
+        be.bound_host_waits(lambda s: wait_stream(s, self, what))
         self.send_stream = cp.cuda.Stream(non_blocking=True)
         self.side = cp.cuda.Stream(non_blocking=True)
         self.ring, self.n = {}, {}

@@ -32,8 +32,8 @@ import math
 import numpy as np
 
 from .. import CupyGPTError
-from .base import AXES, chunks, poll
-from .gpu import start_on_side
+from .base import AXES, chunks
+from .gpu import start_on_side, wait_stream
 from .launch import fail
 from .mpi import Mpi
 from .symmetric import Ledger, Window
@@ -225,9 +225,8 @@ class Nvshmem(Mpi):
         peers whose signals it waits for (the module docstring)."""
         peers = sorted(self.waits_on.get(stream.ptr, ()))
         named = ", ".join(f"rank {p}" for p in peers) or "no peer"
-        poll(lambda: stream.done, self.timeout, self.rank,
-             f"the GPU stream, whose waits are on {named} (their data, acks or collective "
-             f"parts)")
+        wait_stream(stream, self, f"the GPU stream, whose waits are on {named} (their "
+                                  f"data, acks or collective parts)")
 
     def close(self):
         """Collective, at exit: frees the symmetric memory in the same order on every PE
