@@ -14,6 +14,7 @@ import numpy as np
 from .comm import make_transport
 from .config_parts import RUN_DTYPES
 from .parallel.mesh import Mesh
+from .parallel.pipeline.memory import check_memory
 from .precision import DTYPES
 
 SIZES = [2 ** k for k in range(10, 27, 2)]  # bytes: 1 KiB .. 64 MiB
@@ -55,6 +56,12 @@ def comm_bench(sess, on_size=None):
     line = make_transport(name, be, Mesh(rank, pp=size), c.device.peer_timeout)
     steps = sizes(cfg, c.batch, c.seq, be)
     most = max(n for _, n, _ in steps)
+    # the largest message in fp32: its array, this rank's part, the transports' slots and
+    # host copies (mpi's exchange holds the array twice more); the model itself is never
+    # allocated, so only a smaller one (or B, T for the activation) lowers this
+    check_memory({"messages": 6 * 4 * most}, be, coll, sess.mesh,
+                 f"the largest message is {most:,} fp32 values (the model's dp gradient, or "
+                 f"the activation B*T*C): take a smaller model")
     # once (GPU buffers are collective); one message in flight each way
     line.prepare({"act": ((most,), 1, np.float32), "grad": ((most,), 1, np.float32)})
     rows = []

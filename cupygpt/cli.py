@@ -10,7 +10,7 @@ import click
 from .bench import ATTENTIONS, bench as run_bench, side_by_side
 from .bench_comm import comm_bench, format_rows, sizes
 from .config_parts import RUN_DTYPES, VERIFY_DTYPES
-from .cli_kit import (DATA, REFERENCE, TOKENIZER, device_options, entry, grid_options,
+from .cli_kit import (DATA, REFERENCE, TOKENIZER, HellaSwagH, device_options, entry, grid_options,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
 from .config import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
@@ -74,7 +74,7 @@ def beside(model, suffix):
     return stem + suffix if stem != model and os.path.isfile(stem + suffix) else None
 
 
-@cli.command()
+@cli.command(cls=HellaSwagH)
 @click.option("-i", "train_pattern", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
               show_default=True, help="train shards (glob)")
 @click.option("-j", "val_pattern", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),

@@ -27,7 +27,8 @@ def as_flag(e):
         return str(e)
     ctx = click.get_current_context(silent=True)
     params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
-    return f"{params.get(e.option, e.option)} {e.value}: {e.args[0]}"
+    shown = "''" if e.value == "" else e.value  # (an empty value, visibly)
+    return f"{params.get(e.option, e.option)} {shown}: {e.args[0]}"
 
 
 def entry(fn):
@@ -61,6 +62,20 @@ def entry(fn):
                 fail(traceback.format_exc().rstrip())
             raise
     return wrapper
+
+
+class HellaSwagH(click.Command):
+    """train's -h is llm.c's HellaSwag flag, so `train -h` (asking for help, as most tools
+    take it) lacks its value: the error says where help is."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadOptionUsage as e:
+            if e.option_name == "-h":
+                e.message = ("-h takes a value: 1 for HellaSwag accuracy (llm.c's -h); for "
+                             "help, give --help")
+            raise
 
 
 def one_process(command):

@@ -10,13 +10,13 @@ import time
 import click
 
 from . import CupyGPTError
-from .backends import gpu_available
+from .backends import gpu_available, host_memory
 from .cli_kit import TOKENIZER, entry, one_process, progress
 from .comm.launch import Stopped
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
-from .paths import TEXT_CAP, check_outputs, claim, json_object, read_bounded
+from .paths import TEXT_CAP, check_outputs, claim, json_object, not_compressed, read_bounded
 from .hellaswag import from_jsonl, write_eval
 from .gpucheck import (PARTS as GPUCHECK_PARTS, REPORT as GPUCHECK_REPORT, gpucheck as run_check,
                        verdict)
@@ -106,8 +106,7 @@ def existing_of(*paths):
 def text_of(path, kind="text"):
     """A text input, decoded (a compressed file named as such)."""
     data = read_bounded(path, kind, TEXT_CAP)
-    if data[:2] == b"\x1f\x8b":
-        raise CupyGPTError(f"{path}: gzip-compressed; decompress it first (gunzip -k)")
+    not_compressed(path, data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -128,10 +127,20 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     if shard_size < 1:
         raise CupyGPTError("must be a positive number of tokens per shard (llm.c's FineWeb "
                            "script: 100000000)", "shard_size", shard_size)
-    workers = os.cpu_count() if workers is None else workers
-    if workers < 1:
+    cores = len(os.sched_getaffinity(0))
+    if workers is not None and workers < 1:
         raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
                            workers)
+    if workers is not None and workers > cores:  # more processes than cores only contend
+        click.echo(f"note: --workers {workers}: this process may run on {cores} core(s); "
+                   f"using {cores}", err=True)
+    workers = cores if workers is None else min(workers, cores)
+    free = host_memory.available()
+    if 2 * shard_size > free:  # the shard filling, uint16 tokens (numpy would raise later)
+        raise CupyGPTError(f"a shard is held in memory as it fills (2 bytes a token: "
+                           f"{2 * shard_size / 2**30:,.1f} GiB), more than the "
+                           f"{free / 2**30:,.1f} GiB free; give a smaller one (llm.c's "
+                           f"FineWeb script: 100000000)", "shard_size", shard_size)
     check_outputs([("out", out)], [*inputs, tokenizer])
     Tokenizer(tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
     before = claim_out(out, lambda: sorted(
@@ -154,7 +163,7 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     dt = time.perf_counter() - t0
     click.echo(f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to "
                f"{out} in {dt:.1f} s ({total / dt:,.0f} tokens/s, {workers} worker(s) on "
-               f"{os.cpu_count()} cores)")
+               f"{cores} cores)")
     if len(paths) == 1:
         click.echo(f"no train shard: the corpus fits in one --shard-size ({shard_size:,} "
                    f"tokens); give a smaller one for train's -i")
@@ -197,13 +206,14 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
         raise CupyGPTError("must be a positive number (a backward's time in forwards)",
                            "backward_cost", backward_cost)
     v = chunks_per_rank(schedule, virtual_stages)
-    sim = simulate(stages, micro_batches, schedule, v, t_fwd=1.0, t_bwd=backward_cost)
+    # each rank's list made once: the simulator and the printout read the same lists
+    lists = [SCHEDULES[schedule](stages, micro_batches, r, v) for r in range(stages)]
+    sim = simulate(stages, micro_batches, lambda _p, _m, r, _v: lists[r], v, t_fwd=1.0,
+                   t_bwd=backward_cost, placed=schedule)
     if not (math.isfinite(sim["bubble"]) and math.isfinite(sim["makespan"])):
         raise CupyGPTError("the simulated times overflow (not finite); give a smaller "
                            "ratio", "backward_cost", backward_cost)
-    fn = SCHEDULES[schedule]
-    for r in range(stages):
-        acts = fn(stages, micro_batches, r, v)
+    for r, acts in enumerate(lists):
         text = " ".join(map(short, acts))
         click.echo(f"rank {r} ({slot_plan(acts)[0]} activation slots): {text}")
     ideal = (stages - 1) / (micro_batches + stages - 1)

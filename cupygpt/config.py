@@ -14,6 +14,7 @@ from typing import Optional
 
 from . import CupyGPTError
 from .checkpoint import STATE, check_resume, resolve as resolve_checkpoint
+from .data import shard_files
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .hellaswag import check_fits, longest_row, read_eval
 from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
@@ -120,9 +121,8 @@ class TrainConfig:
         if c.tokenizer:
             existing("tokenizer", c.tokenizer)
         for name in ("train_pattern", "val_pattern"):
-            if getattr(c, name) and not glob.glob(getattr(c, name)):
-                raise CupyGPTError("no token shard matches this pattern; run `prepare` or "
-                                   "fix the path", name, getattr(c, name))
+            if getattr(c, name):
+                shard_files(getattr(c, name), name)
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         runs_on(c, be, shape, "init", c.init)
@@ -166,7 +166,13 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
     existing(option, path, "`cupygpt prepare hellaswag_val.jsonl --hellaswag` (HellaSwag's "
              "published jsonl)")
     examples = tuple(read_eval(path))
-    seq = default(seq, longest_row(examples))
+    longest = longest_row(examples)
+    if longest > shape.maxT:  # no -t helps: say what the model takes
+        raise CupyGPTError(f"{path}: its longest example is {longest} tokens (context + "
+                           f"completion), more than the model's context takes (maxT = "
+                           f"{shape.maxT}); give a file whose examples fit {shape.maxT} "
+                           f"tokens, or a model with a longer context", option, path)
+    seq = default(seq, longest)
     fits(seq, shape)
     check_fits(path, examples, seq, shape.V, option)
     return examples, seq
@@ -190,7 +196,7 @@ class EvalConfig:
             positive(self, "seq")
         c = run_dtype(self, be, VERIFY_DTYPES)
         existing("model", c.model)
-        shape = model_shape(c.model)
+        shape = model_shape(c.model, "model")
         runs_on(c, be, shape, "model", c.model)
         examples, seq = hellaswag_examples(c.hellaswag, c.batch, c.seq, shape, "hellaswag")
         c = replace(c, seq=seq, examples=examples)
@@ -220,7 +226,7 @@ class VerifyConfig:
         positive(self, "weight_decay", zero_ok=True)
         c = run_dtype(self, be, VERIFY_DTYPES)
         c = c if c.expected is None else replace(c, expected_losses=read_expected(c.expected))
-        shape = model_shape(self.model)
+        shape = model_shape(self.model, "model")
         runs_on(c, be, shape, "model", self.model)
         if self.state is None:  # (the CLI looked beside the model)
             raise CupyGPTError(f"no NAME_debug_state.bin beside {self.model}: give the "
@@ -253,7 +259,7 @@ class SampleConfig:
     def validate(self, be, world):
         positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
         self = run_dtype(self, be)
-        shape = model_shape(self.model)
+        shape = model_shape(self.model, "model")
         runs_on(self, be, shape, "model", self.model)
         if self.top_k is not None and not 0 < self.top_k <= shape.V:
             raise CupyGPTError(f"must be between 1 and the vocab size {shape.V}", "top_k",

@@ -229,6 +229,9 @@ def out_file(name, path):
         raise CupyGPTError("is empty; give a file name", name, "''")
     if os.path.isdir(path):
         raise CupyGPTError("is a directory; give a file name", name, path)
+    if os.path.islink(path) and not os.path.exists(path):  # (else found at the end)
+        raise CupyGPTError(f"is a symbolic link to {os.readlink(path)!r}, which does not "
+                           f"resolve (missing, or a loop); give a file name", name, path)
     try:
         make_dir(name, os.path.dirname(os.path.abspath(path)))
     except CupyGPTError as e:  # the flag's own value in front, then its directory

@@ -9,6 +9,7 @@ and each shard's samples in a seeded random order; sequential, both are the iden
 The permutations follow from (seed, epoch, shard), so the state is four numbers and a
 resume continues the exact order."""
 import glob as globlib
+import os
 
 import numpy as np
 
@@ -27,12 +28,23 @@ def sample_order(n, seed, epoch, shard, shuffle):
             else np.arange(n))
 
 
+def shard_files(pattern, option):
+    """The shards a -i/-j glob pattern names, sorted; refused when none. A file named as
+    the pattern is spelt (its [ or * read as wildcards) gets the escaped spelling."""
+    files = sorted(globlib.glob(pattern))
+    if not files:
+        escaped = globlib.escape(pattern)
+        hint = (f"this is a glob pattern, where * ? and [...] are wildcards, so the file of "
+                f"this very name is not matched: give {escaped!r}" if os.path.exists(pattern)
+                and escaped != pattern else "this is a glob pattern (* ? and [...] are "
+                "wildcards; a literal [ is written [[]): run `prepare` or fix the path")
+        raise CupyGPTError(f"no token shard matches; {hint}", option, pattern)
+    return files
+
+
 class DataLoader:
     def __init__(self, pattern, B, T, V, option="train_pattern", shuffle=False, seed=0):
-        self.files = sorted(globlib.glob(pattern))
-        if not self.files:
-            raise CupyGPTError("no token shard matches this pattern; run `prepare` or fix "
-                               "the path", option, pattern)
+        self.files = shard_files(pattern, option)
         self.B, self.T, self.V, self.shuffle, self.seed = B, T, V, shuffle, seed
         self.shards = []
         for path in self.files:
@@ -43,6 +55,11 @@ class DataLoader:
             self.shards.append(tokens)
         self.reset()
         self._tokens(int(self.order[0]), int(self.samples[0]) * B * T)  # before any allocation
+
+    @property
+    def batches(self):
+        """The distinct batches an epoch visits."""
+        return sum((t.size - 1) // (self.B * self.T) for t in self.shards)
 
     def _tokens(self, f, at):
         """Shard f's B*T+1 tokens from token `at`, int32, checked against the vocab batch by

@@ -109,12 +109,16 @@ def is_model_file(spec):
     return os.path.isfile(spec) or os.sep in spec or spec.endswith(".bin")  # (a dir: no)
 
 
-def model_shape(spec):
+def model_shape(spec, option=None):
     """The shape an -e names: a model file's header, a transformers directory's
-    config.json, or a preset."""
+    config.json, or a preset. option: the field of a command that reads a model (sample,
+    eval, verify), which takes no preset: a missing one is named as a missing model."""
     if os.path.isdir(spec):
         return hf.model_shape(spec)
-    return read_model_header(spec)[0] if is_model_file(spec) else preset(spec)
+    if option is not None and not os.path.lexists(spec):
+        raise CupyGPTError("no such model: give an llm.c model file (train writes "
+                           "OUT/model.bin) or a transformers GPT-2 directory", option, spec)
+    return read_model_header(spec)[0] if option or is_model_file(spec) else preset(spec)
 
 
 def read_model(path, out=None, mmap=False):

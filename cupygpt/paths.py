@@ -85,6 +85,31 @@ def in_package(path):
     return real == PKG or real.startswith(PKG + os.sep)
 
 
+# compressed formats by their magic bytes: (name, the command that decompresses)
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip -k"), b"BZh": ("bzip2", "bunzip2 -k"),
+              b"\xfd7zXZ\x00": ("xz", "unxz -k"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"),
+              b"PK\x03\x04": ("zip", "unzip")}
+
+
+def not_compressed(path, head):
+    """Refuses a text input whose first bytes (head) are a compressed format's magic, by
+    that format's name (its bytes would only be called "not UTF-8")."""
+    for magic, (name, how) in COMPRESSED.items():
+        if head.startswith(magic):
+            raise CupyGPTError(f"{path}: {name}-compressed; decompress it first ({how})")
+
+
+def link_into_package(path):
+    """The link on path's way that leads into the package (a clone's data/ is one), as the
+    path spells it; None when the path itself lies there."""
+    parts, p = os.path.normpath(path).split(os.sep), ""
+    for part in parts:
+        p = os.path.join(p, part) if p or part else os.sep
+        if os.path.islink(p) and in_package(p):
+            return p
+    return None
+
+
 def check_outputs(outputs, inputs):
     """outputs: (config field, path written, or a directory written into) pairs; inputs:
     the paths the command reads. Refuses an output in the installed package, an output
@@ -100,8 +125,11 @@ def check_outputs(outputs, inputs):
                                    "be written over the other: give each its own path", name,
                                    path)
         if in_package(path):
-            raise CupyGPTError(f"lies in the installed package ({PKG}), whose files are "
-                               f"cupygpt's own; write elsewhere", name, path)
+            link = link_into_package(path)
+            how = (f" through {link}, a link to its {os.path.relpath(os.path.realpath(link), PKG)}"
+                   f" (as a clone's data is)" if link else "")
+            raise CupyGPTError(f"lies in the installed package ({PKG}){how}, whose files are "
+                               f"cupygpt's own; give a path outside it", name, path)
         for src in inputs:
             if _same(path, src):
                 raise CupyGPTError(f"is also an input of this command ({src}); writing it "

@@ -16,14 +16,20 @@ MODEL = "model.bin"
 
 
 def earlier_output(out, log_file):
-    """What a fresh run would replace in out: an earlier run's model, log, checkpoints."""
+    """What a fresh run would replace in out: an earlier run's model, log, checkpoints (a
+    --log-file elsewhere is log_elsewhere's)."""
     found = [os.path.basename(p) for p in (os.path.join(out, MODEL), log_file)
-             if os.path.exists(p)]
+             if os.path.exists(p) and not log_elsewhere(out, p)]
     done = listed(out)
     if done:
         found.append(f"{len(done)} checkpoint(s), the newest {done[-1]}, which a resume "
                      f"from it would take for this run's")
     return found
+
+
+def log_elsewhere(out, log_file):
+    """Whether the log is not in out (a --log-file of its own): refused by that name."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(log_file))) != os.path.realpath(out)
 
 
 def replace_earlier(out):
@@ -76,9 +82,11 @@ def room(out, need):
 
 def claim(opts, tr, need):
     """Collective, before anything is allocated: rank 0 locks -o for the run's life and
-    checks what it holds and its room; every rank raises the same refusal. Returns the
-    lock's fd on rank 0 (None elsewhere)."""
-    fd, why = None, None
+    checks what it holds and its room; every rank raises the same refusal. Returns what
+    unmake needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o (the
+    ranks validate at once: the one that made it need not be rank 0), and the identity of
+    the directory rank 0 locked (None: not locked)."""
+    fd, why, made = None, None, tr.any(opts.made_out)
     if tr.rank == 0:
         fd, why = lock(opts.out)
         real = os.path.realpath(opts.out)  # a resume continues its own directory:
@@ -91,19 +99,37 @@ def claim(opts, tr, need):
         why = why or room(opts.out, need)
         if found and not why:
             replace_earlier(opts.out)
-    why = tr.bcast(why)
+        why = why and ("out", opts.out, why)
+        log = opts.log_file
+        if not why and log_elsewhere(opts.out, log) and os.path.exists(log) and \
+                not opts.overwrite:
+            link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
+            why = ("log_file", log, f"exists{link}; add --overwrite to replace it, or give "
+                   f"another --log-file")
+    why, locked = tr.bcast((why, _identity(opts.out) if fd is not None else None))
     if why:
-        unmake(opts, tr, fd)
+        unmake(opts, tr, (fd, made, locked))
         if fd is not None:
             os.close(fd)
-        raise CupyGPTError(why, "out", opts.out)
-    return fd
+        raise CupyGPTError(why[2], why[0], why[1])
+    return fd, made, locked
 
 
-def unmake(opts, tr, fd):
+def _identity(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def unmake(opts, tr, claimed):
     """A run that failed before its first step: the -o it made goes, when empty (its lock
-    held, so no other run's)."""
-    if tr.rank == 0 and fd is not None and opts.made_out:
+    held, so no other run's). claimed: claim's answer. Any rank that sees the directory
+    rank 0 locked (a filesystem they share) removes it: a rank failing alone aborts the
+    others before they could."""
+    _, made, locked = claimed
+    if made and locked is not None and _identity(opts.out) == locked:
         try:
             os.rmdir(opts.out)
         except OSError:

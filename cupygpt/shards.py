@@ -13,7 +13,7 @@ import numpy as np
 
 from . import CupyGPTError
 from .files import write_shard
-from .paths import TEXT_CAP, read_bounded, regular
+from .paths import TEXT_CAP, not_compressed, read_bounded, regular
 from .tokenizer import Tokenizer
 
 TASK_CHARS = 1 << 20   # documents handed to a worker at a time: few pickles, steady order
@@ -32,6 +32,9 @@ def check_inputs(inputs):
         regular(path, "text, jsonl or parquet")
         if path.endswith(".parquet"):
             parquet(path)
+        else:
+            with open(path, "rb") as f:
+                not_compressed(path, f.read(8))
 
 
 def parquet(path):

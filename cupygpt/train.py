@@ -97,6 +97,13 @@ class Trainer:
                                      "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
         self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
                                     "val_pattern") if opts.val_pattern else None)
+        self.val_batches = opts.val_batches
+        if self.val_data and opts.val_every and opts.val_batches > self.val_data.batches:
+            # more would read the same batches again: the same mean, only slower
+            self.val_batches = self.val_data.batches
+            self.log(f"note: -m {opts.val_batches}: the val shard(s) hold "
+                     f"{self.val_batches} batches of B*T = {opts.batch * opts.seq} tokens; "
+                     f"validating on those {self.val_batches}")
         self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
         self.rng, self.start = np.random.default_rng(opts.seed), 0
         if opts.resume:  # the parameters and optimizer state from the checkpoint
@@ -191,7 +198,7 @@ class Trainer:
         if self.val_data and opts.val_every:
             self.val_data.reset()
             losses = []
-            while len(losses) < opts.val_batches and not self.stopping():
+            while len(losses) < self.val_batches and not self.stopping():
                 losses.append(self.run.eval_loss(*self.val_data.next_batch()))
             if self.stopped:  # (a part of the batches is no val loss)
                 return

@@ -38,7 +38,7 @@ def short_shard(tmp_path):
 # (id, args builder(tmp_path) -> CLI args, text the one line must contain)
 CASES = [
     ("model missing", lambda t: ["verify", "--model", t / "nope.bin", "--state", STATE],
-     "nope.bin: cannot open model file"),
+     "nope.bin: no such model: give an llm.c model file"),
     ("model bad magic", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin", set_int(0, 7)),
                                    "--state", STATE], "bad magic 7"),
     ("model bad version", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin", set_int(1, 4)),
@@ -239,7 +239,7 @@ CASES += [
      "line 2's train_loss is \"1.5\", not a number"),
     ("log-file empty", lambda t: ["train", "--log-file", "", *NEVER, t / "never"],
      "--log-file '': is empty; give a file name"),
-    ("expected empty", lambda t: ["verify", "--expected", ""], "--expected : cannot read it"),
+    ("expected empty", lambda t: ["verify", "--expected", ""], "--expected '': cannot read it"),
     ("bench a model file", lambda t: ["bench", "-e", MODEL, "--out", t / "never.json"],
      "bench times a preset's shape (tiny, d6, d12, d24, d36, d48, d60, d72, d84, gpt3:c384"),
     ("plot a null", lambda t: ["plot", a_log(t, '{"step": 2, "val_loss": null}\n'),

@@ -237,3 +237,17 @@ def test_transfers_keep_their_ranks_busy():
     staged = simulate(2, 1, "1f1b", t_send=0.5, t_recv=0.5)
     assert plain["makespan"] == 6.0 and staged["makespan"] == 8.0  # four copies on the path
     assert staged["busy"] == plain["busy"] == [3.0, 3.0]
+
+
+def test_schedule_command_makes_each_ranks_list_once(monkeypatch):
+    """The simulator and the printout read the same lists (the command made each twice:
+    at -p 256 -m 2048, 3 million actions built twice over)."""
+    from click.testing import CliRunner
+    from cupygpt.cli_tools import schedule
+    made = []
+    real = SCHEDULES["1f1b"]
+    monkeypatch.setitem(SCHEDULES, "1f1b", lambda p, m, r, v=1: made.append(r) or real(p, m, r, v))
+    res = CliRunner().invoke(schedule, ["-p", "8", "-m", "16"])
+    assert res.exit_code == 0, res.output
+    assert sorted(made) == list(range(8)), made
+    assert "deadlock-free" in res.output

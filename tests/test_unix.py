@@ -182,3 +182,38 @@ def test_transformers_config_is_read_strictly(tmp_path):
         cfg.write_text(json.dumps(bad))
         one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"), expect)
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_a_rank_failing_before_its_first_log_leaves_no_empty_o(tmp_path):
+    """Under mpiexec every rank validates at once, so the rank that made -o need not be
+    rank 0 (which holds the lock and removes it): the ranks agree whether the run made it.
+    Rank 0 fails alone at step 1 (as a --peer-timeout does), before any log line."""
+    from conftest import cli
+    for i in range(3):  # (which rank makes -o is a race: a few runs meet both orders)
+        out = tmp_path / f"o{i}"
+        res = cli(*TINY, "-n", "3", "-o", out, ranks=2, timeout=120,
+                  env={"CUPYGPT_FAULT": "raise:1:0"})
+        assert res.returncode != 0 and "injected fault on rank 0 at step 1" in res.stderr
+        assert not out.exists(), os.listdir(out)
+
+
+def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
+    """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
+    instant earlier), so its own made_out is False; the run made it all the same."""
+    from types import SimpleNamespace
+    from cupygpt import rundir
+
+    class Rank0:  # rank 0 of two, rank 1 having made -o
+        rank = 0
+
+        def any(self, flag):
+            return True
+
+        def bcast(self, obj, root=0):
+            return obj
+    out = tmp_path / "o"
+    out.mkdir()
+    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False, made_out=False,
+                           log_file=str(out / "log.jsonl"))
+    rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0)))
+    assert not out.exists()

@@ -385,16 +385,30 @@ def upload(dst, host):
     dst.set(np.ascontiguousarray(host, dtype=dst.dtype), stream=cp.cuda.get_current_stream())
 
 
+# How the host waits for a stream: CUDA's synchronize, unless a transport whose peers'
+# signals the stream waits on bounded it (bound_host_waits): a stream waiting on a stopped
+# peer never finishes, and a synchronize (or a copy to pageable host memory) never gives up.
+_host_wait = [lambda stream: stream.synchronize()]
+
+
+def bound_host_waits(wait):
+    """wait(stream): returns once the stream's work has run, or raises; every host wait of
+    this backend goes through it from now on."""
+    _host_wait[0] = wait
+
+
 def to_host(a):
-    """A host copy of a, once the work queued before it has finished."""
+    """A host copy of a, once the work queued before it has finished: the stream is waited
+    for first, so the copy itself has nothing left to wait on."""
     stream = cp.cuda.get_current_stream()
+    _host_wait[0](stream)
     out = a.get(stream=stream)
     stream.synchronize()
     return out
 
 
 def synchronize():
-    cp.cuda.get_current_stream().synchronize()
+    _host_wait[0](cp.cuda.get_current_stream())
 
 
 _origin = []  # (event, host seconds) taken together once, for stamp_seconds

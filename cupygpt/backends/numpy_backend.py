@@ -52,6 +52,10 @@ def synchronize():
     pass
 
 
+def bound_host_waits(wait):
+    """The host never waits for a device here."""
+
+
 def memory_in_use():
     """Peak resident memory of this process, bytes."""
     import resource

@@ -16,15 +16,17 @@ from .. import CupyGPTError
 AXES = ("dp", "tp", "pp")  # the groups every transport makes communicators for
 
 
-def poll(done, timeout, rank, what):
-    """Waits until done() is true, or raises after timeout seconds naming `what`."""
+def poll(done, timeout, rank, what, most=1e-3):
+    """Waits until done() is true, or raises after timeout seconds naming `what`. The naps
+    grow to `most` seconds: what it returns late by at most (a host wait for the GPU stream,
+    which bench and train time, passes a small one)."""
     deadline, nap = time.monotonic() + timeout, 1e-5
     while not done():
         if time.monotonic() > deadline:
             raise CupyGPTError(f"rank {rank}: timed out after {timeout:g}s waiting for {what} "
                                f"(the peer timeout); is every rank alive?")
         time.sleep(nap)
-        nap = min(nap * 2, 1e-3)
+        nap = min(nap * 2, most)
 
 
 def chunks(n, parts):

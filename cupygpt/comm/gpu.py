@@ -1,5 +1,17 @@
 """What the GPU transports (nccl, nvshmem) share: the overlapped all-reduce on a side
-stream, so the gradient sum runs while the compute stream goes on with the backward."""
+stream, so the gradient sum runs while the compute stream goes on with the backward; how
+the host waits for a stream."""
+from .base import poll
+
+# A host wait for the stream polls it (CUDA's synchronize never gives up on a stream stuck
+# on a stopped peer) in naps of at most this: a step's time measured across it is this
+# much late at most.
+STREAM_NAP_S = 5e-5
+
+
+def wait_stream(stream, tr, what):
+    """Returns once stream's work has run, or raises after tr's peer timeout."""
+    poll(lambda: stream.done, tr.timeout, tr.rank, what, STREAM_NAP_S)
 
 
 class SideHandle:

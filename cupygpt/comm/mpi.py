@@ -1,5 +1,7 @@
 """mpi4py, host-staged: works with any backend, so CI runs real pipelines with it; the
 GPU transports (nccl, nvshmem) also carry their control values over it."""
+import pickle
+
 import numpy as np
 
 from ..precision import BF16, wide
@@ -26,14 +28,36 @@ class Mpi(Transport):
         # each communicator's collectives start in the same order on every member
         self.gather_groups = {axis: c.Dup() for axis, c in self.groups.items()}
 
+    # Control values travel pickled, through non-blocking collectives polled against the
+    # peer timeout (mpi4py's pickling bcast and gather block for good on a stopped rank).
+
     def bcast(self, obj, root=0):
-        return self.comm.bcast(obj, root=root)
+        data = pickle.dumps(obj) if self.rank == root else b""
+        n = np.array([len(data)], np.int64)
+        what = (f"rank {root}'s broadcast" if self.rank != root else
+                "the other ranks to take this rank's broadcast")
+        self.wait(self.comm.Ibcast(n, root=root), what)
+        buf = np.frombuffer(data, np.uint8).copy() if self.rank == root else np.empty(
+            int(n[0]), np.uint8)
+        self.wait(self.comm.Ibcast(buf, root=root), what)
+        return obj if self.rank == root else pickle.loads(buf.tobytes())
 
     def gather(self, obj):
-        return self.comm.gather(obj, root=0)
+        data = np.frombuffer(pickle.dumps(obj), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        what = ("rank 0 to take this rank's part of a gather" if self.rank else
+                "the parts of a gather from " + ", ".join(f"rank {q}" for q in range(1, self.size)))
+        self.wait(self.comm.Igather(np.array([data.size], np.int64), sizes, root=0), what)
+        got = np.empty(int(sizes.sum()) if self.rank == 0 else 0, np.uint8)
+        self.wait(self.comm.Igatherv(data, [got, sizes.astype(np.int32)], root=0), what)
+        if self.rank:
+            return None
+        ends = np.cumsum(sizes)
+        return [pickle.loads(got[e - n:e].tobytes()) for n, e in zip(sizes, ends)]
 
     def barrier(self):
-        self.wait(self.comm.Ibarrier(), "the other ranks at a barrier")
+        others = ", ".join(f"rank {q}" for q in range(self.size) if q != self.rank)
+        self.wait(self.comm.Ibarrier(), f"the other ranks ({others}) at a barrier")
 
     def any(self, flag):
         """Through rank 0, point to point, so a timeout names the rank that went quiet."""

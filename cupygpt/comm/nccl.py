@@ -21,7 +21,7 @@ import numpy as np
 from .. import CupyGPTError
 from ..precision import BF16
 from .base import AXES, chunks, poll
-from .gpu import start_on_side
+from .gpu import start_on_side, wait_stream
 from .mpi import Mpi
 
 
@@ -55,6 +55,13 @@ class Nccl(Mpi):
                         if r in g:
                             self.coll[(axis, on_side)] = (
                                 nccl.NcclCommunicator(len(g), uid, g.index(r)), len(g), g.index(r))
+        # a host wait for a stream whose NCCL calls wait on a stopped peer never ends
+        peers = sorted({q for pair in self.comms for q in pair[:2]} | {
+            q for g in (g for axis in AXES for g in mesh.groups(axis)) if r in g
+            for q in (g if len(g) > 1 else ())} - {r})
+        what = ("the GPU stream's NCCL transfers and collectives with "
+                + ", ".join(f"rank {q}" for q in peers))
+        be.bound_host_waits(lambda s: wait_stream(s, self, what))
         self.send_stream = cp.cuda.Stream(non_blocking=True)
         self.side = cp.cuda.Stream(non_blocking=True)
         self.ring, self.n = {}, {}

@@ -10,8 +10,10 @@ stream waits until the signal counts this step's messages in the slot (cuStreamW
 it works with two PEs on one GPU, where NVSHMEM refuses signal_wait without MPS), copies the
 slot out, then adds 1 to the sender's ack for that slot. A sender waits for the ack of
 message n - depth before reusing a slot, so no slot is overwritten before it was read.
-The host never blocks on a peer, except in finish_sends, which polls the stream against
---peer-timeout.
+The host waits on a peer only when it waits for the stream (finish_sends, and every copy
+to the host or synchronize of the backend, bound_host_waits): CUDA's own waits never give
+up on a stream stuck on a stopped peer's signal, so these poll the stream against
+--peer-timeout and the error names the peers its waits are on.
 
 Counted per step (Ledger): the values a stream waits for are fixed when the step is
 captured as a CUDA graph, so every replay must wait for the same ones. At the end of a step
@@ -30,8 +32,9 @@ import math
 import numpy as np
 
 from .. import CupyGPTError
-from .base import AXES, chunks, poll
-from .gpu import start_on_side
+from .base import AXES, chunks
+from .gpu import start_on_side, wait_stream
+from .launch import fail
 from .mpi import Mpi
 from .symmetric import Ledger, Window
 
@@ -61,6 +64,10 @@ class Nvshmem(Mpi):
         self.mesh, self.Stream, self.streams = mesh, Stream, {}
         self.chan, self.sent, self.got = {}, {}, {}
         self.side = cp.cuda.Stream(non_blocking=True)
+        # stream ptr -> peers whose signals it has waited for (a replayed graph waits on
+        # those its capture did, so none is forgotten)
+        self.waits_on = {}
+        be.bound_host_waits(self.host_wait)
         self.windows = {}
         for axis in AXES:
             members = next(g for g in mesh.groups(axis) if self.rank in g)
@@ -99,10 +106,12 @@ class Nvshmem(Mpi):
         the ring (stage s to s + 1 mod pp), 1 down; with one set, always 0."""
         return 0 if (kind, 1) not in self.chan or peer == self.mesh.ring(step) else 1
 
-    def wait_value(self, addr, value):
-        """The current stream waits until the 64-bit word at addr is >= value."""
-        d = self.driver
-        (err,) = d.cuStreamWaitValue64(d.CUstream(self.cp.cuda.get_current_stream().ptr),
+    def wait_value(self, addr, value, peer):
+        """The current stream waits until the 64-bit word at addr (peer writes it) is >=
+        value."""
+        d, ptr = self.driver, self.cp.cuda.get_current_stream().ptr
+        self.waits_on.setdefault(ptr, set()).add(peer)
+        (err,) = d.cuStreamWaitValue64(d.CUstream(ptr),
                                        d.CUdeviceptr(int(addr)), value,
                                        d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         if err != d.CUresult.CUDA_SUCCESS:
@@ -139,16 +148,16 @@ class Nvshmem(Mpi):
         n = self.sent[(kind, way)] = self.sent[(kind, way)] + 1
         i = (n - 1) % len(slots)
         if n > len(slots):  # message n - depth's ack
-            self.ledger.wait(ack[i].handle)
+            self.ledger.wait(ack[i].handle, peer)
         self.put_at(slots[i].data.ptr, arr.reshape(-1), data[i].handle, peer)
-        self.ledger.owe(ack[i].handle)
+        self.ledger.owe(ack[i].handle, peer)
 
     def recv(self, kind, out, peer, mb=None):
         way = self._way(kind, peer, -1)
         slots, data, ack = self.chan[(kind, way)]
         n = self.got[(kind, way)] = self.got[(kind, way)] + 1
         i = (n - 1) % len(slots)
-        self.ledger.wait(data[i].handle)
+        self.ledger.wait(data[i].handle, peer)
         out[...] = slots[i][:out.nbytes].view(out.dtype).reshape(out.shape)
         self.signal(ack[i].handle, 1, peer)
 
@@ -209,15 +218,28 @@ class Nvshmem(Mpi):
 
     def finish_sends(self):
         """Waits for this rank's stream (its puts included) with the peer timeout."""
-        stream = self.cp.cuda.get_current_stream()
-        poll(lambda: stream.done, self.timeout, self.rank,
-             "this step's transfers (a peer's data or ack)")
+        self.host_wait(self.cp.cuda.get_current_stream())
+
+    def host_wait(self, stream):
+        """Returns once stream's work has run, or raises after the peer timeout naming the
+        peers whose signals it waits for (the module docstring)."""
+        peers = sorted(self.waits_on.get(stream.ptr, ()))
+        named = ", ".join(f"rank {p}" for p in peers) or "no peer"
+        wait_stream(stream, self, f"the GPU stream, whose waits are on {named} (their "
+                                  f"data, acks or collective parts)")
 
     def close(self):
         """Collective, at exit: frees the symmetric memory in the same order on every PE
-        (NVSHMEM's frees are collective), then finalizes NVSHMEM."""
-        self.cp.cuda.get_current_stream().synchronize()
-        self.side.synchronize()
+        (NVSHMEM's frees are collective), then finalizes NVSHMEM. Each free waits for every
+        PE without a timeout, so every PE is met here first, within the peer timeout; a
+        stopped one is one line and the job aborted (at exit, an exception would only be
+        printed as a traceback, and the frees would hang)."""
+        try:
+            self.host_wait(self.cp.cuda.get_current_stream())
+            self.host_wait(self.side)
+            self.barrier()
+        except CupyGPTError as e:
+            fail(f"error: {e}")
         for w in self.windows.values():
             for a in (w.inbox, w.gather):
                 self.nv.free_array(a)

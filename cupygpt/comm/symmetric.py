@@ -35,26 +35,29 @@ RED, RED_ACK, GAT, GAT_ACK = range(4)  # a window's signal words, g of each
 class Ledger:
     """Signal words this PE waits on, counted per step (the module docstring): peers add 1
     per event; wait() waits for the next event on a word, owe() notes one that will come
-    (an ack for a put); settle() waits for all owed and takes the counts back off."""
+    (an ack for a put); settle() waits for all owed and takes the counts back off. Each
+    word is written by one peer, named with it (a wait that times out names the peer)."""
 
     def __init__(self, tr):
-        self.tr, self.taken, self.owed = tr, {}, {}
+        self.tr, self.taken, self.owed, self.peer = tr, {}, {}, {}
 
-    def owe(self, addr):
+    def owe(self, addr, peer):
         self.owed[addr] = self.owed.get(addr, 0) + 1
+        self.peer[addr] = peer
 
     def pending(self, addr):
         return self.owed.get(addr, 0) > self.taken.get(addr, 0)
 
-    def wait(self, addr):
+    def wait(self, addr, peer):
         n = self.taken[addr] = self.taken.get(addr, 0) + 1
         self.owed[addr] = max(self.owed.get(addr, 0), n)
-        self.tr.wait_value(addr, n)
+        self.peer[addr] = peer
+        self.tr.wait_value(addr, n, peer)
 
     def settle(self):
         for addr, n in self.owed.items():
             if self.taken.get(addr, 0) < n:
-                self.tr.wait_value(addr, n)
+                self.tr.wait_value(addr, n, self.peer[addr])
             self.tr.signal(addr, -n, self.tr.rank)
         self.taken, self.owed = {}, {}
 
@@ -130,12 +133,12 @@ class Window:
         tr, led = self.tr, self.ledger
         for q in self.others():
             if led.pending(self.word(what + 1, q)):
-                led.wait(self.word(what + 1, q))
+                led.wait(self.word(what + 1, q), self.members[q])
             tr.put_at(area.data.ptr + self.me * w * item, parts[q], self.word(what, self.me),
                       self.members[q])
-            led.owe(self.word(what + 1, q))
+            led.owe(self.word(what + 1, q), self.members[q])
         for q in self.others():
-            led.wait(self.word(what, q))
+            led.wait(self.word(what, q), self.members[q])
 
     def read(self, what):
         """This member has read the phase's area: the others may put there again."""

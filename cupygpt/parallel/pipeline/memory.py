@@ -30,10 +30,10 @@ def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=
     return out
 
 
-def check_memory(memory, be, tr, mesh):
+def check_memory(memory, be, tr, mesh, fix=None):
     """Collective. Refuses, on every rank alike, when the ranks sharing a memory (a GPU, or
     the host's RAM for the CPU) need more than it has free: one line with both figures and
-    what to lower."""
+    what to lower (fix: what the command can lower; default: a training step's)."""
     need = sum(memory.values())
     every = tr.bcast(tr.gather((be.memory_domain(), be.device_memory(), need, mesh.rank)))
     totals = {}
@@ -45,12 +45,18 @@ def check_memory(memory, be, tr, mesh):
             mine = ", ".join(f"{k} {v / GiB:.2f}" for k, v in memory.items() if v)
             who = f"rank {ranks[0]} needs" if len(ranks) == 1 else \
                 f"the {len(ranks)} ranks sharing {be.memory_name} need"
-            per_token = memory["activations"] + memory["scratch"] + memory["workspace"]
-            fix = ("lower the batch size or sequence length, use more micro-batches, or more "
-                   "pipeline stages or tensor-parallel ranks" if 2 * per_token > need else
-                   "split the model over more pipeline stages or tensor-parallel ranks, shard "
-                   "AdamW's state over replicas (ZeRO-1), or take a smaller model")
+            fix = fix or _step_fix(memory, need)
             raise CupyGPTError(
                 f"out of memory at start: {who} {total / GiB:.2f} GiB (rank {mesh.rank}'s, "
                 f"in GiB: {mine}) and {free / GiB:.2f} GiB of {be.memory_name} is free; "
                 f"{fix}")
+
+
+def _step_fix(memory, need):
+    """What lowers a step's memory: the batch where activations dominate, else the
+    model's share per rank."""
+    per_token = memory["activations"] + memory["scratch"] + memory["workspace"]
+    return ("lower the batch size or sequence length, use more micro-batches, or more "
+            "pipeline stages or tensor-parallel ranks" if 2 * per_token > need else
+            "split the model over more pipeline stages or tensor-parallel ranks, shard "
+            "AdamW's state over replicas (ZeRO-1), or take a smaller model")
