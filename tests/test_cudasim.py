@@ -634,7 +634,7 @@ def test_cudnn_refuses_a_backward_of_one_position_and_unaligned_tensors(sdpa):
 def test_cudnn_rounds_p_and_ds_to_bf16_before_their_products(sdpa):
     """O = bf16(P) V, as cuDNN's bf16 kernels feed P to the tensor cores (and the own
     kernels and the NumPy reference round it): bitwise the rounded product, not the float
-    one. (The backward's dS and P: verify's bf16 references through --attention cudnn.)"""
+    one. (The backward's P: the next test; its dS: verify's bf16 references, --attention cudnn.)"""
     cp, _, lib = sdpa
     dims, rng = (1, 2, 16, 8), np.random.default_rng(7)
     g, h, t = _graph(lib, dims=dims)
@@ -651,3 +651,26 @@ def test_cudnn_rounds_p_and_ds_to_bf16_before_their_products(sdpa):
     rounded = np.matmul(_rows(p.astype(BF16)), _rows(host["v"])).astype(BF16)
     assert np.array_equal(got, rounded)
     assert not np.array_equal(got, np.matmul(p, _rows(host["v"])).astype(BF16))
+
+
+def test_cudnn_backward_rounds_p_before_pt_do(sdpa):
+    """The backend's cuDNN backward: dV = bf16(P)^T dO bitwise (P from the forward's
+    stats, as the stand-in recomputes it), not the float product."""
+    cp, cu, _ = sdpa
+    B, T, NH, HS = 1, 16, 2, 8
+    rng = np.random.default_rng(11)
+    qkv = rng.normal(size=(B, T, 3 * NH * HS)).astype(BF16)
+    dout = rng.normal(size=(B, T, NH * HS)).astype(BF16)
+    out, lse, dqkv = cp.zeros(dout.shape, BF16), cp.zeros((B, NH, T)), cp.zeros(qkv.shape, BF16)
+    cu.attention_forward(out, lse, cp.asarray(qkv), NH)
+    cu.attention_backward(dqkv, cp.asarray(dout), cp.asarray(qkv), out, lse, NH)
+    heads = _rows(qkv).reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)  # (3, B, NH, T, HS)
+    q, k = np.ascontiguousarray(heads[0]), np.ascontiguousarray(heads[1])
+    s = np.float32(1 / np.sqrt(HS)) * np.matmul(q, k.swapaxes(-1, -2))
+    s[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    p = np.exp(s - cp.asnumpy(lse)[..., None])
+    do = np.ascontiguousarray(_rows(dout).reshape(B, T, NH, HS).transpose(0, 2, 1, 3))
+    dv = cp.asnumpy(dqkv).reshape(B, T, 3, NH, HS)[:, :, 2].transpose(0, 2, 1, 3)
+    rounded = np.matmul(_rows(p.astype(BF16)).swapaxes(-1, -2), do).astype(BF16)
+    assert np.array_equal(dv, rounded)
+    assert not np.array_equal(dv, np.matmul(p.swapaxes(-1, -2), do).astype(BF16))
