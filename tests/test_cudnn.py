@@ -181,7 +181,8 @@ def test_a_shape_cudnns_checks_refuse_is_autos_fallback_and_cudnns_line(tmp_path
                                                                         seq, said):
     """cuDNN's own verdict on the run's graphs (a backward of one position, which its
     validator refuses; a library finding no plan): auto trains on the own kernels, saying
-    why in the run table; --attention cudnn refuses in one line, no traceback."""
+    why in the run table; --attention cudnn refuses in one line, no traceback, the run's
+    directory taken back."""
     args = ("train", "--backend", "cuda", "-e", "tiny", "-b", "2", "-t", seq, "-n", "1",
             "-v", "0", "-g", "0", "--dtype", "bf16")
     e = {**device_env("sim"), "CUDASIM_CUDNN": cudnn}
@@ -195,7 +196,7 @@ def test_a_shape_cudnns_checks_refuse_is_autos_fallback_and_cudnns_line(tmp_path
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert lines[0].startswith("error: --attention cudnn: cuDNN does not run this run's "
                                "attention") and said in lines[0]
-    assert "--attention auto" in lines[0]
+    assert "--attention auto" in lines[0] and not (tmp_path / "c").exists()
 
 
 @pytest.fixture()
