@@ -5,7 +5,8 @@ import os
 
 import numpy as np
 
-from .backends import get_backend
+from . import CupyGPTError
+from .backends import FusedAttentionUnsupported, get_backend
 from .comm import make_transport
 from .comm.launch import host_names, launched_ranks, world_rank
 from .config_parts import attention_path
@@ -46,16 +47,29 @@ class Session:
                graphs=False, recompute=0, attention=None):
         """This rank's Runner over the command's pipeline and grid; params: the whole
         model's host parameters (None: a resume fills the stages); attention: --attention's
-        choice (None: the command's), taken before the memory plan (it counts cuDNN's
-        workspace) and said in `attention` (the run table's words)."""
+        choice (None: the command's), taken before the memory plan (it builds cuDNN's graphs
+        and counts their workspace) and said in `attention` (the run table's words). A shape
+        cuDNN's own checks refuse (met there, before anything big is allocated) sends auto
+        to the own kernels, saying why, and is --attention cudnn's one-line refusal."""
         p, g = self.config.pipeline, self.config.grid
-        kind, self.attention = attention_path(attention or self.config.device.attention,
-                                              self.be, dtype, shape)
-        self.be.use_attention(kind)
-        run = Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
-                     batch=batch, seq=seq, micro_batches=p.micro_batches, schedule=p.schedule,
-                     virtual=p.virtual_stages, counts=p.counts, dtype=dtype, adamw=adamw,
-                     graphs=graphs, zero=bool(g.zero), overlap=g.overlap, recompute=recompute)
+        asked = attention or self.config.device.attention
+        kind, self.attention = attention_path(asked, self.be, dtype, shape)
+
+        def make(kind):
+            return Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
+                          batch=batch, seq=seq, micro_batches=p.micro_batches,
+                          schedule=p.schedule, virtual=p.virtual_stages, counts=p.counts,
+                          dtype=dtype, adamw=adamw, graphs=graphs, zero=bool(g.zero),
+                          overlap=g.overlap, recompute=recompute, attention=kind)
+        try:
+            run = make(kind)
+        except FusedAttentionUnsupported as e:
+            if asked != "auto":
+                raise CupyGPTError(f"{e}; else use --attention auto (cuDNN where it can "
+                                   f"run, the own kernels elsewhere) or own", "attention",
+                                   asked) from None
+            self.attention = f"own flash kernels (auto: {e})"
+            run = make("own")
         if params is not None:
             run.load_state_dict(params)
         return run

@@ -498,13 +498,15 @@ def test_cudnn_sdpa_is_attention_from_the_strides_and_captures_once_built(sdpa):
         cu.capture(lambda: cu.attention_forward(out[:, :4], lse, q[:, :4], NH))
 
 
-def _graph(lib, dims=(1, 2, 4, 8), strides=None, stride_o=None):
-    """A causal sdpa graph over (B, H, S, D) bf16 tensors, built."""
+def _graph(lib, dims=(1, 2, 4, 8), strides=None, stride_o=None, mask=None):
+    """A causal sdpa graph over (B, H, S, D) bf16 tensors (mask: its mask args; else the
+    deprecated use_causal_mask, which the binding still takes), not yet built."""
     h = lib.create_handle()
     g = lib.pygraph(io_data_type=lib.data_type.BFLOAT16, handle=h)
     st = strides or [int(np.prod(dims[1:])), dims[2] * dims[3], dims[3], 1]
     q, k, v = (g.tensor(list(dims), st, lib.data_type.BFLOAT16, name=n) for n in "qkv")
-    o, s = g.sdpa(q, k, v, generate_stats=True, use_causal_mask=True, attn_scale=0.5)
+    o, s = g.sdpa(q, k, v, generate_stats=True, attn_scale=0.5,
+                  **(mask or dict(use_causal_mask=True)))
     o.set_output(True).set_dim(list(dims)).set_stride(stride_o or st).set_data_type(
         lib.data_type.BFLOAT16)
     s.set_output(True).set_dim(list(dims[:3]) + [1]).set_stride(
@@ -531,7 +533,7 @@ def test_cudnn_refuses_what_the_library_refuses(sdpa):
     with pytest.raises(RuntimeError, match="before build_plans"):
         g.execute({}, None, handle=h)
     for bad, err in ((dict(strides=[64, 32, 1, 4]), "last dimension"),
-                     (dict(stride_o=[64, 32, 4, 1]), "two elements one address")):
+                     (dict(stride_o=[32, 8, 8, 1]), "two elements one address")):
         g2 = _graph(lib, **bad)[0]
         with pytest.raises(lib.cudnnGraphNotSupportedError, match=err):
             g2.validate()
@@ -544,7 +546,7 @@ def test_cudnn_refuses_what_the_library_refuses(sdpa):
     with pytest.raises(lib.cudnnGraphNotSupportedError, match="v dims"):
         g3.validate()
     _build(g, lib)
-    size = g.get_workspace_size(h)
+    size = g.get_workspace_size()
     assert size == 4 * 2 * 4  # the stand-in's forward: a float per row
     x = {**{n: cp.zeros(64, BF16) for n in "qkvo"}, "s": cp.zeros(8),  # (kept alive: a
          "short": cp.zeros(63, BF16), "f32": cp.zeros(64), "ws": cp.zeros(size, np.uint8)}
@@ -568,8 +570,107 @@ def test_cudnn_refuses_what_the_library_refuses(sdpa):
     g4 = _graph(lib)[0]
     stream.begin_capture()
     try:
-        for setup in (lib.create_handle, g4.validate, lambda: g.get_workspace_size(h)):
+        for setup in (lib.create_handle, g4.validate, g.get_workspace_size):
             with pytest.raises(RuntimeError, match="capturing"):
                 setup()
     finally:
         stream.end_capture()
+
+
+def _rows(a):
+    return np.asarray(a, np.float32)
+
+
+def test_cudnn_mask_args_as_the_binding_takes_them(sdpa):
+    """The preferred diagonal_alignment and diagonal_band_right_bound make the causal mask
+    (zero q and k: row i averages its i + 1 keys, so its logsumexp is log(i + 1)); a right
+    bound of 1 lets each row see one key more; the mixes and values the binding refuses
+    are refused."""
+    cp, _, lib = sdpa
+    for right, want in ((0, np.log(np.arange(1, 5))), (1, np.log([2, 3, 4, 4]))):
+        g, h, t = _graph(lib, mask=dict(diagonal_alignment=lib.diagonal_alignment.TOP_LEFT,
+                                        diagonal_band_right_bound=right))
+        _build(g, lib)
+        x = {**{n: cp.zeros(64, BF16) for n in "qkvo"}, "s": cp.zeros(8),
+             "ws": cp.zeros(g.get_workspace_size(), np.uint8)}
+        lib.set_stream(h, cp.cuda.get_current_stream().ptr)
+        g.execute({t[n]: x[n].data.ptr for n in "qkvos"}, x["ws"].data.ptr, handle=h)
+        np.testing.assert_allclose(cp.asnumpy(x["s"]), np.tile(want, 2), rtol=1e-6)
+    for mask, err in ((dict(use_causal_mask=True, diagonal_band_right_bound=0),
+                       "cannot be set at the same time"),
+                      (dict(diagonal_band_right_bound=-1), "larger than or equal to zero"),
+                      (dict(diagonal_band_right_bound=0.5), "must be an int")):
+        with pytest.raises(ValueError, match=err):
+            _graph(lib, mask=mask)
+
+
+def test_cudnn_refuses_a_backward_of_one_position_and_unaligned_tensors(sdpa):
+    """s_q = s_kv = 1 backward (the real validator's rule); a bf16 stride that is no whole
+    16 bytes (validate) and a tensor address off 16 bytes (execute)."""
+    cp, _, lib = sdpa
+    g = lib.pygraph(io_data_type=lib.data_type.BFLOAT16)
+    q, k, v, o, do = (g.tensor([1, 2, 1, 8], [16, 8, 8, 1], lib.data_type.BFLOAT16)
+                      for _ in range(5))
+    stats = g.tensor([1, 2, 1, 1], [2, 1, 1, 1], lib.data_type.FLOAT)
+    for d in g.sdpa_backward(q, k, v, o, do, stats, diagonal_band_right_bound=0):
+        d.set_output(True).set_dim([1, 2, 1, 8]).set_stride([16, 8, 8, 1]).set_data_type(
+            lib.data_type.BFLOAT16)
+    with pytest.raises(lib.cudnnGraphNotSupportedError, match="s_q = s_kv = 1"):
+        g.validate()
+    with pytest.raises(lib.cudnnGraphNotSupportedError, match="not 16-byte aligned"):
+        _graph(lib, strides=[72, 36, 9, 1])[0].validate()
+    g, h, t = _graph(lib)
+    _build(g, lib)
+    x = {**{n: cp.zeros(72, BF16) for n in "qkvo"}, "s": cp.zeros(8),
+         "ws": cp.zeros(g.get_workspace_size(), np.uint8)}
+    pack = {t[n]: x[n].data.ptr for n in "qkvos"}
+    lib.set_stream(h, cp.cuda.get_current_stream().ptr)
+    with pytest.raises(RuntimeError, match="q at .* is not 16-byte aligned"):
+        g.execute({**pack, t["q"]: x["q"].data.ptr + 2}, x["ws"].data.ptr, handle=h)
+    with pytest.raises(RuntimeError, match="candidate plan"):
+        g.get_workspace_size(h)
+
+
+def test_cudnn_rounds_p_and_ds_to_bf16_before_their_products(sdpa):
+    """O = bf16(P) V, as cuDNN's bf16 kernels feed P to the tensor cores (and the own
+    kernels and the NumPy reference round it): bitwise the rounded product, not the float
+    one. (The backward's P: the next test; its dS: verify's bf16 references, --attention cudnn.)"""
+    cp, _, lib = sdpa
+    dims, rng = (1, 2, 16, 8), np.random.default_rng(7)
+    g, h, t = _graph(lib, dims=dims)
+    _build(g, lib)
+    host = {n: rng.normal(size=dims).astype(BF16) for n in "qkv"}
+    x = {**{n: cp.asarray(host[n]) for n in "qkv"}, "o": cp.zeros(dims, BF16),
+         "s": cp.zeros(dims[:3]), "ws": cp.zeros(g.get_workspace_size(), np.uint8)}
+    lib.set_stream(h, cp.cuda.get_current_stream().ptr)
+    g.execute({t[n]: x[n].data.ptr for n in "qkvos"}, x["ws"].data.ptr, handle=h)
+    s = 0.5 * np.matmul(_rows(host["q"]), _rows(host["k"]).swapaxes(-1, -2))
+    s[..., np.triu_indices(16, 1)[0], np.triu_indices(16, 1)[1]] = -np.inf
+    p = np.exp(s - cp.asnumpy(x["s"])[..., None])
+    got = cp.asnumpy(x["o"])
+    rounded = np.matmul(_rows(p.astype(BF16)), _rows(host["v"])).astype(BF16)
+    assert np.array_equal(got, rounded)
+    assert not np.array_equal(got, np.matmul(p, _rows(host["v"])).astype(BF16))
+
+
+def test_cudnn_backward_rounds_p_before_pt_do(sdpa):
+    """The backend's cuDNN backward: dV = bf16(P)^T dO bitwise (P from the forward's
+    stats, as the stand-in recomputes it), not the float product."""
+    cp, cu, _ = sdpa
+    B, T, NH, HS = 1, 16, 2, 8
+    rng = np.random.default_rng(11)
+    qkv = rng.normal(size=(B, T, 3 * NH * HS)).astype(BF16)
+    dout = rng.normal(size=(B, T, NH * HS)).astype(BF16)
+    out, lse, dqkv = cp.zeros(dout.shape, BF16), cp.zeros((B, NH, T)), cp.zeros(qkv.shape, BF16)
+    cu.attention_forward(out, lse, cp.asarray(qkv), NH)
+    cu.attention_backward(dqkv, cp.asarray(dout), cp.asarray(qkv), out, lse, NH)
+    heads = _rows(qkv).reshape(B, T, 3, NH, HS).transpose(2, 0, 3, 1, 4)  # (3, B, NH, T, HS)
+    q, k = np.ascontiguousarray(heads[0]), np.ascontiguousarray(heads[1])
+    s = np.float32(1 / np.sqrt(HS)) * np.matmul(q, k.swapaxes(-1, -2))
+    s[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = -np.inf
+    p = np.exp(s - cp.asnumpy(lse)[..., None])
+    do = np.ascontiguousarray(_rows(dout).reshape(B, T, NH, HS).transpose(0, 2, 1, 3))
+    dv = cp.asnumpy(dqkv).reshape(B, T, 3, NH, HS)[:, :, 2].transpose(0, 2, 1, 3)
+    rounded = np.matmul(_rows(p.astype(BF16)).swapaxes(-1, -2), do).astype(BF16)
+    assert np.array_equal(dv, rounded)
+    assert not np.array_equal(dv, np.matmul(p.swapaxes(-1, -2), do).astype(BF16))

@@ -25,13 +25,22 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   device_info(), device_name() (the run table's name of this rank's device), kernel_profile(step, steps) (per-op and per-kernel time, None: none),
   attention_refuses(head_size) (why it cannot run such attention heads, or None),
   fused_attention_refuses(dtype, head_size) (why a library's fused attention, cuDNN's,
-  cannot run such a run here, or None) and use_attention(kind) (which attention the
-  attention ops take from now on: "cudnn" or "own"; --attention resolves it),
+  cannot run such a run here, or None) and use_attention(kind, backward, replay) (which
+  attention the attention ops take from now on: "cudnn" or "own", --attention resolves
+  it; and what the run asks of it: a backward, a captured step replayed; the memory plan
+  prepares that much, and raises FusedAttentionUnsupported where the library will not
+  run it),
   fallbacks() (what it ran a slower way than planned, and why: one line each).
 """
 import importlib
 
 from .. import CupyGPTError
+
+
+class FusedAttentionUnsupported(CupyGPTError):
+    """A library's fused attention will not run this run's shape (its own verdict, met
+    while the memory plan prepares it): --attention auto falls back to the own kernels,
+    --attention cudnn refuses (session.Session.runner)."""
 
 
 def gpu_available():

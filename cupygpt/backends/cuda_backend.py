@@ -32,8 +32,8 @@ from nvmath.bindings import cublasLt as lt
 from .. import CupyGPTError
 # (names, not the module: cudasim's conftest puts its own build of it in sys.modules)
 from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
-                              missing as _sdpa_missing, refuses as _sdpa_refuses,
-                              workspace_bytes as _sdpa_workspace)
+                              missing as _sdpa_missing, plan as _sdpa_plan,
+                              refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
 from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
                        sources)
 from ..precision import BF16
@@ -60,7 +60,9 @@ tf32 = False
 _modules, _functions, _workspace = {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
-_attention = ["own"]  # which attention bf16 runs take: "cudnn" (use_attention) or "own"
+# which attention bf16 runs take ("cudnn" or "own") and what the run asks of cuDNN's:
+# {"backward": its graph too, "replay": a captured step} (use_attention)
+_attention = ["own", {"backward": True, "replay": False}]
 
 
 def device_name():
@@ -475,8 +477,8 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C
                + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
-    if _attention[0] == "cudnn" and np.dtype(dtype) == BF16:  # (builds the step's graphs)
-        out += _sdpa_workspace(batch, cfg.NH // part.tp, seq, cfg.C // cfg.NH)
+    if _attention[0] == "cudnn" and np.dtype(dtype) == BF16:  # (builds the run's graphs)
+        out += _sdpa_plan(batch, cfg.NH // part.tp, seq, cfg.C // cfg.NH, **_attention[1])
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
 
@@ -503,20 +505,26 @@ def fused_attention_refuses(dtype, head_size):
     return _sdpa_refuses(np.dtype(dtype) == BF16, head_size)
 
 
-def use_attention(kind):
+def use_attention(kind, backward=True, replay=False):
     """Which attention the bf16 runs' attention_forward/backward take from now on:
     "cudnn" (cuDNN's fused sdpa) or "own" (the flash kernels; fp32 runs always do). The
-    config has checked the run's dtype and head size (fused_attention_refuses)."""
+    config has checked the run's dtype and head size (fused_attention_refuses). backward,
+    replay: whether the run takes attention's backward and replays a captured step, so the
+    memory plan builds cuDNN's backward graph only for a run that trains, and hints replay
+    only to one that captures."""
     why = _sdpa_missing() if kind == "cudnn" else None
     if why or kind not in ("cudnn", "own"):
         raise CupyGPTError(why or "unknown; use cudnn or own", "attention", kind)
-    _attention[0] = kind
+    _attention[:] = [kind, {"backward": bool(backward), "replay": bool(replay)}]
 
 
 def _fused(kind, NH, qkv, **arrays):
     """cuDNN's graph of kind for this shape, run on the step's stream with the kept
-    workspace (the memory plan counted it: workspace_bytes)."""
-    size = _sdpa_graph(kind, qkv.shape[0], NH, qkv.shape[1], qkv.shape[2] // 3 // NH)[2]
+    workspace: one buffer of the shape's size (the most its graphs ask; what the memory
+    plan counted), not one per kind, so the forward's smaller ask allocates no second."""
+    shape = (qkv.shape[0], NH, qkv.shape[1], qkv.shape[2] // 3 // NH)
+    _sdpa_graph(kind, *shape, replay=_attention[1]["replay"])  # (built by the plan, else now)
+    size = _sdpa_workspace(*shape)
     ws = _ws("cudnn", size, np.uint8) if size else None
     if _trace is None:
         _sdpa_execute(kind, NH, qkv, arrays, ws)

@@ -7,15 +7,20 @@ logsumexp of each row, float) into the model's lse buffer (B, NH, T), and the ba
 writes dq, dk, dv straight into the packed dqkv. The mask is causal (top-left diagonal).
 
 Everything cuDNN needs but a CUDA graph capture may not do (the handle, each shape's graph:
-validate, plans, support check, build, its workspace size) is made on the shape's first
-use, or earlier by workspace_bytes (the memory plan): a shape first met while the stream
-captures raises, naming it. A captured step only calls execute, on the step's stream.
+validate, plans, support check, build, its workspace size) is made by plan (the memory
+plan: the graphs the run needs, no more), or on a shape's first use: a shape first met
+while the stream captures raises, naming it. A captured step only calls execute, on the
+step's stream. A graph cuDNN will not run (cudnnGraphNotSupportedError from any stage)
+is an Unsupported from plan, which --attention turns into auto's fallback or a refusal.
 
 Imported by cuda_backend (cudasim loads both against its stand-ins: conftest.load_cudasim).
 """
 import math
+from collections import OrderedDict
 
 import cupy as cp
+
+from . import FusedAttentionUnsupported
 
 try:
     import cudnn
@@ -27,7 +32,12 @@ except ImportError:  # the frontend is an extra (setup.cfg's cudnn); (the name c
 # multiples of 8 (its 16-byte rows) up to 128 (its backward's limit before Blackwell)
 HEAD_MULTIPLE, MAX_HEAD = 8, 128
 _handle = []   # the one cuDNN handle, made with the first graph
-_graphs = {}   # (kind, B, NH, T, HS) -> (graph, its tensors by name, workspace bytes)
+# (kind, B, NH, T, HS) -> (graph, its tensors by name, workspace bytes), least recently used
+# first; at most CACHED graphs but those a capture executed (a replay runs their plans'
+# kernels, which go with the graph): a process meeting many shapes (runners of several
+# sizes, as tests and gpucheck make) keeps the last few, not every one
+_graphs, _captured, CACHED = OrderedDict(), set(), 8
+_sizes = {}    # (B, NH, T, HS) -> the workspace its built graphs ask, the most of them
 
 
 def missing():
@@ -69,17 +79,20 @@ def _declare(t, dims, stride, dtype):
     return t.set_output(True).set_dim(dims).set_stride(stride).set_data_type(dtype)
 
 
-def _build(kind, B, NH, T, HS):
+def _build(kind, B, NH, T, HS, replay):
     if not _handle:
         _handle.append(cudnn.create_handle())
     bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
-    # (replay expected: a training step is captured once and replayed, so the frontend may
-    # rank plans by their GPU time alone; a hint only, no numerics change)
+    # (replay: the run captures its step once and replays it, so the frontend may rank
+    # plans by their GPU time alone; a hint only, no numerics change)
     g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32,
-                      handle=_handle[0], is_cuda_graph_replay_expected=True)
+                      handle=_handle[0], is_cuda_graph_replay_expected=replay)
     dims, st = _layouts(B, NH, T, HS)
     t = {n: g.tensor(dims, st["packed"], bf16, name=n) for n in ("q", "k", "v")}
-    causal = dict(attn_scale=1.0 / math.sqrt(HS), use_causal_mask=True)
+    # causal as 1.32's preferred masking args (its docstrings list use_causal_mask among
+    # the deprecated ones, undefined when mixed with these): row i sees keys 0..i
+    causal = dict(attn_scale=1.0 / math.sqrt(HS), diagonal_band_right_bound=0,
+                  diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT)
     if kind == "forward":
         t["o"], t["stats"] = g.sdpa(t["q"], t["k"], t["v"], generate_stats=True, **causal)
         _declare(t["o"], dims, st["rows"], bf16)
@@ -87,7 +100,10 @@ def _build(kind, B, NH, T, HS):
     else:
         t["o"], t["do"] = (g.tensor(dims, st["rows"], bf16, name=n) for n in ("o", "do"))
         t["stats"] = g.tensor(dims[:3] + [1], st["stats"], f32, name="stats")
-        grads = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["do"], t["stats"], **causal)
+        # deterministic: cuDNN's default backward may sum dQ with atomics, in an order that
+        # changes from run to run; the project's attention backward is bitwise repeatable
+        grads = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["do"], t["stats"],
+                                use_deterministic_algorithm=True, **causal)
         for n, d in zip(("dq", "dk", "dv"), grads):
             t[n] = _declare(d, dims, st["packed"], bf16)
     g.validate()
@@ -95,27 +111,52 @@ def _build(kind, B, NH, T, HS):
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
-    return g, t, g.get_workspace_size(_handle[0])
+    # (no handle: in 1.32 the handle overload sizes the backend's current candidate plan,
+    # which need not be the plan build_plans built)
+    return g, t, g.get_workspace_size()
 
 
-def graph(kind, B, NH, T, HS):
+def graph(kind, B, NH, T, HS, replay=False):
     """The built graph of kind ("forward" | "backward") for this shape, its tensors and the
-    workspace it asks: built on first use, which a capturing stream refuses."""
+    workspace it asks: built on first use (replay: the hint it is built with), which a
+    capturing stream refuses."""
     key = (kind, B, NH, T, HS)
-    if key not in _graphs:
-        if cp.cuda.get_current_stream().is_capturing():
-            raise RuntimeError(f"cuDNN attention {kind} of a shape first seen while the stream "
-                               f"captures a CUDA graph (B={B} NH={NH} T={T} HS={HS}): its "
-                               f"graph must be built in an eager step first")
-        _graphs[key] = _build(kind, B, NH, T, HS)
-    return _graphs[key]
+    if key in _graphs:
+        _graphs.move_to_end(key)
+        return _graphs[key]
+    if cp.cuda.get_current_stream().is_capturing():
+        raise RuntimeError(f"cuDNN attention {kind} of a shape first seen while the stream "
+                           f"captures a CUDA graph (B={B} NH={NH} T={T} HS={HS}): its "
+                           f"graph must be built in an eager step first")
+    _graphs[key] = built = _build(kind, B, NH, T, HS, replay)
+    _sizes[key[1:]] = max(_sizes.get(key[1:], 0), built[2])
+    for old in [k for k in _graphs if k not in _captured][:max(0, len(_graphs) - CACHED)]:
+        del _graphs[old]
+        if not any(k[1:] == old[1:] for k in _graphs):
+            del _sizes[old[1:]]
+    return built
+
+
+def plan(B, NH, T, HS, backward, replay):
+    """Builds the graphs a run of this shape needs (the forward; the backward where it
+    trains), before any capture, and returns the workspace the shape's graphs ask (one
+    buffer serves both: they run one after the other on one stream). Raises
+    FusedAttentionUnsupported where cuDNN will not run one of them."""
+    try:
+        for kind in ("forward", "backward") if backward else ("forward",):
+            graph(kind, B, NH, T, HS, replay)
+    except cudnn.cudnnGraphNotSupportedError as e:
+        # (its sentence's full stop dropped: the caller goes on after it)
+        raise FusedAttentionUnsupported(f"cuDNN does not run this run's attention (B={B} "
+                                        f"NH={NH} T={T} HS={HS}): {str(e).rstrip('.')}"
+                                        ) from None
+    return _sizes[B, NH, T, HS]
 
 
 def workspace_bytes(B, NH, T, HS):
-    """The workspace the forward and backward graphs of this shape ask (one buffer serves
-    both: they run one after the other on one stream); builds them, so a step's graphs are
-    ready before any capture."""
-    return max(graph(kind, B, NH, T, HS)[2] for kind in ("forward", "backward"))
+    """The workspace kept for this shape's graphs: the most any of them built so far asks
+    (after plan, what the memory plan counted)."""
+    return _sizes[B, NH, T, HS]
 
 
 def execute(kind, NH, qkv, arrays, workspace):
@@ -123,7 +164,10 @@ def execute(kind, NH, qkv, arrays, workspace):
     dk, dv into arrays["dqkv"]), the other tensors from arrays by name."""
     B, T, C3 = qkv.shape
     C = C3 // 3
-    g, t, size = graph(kind, B, NH, T, C // NH)
+    key = (kind, B, NH, T, C // NH)
+    g, t, size = graph(*key)
+    if cp.cuda.get_current_stream().is_capturing():
+        _captured.add(key)  # (a replay will run its plan's kernels: kept from eviction)
     item = qkv.dtype.itemsize
     pack = {t[n]: qkv.data.ptr + i * C * item for i, n in enumerate("qkv")}
     if kind == "backward":

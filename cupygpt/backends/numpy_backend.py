@@ -99,8 +99,9 @@ def fused_attention_refuses(dtype, head_size):
     return "the numpy backend has no cuDNN (a GPU library): it runs with --backend cuda"
 
 
-def use_attention(kind):
-    """Which attention the model's attention ops take: this backend's own, the only one."""
+def use_attention(kind, backward=True, replay=False):
+    """Which attention the model's attention ops take: this backend's own, the only one
+    (backward, replay: what the run asks of it; the own ops need nothing prepared)."""
     if kind != "own":
         raise ValueError(f"attention {kind!r}: the numpy backend runs its own only")
 

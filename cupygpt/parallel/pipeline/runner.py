@@ -34,14 +34,17 @@ class Runner:
                  schedule: str = "1f1b", virtual: Optional[int] = None,
                  counts: Optional[Sequence[int]] = None, dtype=np.float32,
                  adamw: Optional[AdamWConfig] = None, graphs: bool = False,
-                 zero: bool = False, overlap: bool = True, recompute: int = 0):
+                 zero: bool = False, overlap: bool = True, recompute: int = 0,
+                 attention: Optional[str] = None):
         """batch: the step's rows over every replica (each computes batch / dp of them, in
         micro_batches); counts: layers per model chunk (plan_split's, already checked; None:
         balanced); virtual: model chunks per rank (None: the schedule's); adamw: an
         AdamWConfig (None: no optimizer); zero: AdamW's state sharded across the replicas
         (ZeRO-1); overlap: the replicas' gradient sum during the last backward; graphs: a
         step as a CUDA graph where the backend and transport allow it; recompute: llm.c's
-        -r (what backward makes again instead of keeping: layout.RECOMPUTED)."""
+        -r (what backward makes again instead of keeping: layout.RECOMPUTED); attention:
+        the backend attention the run takes (use_attention's kind; None: as it is), told
+        before the memory plan whether the run trains and replays a captured step."""
         self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
         self.dtype = np.dtype(dtype)
         self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
@@ -49,6 +52,13 @@ class Runner:
                                      virtual=virtual, counts=counts)
         zero_slices = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
                       for pt in plan.parts] if zero else None
+        # CUDA graphs: on a backend that has them, alone or over a transport whose step is
+        # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
+        # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
+        self.graphs = graphs and backend.supports_graphs and (
+            mesh.size == 1 or (transport.graphable and not (overlap and mesh.dp > 1)))
+        if attention is not None:
+            backend.use_attention(attention, backward=adamw is not None, replay=self.graphs)
         self.memory = memory_plan(shape, plan, backend, dtype, adamw is not None, zero_slices,
                                   recompute)
         check_memory(self.memory, backend, transport, mesh)
@@ -61,11 +71,6 @@ class Runner:
                              zero=zero, overlap=overlap)
         self.opt = AdamW(self.stages, adamw, transport, zero_slices) if adamw else None
         self.exec = Executor(plan, self.stages, backend, transport, self.sync)
-        # CUDA graphs: on a backend that has them, alone or over a transport whose step is
-        # all on the stream (transport.graphable); the overlapped gradient sum packs its
-        # buckets in fresh memory on a side stream, so it stays eager
-        self.graphs = graphs and backend.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not self.sync.overlap))
         self.graph, self.steps_done = None, 0
         io = (plan.mb_rows, seq, shape.C)
         # the same shapes on every rank (NVSHMEM allocates symmetrically): the largest wte

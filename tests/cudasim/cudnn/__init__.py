@@ -7,6 +7,9 @@ Installed state: CUDASIM_CUDNN picks what this machine pretends to have installe
   frontend's does when libcudnn is missing), so runs that do not ask for cuDNN keep the
   project's own attention kernels;
 - "1": the frontend and the library, of version LIBRARY_VERSION;
+- "unsupported": as "1", but build_plans finds no engine for any graph (raises
+  cudnnGraphNotSupportedError, as a library that does not run a shape does), so the
+  callers' handling of cuDNN's own refusals runs;
 - "absent": no frontend (importing this module fails, as `import cudnn` would).
 
 Strict where cuDNN is, and where a mistake would only show on a GPU:
@@ -16,7 +19,17 @@ Strict where cuDNN is, and where a mistake would only show on a GPU:
   Stats is a FLOAT (B, H, S_q, 1), D is a multiple of 8 (validate) and at most MAX_HEAD_DIM
   (check_support: what this stand-in's library runs forward and backward), the outputs'
   dims, strides and data types are declared by the caller and no two of an output's
-  elements share an address;
+  elements share an address; every bf16 tensor's strides but the last are whole 16-byte
+  steps (validate) and its address at execute a multiple of 16 (Hopper's kernels load
+  16 bytes at a time; Stats, one float per row, is read and written a float at a time);
+- the mask as the pybind spells it: the preferred diagonal_alignment and
+  diagonal_band_right_bound (an int >= 0), or the deprecated use_causal_mask, not both
+  (the binding refuses the mix); a backward with s_q = s_kv = 1 is refused (the real
+  validator's rule); what a graph asked is kept on it (its params, the backward's
+  use_deterministic_algorithm in _deterministic, the replay hint in _replay) for tests;
+- get_workspace_size() takes no handle here: 1.32's handle overload sizes the backend's
+  current candidate plan, not the built one, so a caller passing one could allocate a
+  workspace the built plan outgrows;
 - execute wants every tensor of the graph in the variant pack, each one's extent inside one
   live device allocation of its declared type, a workspace of get_workspace_size() bytes
   inside one allocation (the forward asks a float per row, the backward a float dQ
@@ -26,7 +39,9 @@ Strict where cuDNN is, and where a mistake would only show on a GPU:
   while the current stream captures a CUDA graph; execute is recorded on the handle's
   stream (replayed with the graph, run in stream order under CUDASIM_ORDER=random).
 The math: bf16 inputs widened to float, float accumulation, softmax stats as natural-log
-logsumexp (float), outputs rounded to bf16 once.
+logsumexp (float), P and dS rounded to bf16 before the products that read them (P.V, dS.K,
+dS^T.Q, P^T.dO: cuDNN's bf16 kernels feed them to bf16 tensor cores, as the project's own
+kernels and its NumPy reference do), outputs rounded to bf16 once.
 """
 import ctypes
 import enum
@@ -71,7 +86,7 @@ _uids = itertools.count(1)
 
 
 def backend_version():
-    if os.environ.get("CUDASIM_CUDNN") != "1":
+    if os.environ.get("CUDASIM_CUDNN") not in ("1", "unsupported"):
         raise RuntimeError("Unable to find symbol cudnnGetVersion")
     return LIBRARY_VERSION
 
@@ -125,8 +140,9 @@ class Tensor:
         return self._stride
 
 
-_FORWARD = {"generate_stats", "is_inference", "attn_scale", "use_causal_mask"}
-_BACKWARD = {"attn_scale", "use_causal_mask"}
+_MASK = {"use_causal_mask", "diagonal_alignment", "diagonal_band_right_bound"}
+_FORWARD = {"generate_stats", "is_inference", "attn_scale"} | _MASK
+_BACKWARD = {"attn_scale", "use_deterministic_algorithm"} | _MASK
 _STAGES = ("validate", "build_operation_graph", "create_execution_plans", "check_support",
            "build_plans")
 
@@ -140,6 +156,7 @@ class pygraph:  # noqa: N801
             raise TypeError("handle: a cudnn.Handle from create_handle()")
         self._name, self._handle, self._done, self._node = name, handle, [], None
         self._replay = bool(is_cuda_graph_replay_expected)  # (a plan-ranking hint: no math)
+        self._deterministic = None  # (the backward's ask, kept for tests: no math here)
         self._types = (io_data_type, intermediate_data_type, compute_data_type)
         self._tensors = []
 
@@ -161,6 +178,7 @@ class pygraph:  # noqa: N801
         extra = set(params) - allowed
         if extra:
             raise cudnnGraphNotSupportedError(f"cudasim does not emulate {kind} {sorted(extra)}")
+        _mask_args(params)
         outs = [Tensor(f"{kind}::{o}") for o in outputs]
         self._tensors += outs
         self._node = (kind, inputs, params, outs)
@@ -176,6 +194,7 @@ class pygraph:  # noqa: N801
         return outs + [None] * (2 - len(outs))
 
     def sdpa_backward(self, q, k, v, o, dO, stats, **kwargs):  # noqa: N803 (the real name)
+        self._deterministic = bool(kwargs.get("use_deterministic_algorithm"))
         return self._op("sdpa_backward", dict(q=q, k=k, v=v, o=o, dO=dO, stats=stats), kwargs,
                         _BACKWARD, ("dQ", "dK", "dV"))
 
@@ -207,11 +226,16 @@ class pygraph:  # noqa: N801
 
     def build_plans(self):
         self._stage("build_plans")
+        if os.environ.get("CUDASIM_CUDNN") == "unsupported":
+            raise cudnnGraphNotSupportedError("cudasim (CUDASIM_CUDNN=unsupported): no "
+                                              "engine builds a plan for this graph")
 
     def get_workspace_size(self, handle=None):
         _cp._not_capturing("cudnn get_workspace_size")
-        if handle is not None and not isinstance(handle, Handle):
-            raise TypeError("handle: a cudnn.Handle")
+        if handle is not None:
+            raise RuntimeError("cudasim: get_workspace_size(handle) sizes the backend's "
+                               "current candidate plan in 1.32, not the built one; call it "
+                               "with no arguments")
         if self._done != list(_STAGES):
             raise RuntimeError(f"graph {self._name}: get_workspace_size() before build_plans()")
         return self._asks()
@@ -244,10 +268,29 @@ class pygraph:  # noqa: N801
         ws = _workspace(workspace, self._asks())
         keep.append(_cp._owner_array(ws) if ws else None)
         scale = float(params.get("attn_scale", 1.0))
-        causal = bool(params.get("use_causal_mask"))
-        run = (lambda: _forward(views, scale, causal)) if kind == "sdpa" else \
-            (lambda: _backward(views, scale, causal, ws))
+        right = _mask_args(params)
+        run = (lambda: _forward(views, scale, right)) if kind == "sdpa" else \
+            (lambda: _backward(views, scale, right, ws))
         _cp._enqueue(run, keep=keep, stream=_cp._stream_of(handle._stream))
+
+
+def _mask_args(params):
+    """The diagonal band's right bound the mask args ask (None: no mask), refusing what the
+    binding refuses: the deprecated use_causal_mask mixed with a right bound, a bound that
+    is no int or below 0, an alignment that is no cudnn.diagonal_alignment. (With
+    s_q = s_kv, all this stand-in runs, the two alignments are one diagonal.)"""
+    right = params.get("diagonal_band_right_bound")
+    if params.get("use_causal_mask") and right is not None:
+        raise ValueError("use_causal_mask and diagonal_band_right_bound cannot be set at the "
+                         "same time")
+    if right is not None and (not isinstance(right, int) or isinstance(right, bool)):
+        raise ValueError("diagonal_band_right_bound must be an int (or None)")
+    if right is not None and right < 0:
+        raise ValueError("Right bound needs to be larger than or equal to zero")
+    if not isinstance(params.get("diagonal_alignment", diagonal_alignment.TOP_LEFT),
+                      diagonal_alignment):
+        raise TypeError("diagonal_alignment: a cudnn.diagonal_alignment")
+    return 0 if params.get("use_causal_mask") else right
 
 
 def _declared(t, port):
@@ -260,6 +303,10 @@ def _declared(t, port):
                                           f"should be 1")
     if min(t._dim) < 1 or min(t._stride) < 0:
         raise ValueError(f"{port}: dims {t._dim}, strides {t._stride}")
+    size = _DTYPES[t._dtype].itemsize if t._dtype in _DTYPES else 0
+    if t._dtype == data_type.BFLOAT16 and any(s * size % 16 for s in t._stride[:3]):
+        raise cudnnGraphNotSupportedError(f"{port}: strides {t._stride} of {size}-byte "
+                                          f"elements are not 16-byte aligned")
 
 
 def _injective(t, port):
@@ -285,6 +332,8 @@ def _validate(g):
                 raise ValueError(f"{port}: an output not marked set_output(True)")
             _injective(t, port)
     b, h, s, d = ports["q"]._dim
+    if kind == "sdpa_backward" and s == 1:  # (s_kv = s_q here: the dims agree, below)
+        raise cudnnGraphNotSupportedError("s_q = s_kv = 1 is not supported.")
     for port in ("k", "v", "o", "dO", "O", "dQ", "dK", "dV"):
         if port in ports and ports[port]._dim != [b, h, s, d]:
             raise cudnnGraphNotSupportedError(f"{port} dims {ports[port]._dim}; q's are "
@@ -304,6 +353,8 @@ def _view(ptr, t, port):
     """The (B, H, S, D) NumPy view of a tensor at ptr, checked to lie in one allocation of
     its declared type."""
     dt = _DTYPES[t._dtype]
+    if t._dtype == data_type.BFLOAT16 and ptr % 16:
+        raise RuntimeError(f"execute: tensor {port} at {ptr:#x} is not 16-byte aligned")
     extent = sum((n - 1) * s for n, s in zip(t._dim, t._stride)) + 1
     if _cp._owner(ptr, extent * dt.itemsize) is None:
         raise RuntimeError(f"execute: tensor {port} ({t._dim}, strides {t._stride}) at {ptr:#x} "
@@ -328,31 +379,37 @@ def _workspace(ptr, size):
     return ptr
 
 
-def _scores(q, k, scale, causal):
+def _scores(q, k, scale, right):
     s = np.float32(scale) * np.matmul(q.astype(np.float32), k.astype(np.float32)
                                       .swapaxes(-1, -2))
-    if causal:  # top-left diagonal: row i sees keys 0..i
+    if right is not None:  # top-left diagonal band: row i sees keys up to i + right
         n = s.shape[-1]
-        s[..., np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] = -np.inf
+        s[..., np.triu_indices(n, right + 1)[0], np.triu_indices(n, right + 1)[1]] = -np.inf
     return s
 
 
-def _forward(v, scale, causal):
-    s = _scores(v["q"], v["k"], scale, causal)
+def _bf16(x):
+    """x as a bf16 tensor-core operand holds it: rounded to bf16, widened back."""
+    return x.astype(_cp.BF16).astype(np.float32)
+
+
+def _forward(v, scale, right):
+    s = _scores(v["q"], v["k"], scale, right)
     m = s.max(-1, keepdims=True)
     lse = m + np.log(np.exp(s - m).sum(-1, keepdims=True, dtype=np.float32))
     p = np.exp(s - lse)
-    v["O"][...] = np.matmul(p, v["v"].astype(np.float32))
+    v["O"][...] = np.matmul(_bf16(p), v["v"].astype(np.float32))
     if "Stats" in v:
         v["Stats"][...] = lse
 
 
-def _backward(v, scale, causal, ws):
+def _backward(v, scale, right, ws):
     q, k, vv = (v[n].astype(np.float32) for n in ("q", "k", "v"))
     do, o = v["dO"].astype(np.float32), v["o"].astype(np.float32)
-    p = np.exp(_scores(v["q"], v["k"], scale, causal) - v["stats"].astype(np.float32))
+    p = np.exp(_scores(v["q"], v["k"], scale, right) - v["stats"].astype(np.float32))
     dp = np.matmul(do, vv.swapaxes(-1, -2))
-    ds = p * (dp - (do * o).sum(-1, keepdims=True, dtype=np.float32))
+    ds = _bf16(p * (dp - (do * o).sum(-1, keepdims=True, dtype=np.float32)))
+    p = _bf16(p)
     b, h, s, d = q.shape
     acc = np.frombuffer((ctypes.c_char * (4 * b * h * s * d)).from_address(ws), np.float32)
     acc = acc.reshape(b, h, s, d)  # the dQ accumulator lives in the workspace, as cuDNN's
