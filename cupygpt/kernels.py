@@ -98,8 +98,9 @@ def kernels_in(src):
 
 def nvrtc_compile(path, arch, opts=None, cubin=False):
     """Compiles one .cu file with NVRTC for arch (e.g. "compute_90", or "sm_90": through
-    ptxas) and opts (default: fp32's options); returns the log (with cubin, for an sm_
-    arch: the log and the cubin's bytes) and raises RuntimeError with it on failure."""
+    ptxas) and opts (default: fp32's options); returns the log (with cubin: the log and the
+    cubin's bytes for an sm_ arch, the PTX's for a compute_ one) and raises RuntimeError
+    with it on failure."""
     opts = options("fp32") if opts is None else opts
     from cuda.bindings import nvrtc
     src = open(path, "rb").read()
@@ -111,8 +112,10 @@ def nvrtc_compile(path, arch, opts=None, cubin=False):
     nvrtc.nvrtcGetProgramLog(prog, log)
     code = None
     if cubin and err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        code = b" " * nvrtc.nvrtcGetCUBINSize(prog)[1]
-        nvrtc.nvrtcGetCUBIN(prog, code)
+        size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_")
+                     else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        code = b" " * size(prog)[1]
+        get(prog, code)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace").strip("\x00 \n")
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:

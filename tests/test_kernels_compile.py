@@ -117,6 +117,20 @@ def test_a_broken_kernel_is_caught(tmp_path):
         nvrtc_compile(str(bad), ARCHS[1])
 
 
+def test_only_bf16_dkdv_bounds_its_registers_for_three_blocks():
+    """The three blocks per SM (168 registers) are bf16's flash_dkdv up to 64 dimensions'
+    (its critical path's occupancy); fp32's asks for one block, so its FMA and TF32 paths
+    keep every register they want rather than risk spills."""
+    if not have_nvrtc():
+        pytest.skip("NVRTC not installed")
+    path = os.path.join(KERNEL_DIR, "flash_attention.cu")
+    for dtype in FLOATX:
+        ptx = nvrtc_compile(path, ARCHS[1], options(dtype), cubin=True)[1].decode()
+        bounded = dict(re.findall(r"\.entry (\w+)\([^{]*?\.minnctapersm (\d+)", ptx, re.S))
+        want = [3, 3, 3] if dtype == "bf16" else [1, 1, 1]
+        assert [int(bounded.get(f"flash_dkdv_{n}", 0)) for n in (16, 32, 64)] == want, bounded
+
+
 def test_a_kernel_without_the_launch_geometry_is_refused():
     """common.cuh holds no launch geometry of its own: compiled without kernels.py's -D
     options, a kernel stops at its #error rather than building with other values."""

@@ -620,16 +620,19 @@ FLASH_BY_MATH(flash_forward)
 FLASH_BY_MATH(flash_dq)
 FLASH_BY_MATH(flash_dkdv)
 
-// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). dkdv up to 64
-// dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
+// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). bf16's dkdv up
+// to 64 dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
 // spills: it works 32 queries at a time), the occupancy its critical path wants
 // (bench/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
-// and dv alone would not fit three.
+// and dv alone would not fit three. fp32 asks for one block (no cap on its
+// registers): the three were chosen for bf16's critical path, and in fp32's FMA and TF32
+// paths a cap would only risk spills.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define DKDV_BLOCKS 2
+#define DKDV_BF16_BLOCKS 2
 #else
-#define DKDV_BLOCKS 3
+#define DKDV_BF16_BLOCKS 3
 #endif
+#define DKDV_BLOCKS (sizeof(floatX) == 2 ? DKDV_BF16_BLOCKS : 1)
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
                                            float scale, int T, int NH, int HS, int tf32) {
     flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
