@@ -8,19 +8,34 @@ and the HMMA, LDSM and MUFU.EX2 among them.
 model_h200.py's FLASH["now"] is this tool's output for d12's kernels (head size 64,
 bf16); tests/test_gpumodel.py checks it still is.
 
-    python bench/gpumodel/flash_sass.py [HEAD_SIZE] [bf16|fp32]
+    python -m bench.gpumodel.flash_sass [HEAD_SIZE] [bf16|fp32]
 """
+import importlib.util
 import os
 import re
 import sys
 import tempfile
 
+from cupygpt.kernels import (GEOMETRY, KERNEL_DIR, flash_cols, flash_smem_bytes, nvrtc_compile,
+                             options)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from cupygpt.kernels import (GEOMETRY, KERNEL_DIR, flash_cols, flash_smem_bytes,  # noqa: E402
-                             nvrtc_compile, options)
-from test_kernels_compile import (ptxas_report, sass, sass_ops,  # noqa: E402
-                                  tile_loop)
+
+
+def _compile_test():
+    """tests/test_kernels_compile.py, whose SASS readers this uses: loaded by its path (tests
+    is no package), so sys.path stays as it was; pytest's own copy where it has one."""
+    if "test_kernels_compile" in sys.modules:
+        return sys.modules["test_kernels_compile"]
+    path = os.path.join(ROOT, "tests", "test_kernels_compile.py")
+    spec = importlib.util.spec_from_file_location("test_kernels_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tkc = _compile_test()
+ptxas_report, sass, sass_ops, tile_loop = _tkc.ptxas_report, _tkc.sass, _tkc.sass_ops, _tkc.tile_loop
 
 SMEM_PER_SM, REGS_PER_SM, BLOCKS_PER_SM = 228 * 1024, 65536, 32  # sm_90
 SMEM_RESERVED = 1024                                             # per block
