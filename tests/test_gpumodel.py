@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from bench.gpumodel import hw, model_h200
+from bench.gpumodel.flash import TOOLS
 from bench.gpumodel.launches import cupygpt
 from conftest import cli, device_env, requires_sim
 
@@ -61,12 +62,28 @@ def test_the_model_reproduces_its_calibration_and_predicts_today(capsys, monkeyp
     assert re.search(r"flash now .* step +[\d.]+ ms", text) and "cuDNN attention" in text
 
 
+def require_recorded_tools(found):
+    """Skips, naming both, where the installed NVRTC or cuobjdump (found) is not the version
+    FLASH["now"] was read with: another compiler may count another SASS for the same source
+    (the test extra pins the 13.5 series, so CI keeps checking)."""
+    if found != TOOLS:
+        pytest.skip(f"FLASH['now'] was read with {TOOLS}; installed: {found}")
+
+
+def test_other_tool_versions_skip_the_sass_comparison():
+    with pytest.raises(pytest.skip.Exception, match=r"13\.5\.37.*13\.6\.2"):
+        require_recorded_tools(dict(TOOLS, nvrtc="13.6.2"))
+    require_recorded_tools(dict(TOOLS))  # the recorded ones: no skip
+
+
 def test_the_flash_numbers_are_the_kernels_sass():
-    """FLASH["now"] is what flash_sass.py reads from today's flash_attention.cu (sm_90)."""
+    """FLASH["now"] is what flash_sass.py reads from today's flash_attention.cu (sm_90),
+    under the NVRTC and cuobjdump it was read with."""
     from test_kernels_compile import cuobjdump, have_nvrtc
     if not have_nvrtc() or not cuobjdump():
         pytest.skip("NVRTC or cuobjdump not installed")
     from bench.gpumodel import flash_sass
+    require_recorded_tools(flash_sass.tool_versions())
     table = flash_sass.flash_table()
     keys = ("occ", "cols", "instr", "copy", "hmma", "ldsm")
     got = {k: {f: table[k][f] for f in keys} for k in table}

@@ -13,6 +13,7 @@ bf16); tests/test_gpumodel.py checks it still is.
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tempfile
 
@@ -35,10 +36,33 @@ def _compile_test():
 
 
 _tkc = _compile_test()
-ptxas_report, sass, sass_ops, tile_loop = _tkc.ptxas_report, _tkc.sass, _tkc.sass_ops, _tkc.tile_loop
+ptxas_report, sass, sass_ops = _tkc.ptxas_report, _tkc.sass, _tkc.sass_ops
+tile_loop = _tkc.tile_loop
 
 SMEM_PER_SM, REGS_PER_SM, BLOCKS_PER_SM = 228 * 1024, 65536, 32  # sm_90
 SMEM_RESERVED = 1024                                             # per block
+
+
+def tool_versions():
+    """{"nvrtc": ..., "cuobjdump": ...}: the versions that compile and read the SASS (exact
+    counts change with them): the nvidia-cuda-nvrtc wheel's (else NVRTC's major.minor), and
+    the V of cuobjdump --version; None for one not installed."""
+    import importlib.metadata
+    out = {"nvrtc": None, "cuobjdump": None}
+    try:
+        out["nvrtc"] = importlib.metadata.version("nvidia-cuda-nvrtc")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            from cuda.bindings import nvrtc
+            out["nvrtc"] = "%d.%d" % nvrtc.nvrtcVersion()[1:]
+        except ImportError:
+            pass
+    tool = _tkc.cuobjdump()
+    if tool:
+        text = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+        found = re.search(r"\bV(\d+\.\d+\.\d+)", text)
+        out["cuobjdump"] = found.group(1) if found else None
+    return out
 
 
 def blocks_per_sm(regs, smem):
