@@ -28,8 +28,8 @@
 // tile, over the query tiles after it).
 #include "common.cuh"
 
-#if !defined(FLASH_WARPS) || !defined(FLASH_COLS)
-#error "flash geometry not defined: compile with cupygpt.kernels.OPTIONS"
+#if !defined(FLASH_WARPS) || !defined(FLASH_COLS) || !defined(FLASH_FP32_DOUBLED)
+#error "flash geometry not defined: compile with cupygpt.kernels.options()"
 #endif
 constexpr int FR = 16 * FLASH_WARPS, THREADS = FLASH_WARPS * WARP;
 static_assert(FR % FLASH_COLS == 0 && FLASH_COLS % 32 == 0, "a block's rows are whole tiles");
@@ -38,13 +38,16 @@ enum Math { FMA, TF32, BF16MMA };
 
 // Columns per walked tile and buffers per walked tile, by head size (kernels.py's flash_cols
 // and flash_stages, which size the launch's shared memory): 64-wide tiles where the
-// registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit.
+// registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit
+// and the device's per-block shared memory holds them (fp32 up to FLASH_FP32_DOUBLED).
 template <int HSP>
 __device__ constexpr int cols() {
     return sizeof(floatX) == 2 && HSP <= 64 ? FLASH_COLS : FLASH_COLS / 2;
 }
 template <int HSP>
-__device__ constexpr int stages() { return sizeof(floatX) == 4 && HSP > 96 ? 1 : 2; }
+__device__ constexpr int stages() {
+    return sizeof(floatX) == 4 && HSP > FLASH_FP32_DOUBLED ? 1 : 2;
+}
 
 __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {  // rounded, lo low
     return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
