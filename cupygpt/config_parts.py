@@ -157,9 +157,9 @@ def runs_on(c, be, shape, name, value, both=False):
     for dtype in RUN_DTYPES if c.dtype == "both" else (c.dtype,):
         for one in ("cudnn", "own") if asked == "both" else (asked,):
             attention_path(one, be, DTYPES[dtype], shape)
-    why = be.attention_refuses(shape.C // shape.NH)
-    if why:
-        raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
+        why = be.attention_refuses(shape.C // shape.NH, DTYPES[dtype])
+        if why:
+            raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
 
 
 ATTENTION = ("auto", "cudnn", "own", "both")

@@ -45,25 +45,41 @@ def flash_cols(head_size, itemsize):
     return cols if itemsize == 2 and head_size <= 64 else cols // 2
 
 
-def flash_stages(head_size, itemsize):
+# fp32 heads double-buffer up to this size (-DFLASH_FP32_DOUBLED): above 96, two buffers
+# would leave room for one block per SM. A device whose per-block shared memory opt-in is
+# smaller (99 KiB on sm_86/89/120) gets a smaller value (flash_fp32_doubled).
+FLASH_FP32_DOUBLED = 96
+
+
+def flash_stages(head_size, itemsize, doubled=FLASH_FP32_DOUBLED):
     """Buffers per walked tile (flash_attention.cu's stages()): 2, the next tile copied while
-    this one computes; 1 for fp32 heads above 96, where two would leave room for one block
-    per SM."""
-    return 1 if itemsize == 4 and head_size > 96 else 2
+    this one computes; 1 for fp32 heads above doubled."""
+    return 1 if itemsize == 4 and head_size > doubled else 2
 
 
-def flash_smem_bytes(kind, head_size, itemsize, fma):
+def flash_smem_bytes(kind, head_size, itemsize, fma, doubled=FLASH_FP32_DOUBLED):
     """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's smem_need,
     which checks it was given this much): its own tiles of 16 * FLASH_WARPS rows (forward
     1, dq and dkdv 2) and flash_stages buffers of each of its two walked tiles, each row
     padded by 16 bytes; dkdv's walked lse and D (as many buffers); with fma (fp32 without
     TF32), each warp's 16 operand rows."""
     warps = GEOMETRY["FLASH_WARPS"]
-    cols, stages = flash_cols(head_size, itemsize), flash_stages(head_size, itemsize)
+    cols, stages = flash_cols(head_size, itemsize), flash_stages(head_size, itemsize, doubled)
     own = 1 if kind == "forward" else 2
     n = (own * 16 * warps + 2 * stages * cols) * (head_size + 16 // itemsize) * itemsize
     n += 4 * 2 * stages * cols if kind == "dkdv" else 0
     return n + (4 * warps * 16 * (cols + 4) if fma else 0)
+
+
+def flash_fp32_doubled(optin):
+    """The FLASH_FP32_DOUBLED a device with optin bytes of shared memory per block builds
+    with: the largest head size, at most the default, whose fp32 kernels (the FMA path, the
+    larger) all fit two buffers; the sizes above it take one."""
+    fits = [hs for hs in FLASH_HEAD_SIZES if hs <= FLASH_FP32_DOUBLED and
+            all(flash_smem_bytes(k, hs, 4, True, hs) <= optin for k in ("forward", "dq", "dkdv"))]
+    return max(fits, default=0)
+
+
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
 
@@ -80,9 +96,11 @@ def cuda_headers():
     return (f"-I{found}",) if found else ()
 
 
-def options(dtype):
-    """The compile options of the kernels storing dtype ("fp32" or "bf16")."""
-    return OPTIONS + cuda_headers() + (f"-DfloatX={FLOATX[dtype]}",)
+def options(dtype, doubled=FLASH_FP32_DOUBLED):
+    """The compile options of the kernels storing dtype ("fp32" or "bf16"), fp32's flash
+    heads double-buffered up to doubled (flash_fp32_doubled)."""
+    return OPTIONS + cuda_headers() + (f"-DfloatX={FLOATX[dtype]}",
+                                       f"-DFLASH_FP32_DOUBLED={doubled}")
 
 
 def sources():
@@ -98,8 +116,9 @@ def kernels_in(src):
 
 def nvrtc_compile(path, arch, opts=None, cubin=False):
     """Compiles one .cu file with NVRTC for arch (e.g. "compute_90", or "sm_90": through
-    ptxas) and opts (default: fp32's options); returns the log (with cubin, for an sm_
-    arch: the log and the cubin's bytes) and raises RuntimeError with it on failure."""
+    ptxas) and opts (default: fp32's options); returns the log (with cubin: the log and the
+    cubin's bytes for an sm_ arch, the PTX's for a compute_ one) and raises RuntimeError
+    with it on failure."""
     opts = options("fp32") if opts is None else opts
     from cuda.bindings import nvrtc
     src = open(path, "rb").read()
@@ -111,8 +130,10 @@ def nvrtc_compile(path, arch, opts=None, cubin=False):
     nvrtc.nvrtcGetProgramLog(prog, log)
     code = None
     if cubin and err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        code = b" " * nvrtc.nvrtcGetCUBINSize(prog)[1]
-        nvrtc.nvrtcGetCUBIN(prog, code)
+        size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_")
+                     else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        code = b" " * size(prog)[1]
+        get(prog, code)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace").strip("\x00 \n")
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:

@@ -412,8 +412,8 @@ extern "C" __global__ void copy_async(float* out, const float* in, int waited, i
 
 def test_cp_async_lands_only_when_waited_for(sim):
     """cp.async's copies land at the wait covering their group, not before: reading
-    without waiting gets the old bytes, waiting for all but the last group gets the first
-    half; a copy reading fewer than 16 bytes zero-fills the rest."""
+    without waiting gets the poison written at issue (NaN), waiting for all but the last
+    group gets the first half; a copy reading fewer than 16 bytes zero-fills the rest."""
     cp, _ = sim
     fn = cp.RawModule(code=CP_ASYNC).get_function("copy_async")
     x = np.arange(1, 257, dtype=np.float32)
@@ -421,12 +421,44 @@ def test_cp_async_lands_only_when_waited_for(sim):
         out = cp.zeros(256, np.float32)
         fn((1,), (32,), (out, cp.asarray(x), np.int32(waited), np.int32(16)))
         got = cp.asnumpy(out)
-        assert np.array_equal(got[:128], x[:128] if want_first else np.full(128, -1.0)), waited
-        assert np.array_equal(got[128:], x[128:] if want_second else np.full(128, -1.0)), waited
+        nan = np.full(128, np.nan)
+        assert np.array_equal(got[:128], x[:128] if want_first else nan, equal_nan=True), waited
+        assert np.array_equal(got[128:], x[128:] if want_second else nan, equal_nan=True), waited
     out = cp.zeros(256, np.float32)
     fn((1,), (32,), (out, cp.asarray(x), np.int32(2), np.int32(8)))
     assert np.array_equal(cp.asnumpy(out).reshape(64, 4)[:, 2:], np.zeros((64, 2)))
     assert np.array_equal(cp.asnumpy(out).reshape(64, 4)[:, :2], x.reshape(64, 4)[:, :2])
+
+
+PREFETCH_OVER = r'''
+extern "C" __global__ void prefetch_over(float* out, const float* in, int sync) {
+    alignas(16) __shared__ float tile[256];
+    int t = threadIdx.x, o = 4 * (63 - t);  // each thread reads another warp's pack
+    for (int k = 0; k < 4; k++) tile[4 * t + k] = in[4 * t + k];
+    __syncthreads();
+    float a = tile[o];
+    if (sync) __syncthreads();  // every read of the tile done before a prefetch overwrites it
+    cp_async16(&tile[4 * t], in + 256 + 4 * t, 16);
+    cp_async_commit();
+    __syncthreads();  // an unrelated barrier, passed with the copies still in flight
+    cp_async_wait<0>();
+    __syncthreads();
+    out[t] = a + tile[o];
+}
+'''
+
+
+def test_a_prefetch_over_a_buffer_still_read_shows_up(sim):
+    """A missing barrier before a prefetch (a write after read: the copy overwriting a tile
+    other warps still read) gives NaN rather than the stale bytes that would pass."""
+    cp, _ = sim
+    fn = cp.RawModule(code=PREFETCH_OVER).get_function("prefetch_over")
+    x = np.arange(1, 513, dtype=np.float32)
+    o = 4 * (63 - np.arange(64))
+    for sync in (1, 0):
+        out = cp.zeros(64, np.float32)
+        fn((1,), (64,), (out, cp.asarray(x), np.int32(sync)))
+        assert np.array_equal(cp.asnumpy(out), x[o] + x[256 + o]) == bool(sync), sync
 
 
 @requires_sim

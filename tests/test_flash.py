@@ -140,6 +140,51 @@ def test_flash_kernels_tf32(dev, HS):
     assert error(y, want_y) > 1e-6, "TF32 rounds its inputs: exactly fp32 means it did not run"
 
 
+SMALL_OPTIN = 99 * 1024  # the per-block shared memory opt-in of sm_86, sm_89 and sm_120
+
+
+def test_fp32_heads_on_a_99_kib_device_take_one_buffer_or_are_refused(dev, device, monkeypatch):
+    """Where a block may have 99 KiB, fp32 heads of 65..96 (two buffers: 102,400 B, 111,616
+    with FMA) build with one buffer per walked tile and still equal the whole attention;
+    64 keeps two; 128 fits in neither way and is refused in a line naming the bytes,
+    before CUDA fails setting the opt-in."""
+    from cupygpt.kernels import flash_smem_bytes
+    if device != "sim":
+        pytest.skip("pretends a 99 KiB device: cudasim only")
+    monkeypatch.setenv("CUDASIM_SMEM_OPTIN", str(SMALL_OPTIN))
+    dev.cu.configure(tf32=False)  # (the opt-in read again)
+    try:
+        for HS in (72, 96):
+            qkv, dy = inputs(2, 70, 1, HS, np.float32, seed=HS)
+            y, dqkv = run(dev.cu, qkv, dy, 1, dev.cp.asarray, dev.cp.asnumpy)
+            want_y, want_d = materialized(qkv, dy, 1)
+            assert error(y, want_y) < 1e-5 and error(dqkv, want_d) < 1e-5, HS
+        assert dev.cu._fp32_doubled() == 64  # 96 on one buffer, 64 on two
+        assert flash_smem_bytes("dq", 64, 4, True, 64) > flash_smem_bytes("dq", 64, 4, True, 0)
+        why = dev.cu.attention_refuses(128, np.float32)
+        assert "head size 128 needs 110,848 bytes" in why and f"allows {SMALL_OPTIN:,}" in why
+        assert dev.cu.attention_refuses(128, BF16) is None
+    finally:
+        monkeypatch.undo()
+        dev.cu.configure(tf32=False)
+
+
+def test_a_head_the_gpus_shared_memory_cannot_hold_is_refused_in_a_line(device, tmp_path):
+    from cupygpt.files import write_model
+    from cupygpt.initialize import init_params
+    from cupygpt.shape import GPT2Config
+    if device != "sim":
+        pytest.skip("pretends a 99 KiB device: cudasim only")
+    cfg = GPT2Config(maxT=16, V=300, Vp=320, L=1, NH=1, C=128)
+    write_model(tmp_path / "model.bin", cfg, init_params(cfg, 3))
+    res = cli("train", "--backend", "cuda", "-e", tmp_path / "model.bin", "-b", "1", "-t", "8",
+              "-n", "1", "--dtype", "fp32", "-o", tmp_path / "out",
+              env=dict(device_env(device), CUDASIM_SMEM_OPTIN=str(SMALL_OPTIN)))
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "fp32 attention for head size 128 needs" in res.stderr
+    assert "--backend numpy" in res.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("NH", (4, 1))  # head sizes 12 (not a multiple of 8) and 192
 def test_a_head_size_the_kernels_lack_is_refused_before_anything_runs(device, tmp_path, NH):
     from cupygpt.files import write_model

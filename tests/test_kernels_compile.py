@@ -11,8 +11,9 @@ import subprocess
 
 import pytest
 
-from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols, flash_smem_bytes,
-                             kernels_in, nvrtc_compile, options, sources)
+from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
+                             flash_fp32_doubled, flash_smem_bytes, kernels_in, nvrtc_compile,
+                             options, sources)
 
 ARCHS = ("compute_80", "compute_90")
 SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)
@@ -115,6 +116,33 @@ def test_a_broken_kernel_is_caught(tmp_path):
     bad.write_text('#include "common.cuh"\nextern "C" __global__ void k(float* x) { x[0] = y; }\n')
     with pytest.raises(RuntimeError, match="bad.cu"):
         nvrtc_compile(str(bad), ARCHS[1])
+
+
+def test_only_bf16_dkdv_bounds_its_registers_for_three_blocks():
+    """The three blocks per SM (168 registers) are bf16's flash_dkdv up to 64 dimensions'
+    (its critical path's occupancy); fp32's asks for one block, so its FMA and TF32 paths
+    keep every register they want rather than risk spills."""
+    if not have_nvrtc():
+        pytest.skip("NVRTC not installed")
+    path = os.path.join(KERNEL_DIR, "flash_attention.cu")
+    for dtype in FLOATX:
+        ptx = nvrtc_compile(path, ARCHS[1], options(dtype), cubin=True)[1].decode()
+        bounded = dict(re.findall(r"\.entry (\w+)\([^{]*?\.minnctapersm (\d+)", ptx, re.S))
+        want = [3, 3, 3] if dtype == "bf16" else [1, 1, 1]
+        assert [int(bounded.get(f"flash_dkdv_{n}", 0)) for n in (16, 32, 64)] == want, bounded
+
+
+def test_the_99_kib_devices_fp32_flash_build_spills_nothing():
+    """sm_86's build (99 KiB a block: fp32 heads above 64 on one buffer) keeps every flash
+    kernel's registers, as the sm_80 and sm_90 builds do."""
+    if not have_nvrtc():
+        pytest.skip("NVRTC not installed")
+    doubled = flash_fp32_doubled(99 * 1024)
+    assert doubled == 64
+    log = nvrtc_compile(os.path.join(KERNEL_DIR, "flash_attention.cu"), "sm_86",
+                        options("fp32", doubled) + ("--ptxas-options=-v",))
+    report = ptxas_report(log)
+    assert len(report) == 15 and not {k: r for k, r in report.items() if r[1]}, report
 
 
 def test_a_kernel_without_the_launch_geometry_is_refused():

@@ -13,7 +13,7 @@ Per tile and warp: instr issued on the common path, of which copy are the cp.asy
 tile was prefetched); expb the per-element exponential branches."""
 import heapq
 
-from hw import CLK, HS, LAT_L2, NH, SMS, T
+from .hw import CLK, HS, LAT_L2, NH, SMS, T
 
 FLASH = {
     "measured": {"forward": dict(occ=5, cols=32, instr=395 + 340, copy=340, rt=8, expb=0, hmma=32),
@@ -22,11 +22,15 @@ FLASH = {
     "head": {"forward": dict(occ=6, cols=32, instr=405, copy=62, rt=4, expb=0, hmma=32),
              "dq": dict(occ=5, cols=32, instr=352, copy=58, rt=4, expb=0, hmma=48),
              "dkdv": dict(occ=3, cols=32, instr=486, copy=58, rt=5, expb=0, hmma=64)},
-    # python bench/gpumodel/flash_sass.py (tests/test_gpumodel.py keeps these in step)
+    # python -m bench.gpumodel.flash_sass, under TOOLS (tests/test_gpumodel.py keeps these
+    # in step where the same versions are installed)
     "now": {"forward": dict(occ=4, cols=64, instr=626, copy=75, rt=0, expb=0, hmma=64, ldsm=32),
             "dq": dict(occ=3, cols=64, instr=481, copy=81, rt=0, expb=0, hmma=96, ldsm=48),
             "dkdv": dict(occ=3, cols=64, instr=650, copy=106, rt=0, expb=0, hmma=128, ldsm=64)},
 }
+# The NVRTC and cuobjdump FLASH["now"] was read with (flash_sass.tool_versions()): another
+# version may count another SASS for the same source.
+TOOLS = {"nvrtc": "13.5.37", "cuobjdump": "13.5.37"}
 ORDER = {"measured": "heads", "head": "longest", "now": "longest"}
 MATMULS = {"forward": 2, "dq": 3, "dkdv": 4}
 FR = 64                # rows a block owns (16 * FLASH_WARPS)

@@ -8,22 +8,61 @@ and the HMMA, LDSM and MUFU.EX2 among them.
 model_h200.py's FLASH["now"] is this tool's output for d12's kernels (head size 64,
 bf16); tests/test_gpumodel.py checks it still is.
 
-    python bench/gpumodel/flash_sass.py [HEAD_SIZE] [bf16|fp32]
+    python -m bench.gpumodel.flash_sass [HEAD_SIZE] [bf16|fp32]
 """
+import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tempfile
 
+from cupygpt.kernels import (GEOMETRY, KERNEL_DIR, flash_cols, flash_smem_bytes, nvrtc_compile,
+                             options)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from cupygpt.kernels import (GEOMETRY, KERNEL_DIR, flash_cols, flash_smem_bytes,  # noqa: E402
-                             nvrtc_compile, options)
-from test_kernels_compile import (ptxas_report, sass, sass_ops,  # noqa: E402
-                                  tile_loop)
+
+
+def _compile_test():
+    """tests/test_kernels_compile.py, whose SASS readers this uses: loaded by its path (tests
+    is no package), so sys.path stays as it was; pytest's own copy where it has one."""
+    if "test_kernels_compile" in sys.modules:
+        return sys.modules["test_kernels_compile"]
+    path = os.path.join(ROOT, "tests", "test_kernels_compile.py")
+    spec = importlib.util.spec_from_file_location("test_kernels_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tkc = _compile_test()
+ptxas_report, sass, sass_ops = _tkc.ptxas_report, _tkc.sass, _tkc.sass_ops
+tile_loop = _tkc.tile_loop
 
 SMEM_PER_SM, REGS_PER_SM, BLOCKS_PER_SM = 228 * 1024, 65536, 32  # sm_90
 SMEM_RESERVED = 1024                                             # per block
+
+
+def tool_versions():
+    """{"nvrtc": ..., "cuobjdump": ...}: the versions that compile and read the SASS (exact
+    counts change with them): the nvidia-cuda-nvrtc wheel's (else NVRTC's major.minor), and
+    the V of cuobjdump --version; None for one not installed."""
+    import importlib.metadata
+    out = {"nvrtc": None, "cuobjdump": None}
+    try:
+        out["nvrtc"] = importlib.metadata.version("nvidia-cuda-nvrtc")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            from cuda.bindings import nvrtc
+            out["nvrtc"] = "%d.%d" % nvrtc.nvrtcVersion()[1:]
+        except ImportError:
+            pass
+    tool = _tkc.cuobjdump()
+    if tool:
+        text = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+        found = re.search(r"\bV(\d+\.\d+\.\d+)", text)
+        out["cuobjdump"] = found.group(1) if found else None
+    return out
 
 
 def blocks_per_sm(regs, smem):

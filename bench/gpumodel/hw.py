@@ -1,9 +1,16 @@
-"""The machine the model prices launches on (an H200 by default, or an H100: HW=h100), and
-the cost formulas every launch list shares. Environment: HW, BW (bytes/s), GEFF, CLK,
-LAT_HBM, LAT_L2, LAT_L2_IDLE, EAGER_GAP, GRAPH_GAP."""
+"""The machine the model prices launches on (an H200 by default, or an H100:
+GPUMODEL_HW=h100), and the cost formulas every launch list shares. Environment, each name
+prefixed GPUMODEL_ so that no other tool's HW or CLK changes the model: GPUMODEL_HW,
+GPUMODEL_BW (bytes/s), GPUMODEL_GEFF, GPUMODEL_CLK, GPUMODEL_LAT_HBM, GPUMODEL_LAT_L2,
+GPUMODEL_LAT_L2_IDLE, GPUMODEL_EAGER_GAP, GPUMODEL_GRAPH_GAP."""
 import os
 
-E = os.environ.get
+
+def E(name, default):
+    """The model's setting name: GPUMODEL_<name> from the environment, else default."""
+    return os.environ.get("GPUMODEL_" + name, default)
+
+
 HWNAME = E("HW", "h200")
 # HBM: H200 4.8 TB/s nominal, 4.3 measured (copy); H100 SXM 3.35 nominal, 80% as before.
 BW = float(E("BW", 4.3e12 if HWNAME == "h200" else 3.35e12 * 0.80))

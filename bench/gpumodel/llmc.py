@@ -2,9 +2,9 @@
 launches: GEMMs from the cuBLAS fit, the kernels with a cupygpt twin at the twin's measured
 H200 cost, the rest bottom-up; with cuDNN attention, that attention's time is what the
 measured step leaves after the rest."""
-from hw import (C, GEMM, HS, L, LAT_HBM, LAT_L2, NH, P, SMS, T, Vp, gemm_cal, issue, mem,
+from .hw import (C, GEMM, HS, L, LAT_HBM, LAT_L2, NH, P, SMS, T, Vp, gemm_cal, issue, mem,
                 wave1)
-from launches import Row
+from .launches import Row
 
 
 def llmc(B=4, cudnn=False, cudnn_att=None, gap=2.3e-6):

@@ -4,7 +4,7 @@ the graph step 16.19 ms), and the calibration drawn from it: the cuBLAS fit and 
 kernel's correction factor (measured / SASS-aware prediction)."""
 from collections import OrderedDict
 
-from hw import EAGER_GAP
+from .hw import EAGER_GAP
 
 GRAPH_STEP_MS = 16.19                       # b_graphs_b4.json (H200)
 LLMC_MS, LLMC_CUDNN_MS = 14.19, 10.48       # llm.c bf16 B4 on the same H200

@@ -1,28 +1,24 @@
 """Per-launch model of one d12 (GPT-2 124M) bf16 training step, B=4, T=1024, on an H200
-(HW=h100 for an H100), calibrated on the H200 run of 2026-11-26 (measured.py), and its
+(GPUMODEL_HW=h100 for an H100), calibrated on the H200 run of 2026-11-26 (measured.py), and its
 prediction for today's kernels (launches.py, state "now"): with our flash attention and
 with cuDNN's (the attention llm.c + cuDNN's measured step implies, llmc.py).
 
-    python bench/gpumodel/model_h200.py            # calibration, scenarios, prediction
-    python bench/gpumodel/model_h200.py --md FILE  # the same, also written to FILE
+    python -m bench.gpumodel.model_h200            # calibration, scenarios, prediction
+    python -m bench.gpumodel.model_h200 --md FILE  # the same, also written to FILE
 
 A launch's calibrated time is its SASS-aware prediction x the correction factor of the
 kernel it was measured as (1 for kernels the profile never saw); a graph step adds
 GRAPH_GAP per launch. The factors of kernels changed since the profile (the row kernels'
 alignment fix, flash attention) are those of their measured versions: a guess, not a
 measurement."""
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # (and cupygpt's root)
-import hw  # noqa: E402
-from flash import FLASH, flash_time, makespan  # noqa: E402
-from hw import EAGER_GAP, GRAPH_GAP, HS  # noqa: E402
-from launches import cupygpt  # noqa: E402
-from llmc import llmc, phase_total, total  # noqa: E402
-from measured import (GRAPH_STEP_MS, LLMC_CUDNN_MS, LLMC_MS, factors, fit_gemm,  # noqa: E402
-                      measured)
+from . import hw
+from .flash import FLASH, flash_time, makespan
+from .hw import EAGER_GAP, GRAPH_GAP, HS
+from .launches import cupygpt
+from .llmc import llmc, phase_total, total
+from .measured import GRAPH_STEP_MS, LLMC_CUDNN_MS, LLMC_MS, factors, fit_gemm, measured
 
 TARGET_MS = 0.9 * LLMC_CUDNN_MS      # the issue's goal: 0.9x llm.c + cuDNN's 10.48 ms
 FA_FLOP = 12 * 22.5e9                # FlashAttention's accounting: fwd 4, bwd 10 x B NH T^2/2 HS
@@ -123,8 +119,19 @@ def prediction(say, fac, flash, cud):
 
 
 def main():
-    md = sys.argv[sys.argv.index("--md") + 1] if "--md" in sys.argv else None
-    hw.GEMM["R"], hw.GEMM["T0"] = fit_gemm(cupygpt(4, "measured"))
+    """The report, priced with the cuBLAS fit redone from the measured launches; hw.GEMM
+    (shared by every module's gemm_cal) holds the fit only while main runs, so a caller
+    that goes on pricing (a test) gets the a priori values back."""
+    saved = dict(hw.GEMM)
+    try:
+        hw.GEMM["R"], hw.GEMM["T0"] = fit_gemm(cupygpt(4, "measured"))
+        report(sys.argv[sys.argv.index("--md") + 1] if "--md" in sys.argv else None)
+    finally:
+        hw.GEMM.update(saved)
+
+
+def report(md):
+    """Prints the calibration, the scenarios and today's prediction (also into md, a file)."""
     lines = []
 
     def say(s=""):

@@ -23,7 +23,8 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   memory_in_use(), numerics() (verify's tolerance row in fp32), peak_flops(dtype) (a run
   dtype's dense peak; None: no MFU),
   device_info(), device_name() (the run table's name of this rank's device), kernel_profile(step, steps) (per-op and per-kernel time, None: none),
-  attention_refuses(head_size) (why it cannot run such attention heads, or None),
+  attention_refuses(head_size, dtype=None) (why it cannot run such attention heads, in
+  dtype when given, or None),
   fused_attention_refuses(dtype, head_size) (why a library's fused attention, cuDNN's,
   cannot run such a run here, or None) and use_attention(kind, backward, replay) (which
   attention the attention ops take from now on: "cudnn" or "own", --attention resolves

@@ -34,9 +34,9 @@ from .. import CupyGPTError
 from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
                               missing as _sdpa_missing, plan as _sdpa_plan,
                               refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
-from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_smem_bytes, kernels_in, options,
-                       sources)
-from ..precision import BF16
+from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_fp32_doubled, flash_smem_bytes,
+                       kernels_in, options, sources)
+from ..precision import BF16, dtype_name
 
 name = "cuda"
 # Capabilities (backends/__init__.py lists them)
@@ -57,7 +57,7 @@ BF16_PEAK = {k: 2 * v for k, v in TF32_PEAK.items()}  # the same tables: twice T
 CUDA_TYPE = {np.dtype(np.float32): 0, BF16: 14}
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
 tf32 = False
-_modules, _functions, _workspace = {}, {}, {}
+_modules, _functions, _workspace, _optin = {}, {}, {}, {}
 _trace = None     # while kernel_profile runs: {"op": current op, "ops": [...], "kernels": [...]}
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 # which attention bf16 runs take ("cudnn" or "own") and what the run asks of cuDNN's:
@@ -75,6 +75,7 @@ def configure(tf32=False, device_of=None, ranks_here=1):
     (training) or off (verify); all work goes to one non-blocking stream (the legacy
     default stream cannot be captured into a CUDA graph)."""
     globals()["tf32"] = bool(tf32)
+    _optin.clear()  # (read again from the device now used)
     cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount()) if device_of else 0).use()
     cp.cuda.Stream(non_blocking=True).use()
     _plans.clear()  # (their compute type follows tf32)
@@ -90,13 +91,31 @@ def _k(fn, dtype="fp32"):
         for path in sources():
             for kernel in kernels_in(open(path).read()):
                 _files[kernel] = path
-    key = (fn, dtype)
+    doubled = _fp32_doubled()  # (a -D of every module: part of every key)
+    key = (fn, dtype, doubled)
     if key not in _functions:
-        path = _files[fn]
-        if (path, dtype) not in _modules:
-            _modules[path, dtype] = cp.RawModule(code=open(path).read(), options=options(dtype))
-        _functions[key] = _modules[path, dtype].get_function(fn)
+        mod = (_files[fn], dtype, doubled)
+        if mod not in _modules:
+            _modules[mod] = cp.RawModule(code=open(mod[0]).read(),
+                                         options=options(dtype, doubled))
+        _functions[key] = _modules[mod].get_function(fn)
     return _functions[key]
+
+
+def _smem_optin():
+    """The device's shared memory a block may opt in to (bytes): 227 KiB on sm_90, 163 on
+    sm_80, 99 on sm_86/89/120, where fp32 flash heads above 64 cannot double-buffer
+    (kernels.flash_fp32_doubled). Read once after configure (which picks the device), as
+    every launch's _k asks."""
+    if not _optin:
+        optin = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        _optin.update(optin=optin, doubled=flash_fp32_doubled(optin))
+    return _optin["optin"]
+
+
+def _fp32_doubled():
+    _smem_optin()
+    return _optin["doubled"]
 
 
 def _launch(fn, grid, block, *args, shared_mem=0):
@@ -489,13 +508,24 @@ def fallbacks():
             for (epilogue, why), n in sorted(epilogue_fallbacks.items())]
 
 
-def attention_refuses(head_size):
-    """Why the flash kernels cannot run heads of head_size, or None: they are built for
-    FLASH_HEAD_SIZES and run any multiple of 8 up to the largest."""
+def attention_refuses(head_size, dtype=None):
+    """Why the flash kernels cannot run heads of head_size (in dtype, when given), or None:
+    they are built for FLASH_HEAD_SIZES and run any multiple of 8 up to the largest, whose
+    shared memory (one buffer per walked tile where two do not fit) fits the device's."""
     top = FLASH_HEAD_SIZES[-1]
     if head_size % 8 or head_size > top:
         return (f"the cuda backend's attention runs head sizes (C/NH) that are multiples of "
                 f"8 up to {top}; this model's is {head_size}")
+    if dtype is None:
+        return None
+    x, optin = np.dtype(dtype).itemsize, _smem_optin()
+    hsp = next(n for n in FLASH_HEAD_SIZES if n >= head_size)
+    need = max(flash_smem_bytes(k, hsp, x, x == 4 and not tf32, _fp32_doubled())
+               for k in ("forward", "dq", "dkdv"))
+    if need > optin:
+        return (f"the cuda backend's {dtype_name(dtype)} attention for head size {head_size} "
+                f"needs {need:,} bytes of shared memory per block; this GPU allows "
+                f"{optin:,}")
     return None
 
 
@@ -607,12 +637,14 @@ def _flash(kind, qkv, NH, *args):
     last (the H200 profile's critical path: 38/44/54 tiles against 20/25/33 so ordered)."""
     B, T, C3 = qkv.shape
     HS = C3 // 3 // NH
-    why = attention_refuses(HS)
-    if why:  # its 16-byte accesses would reach into the next head's columns: refused
+    why = attention_refuses(HS, qkv.dtype)
+    # a head size it lacks (its 16-byte accesses would reach into the next head's columns)
+    # or shared memory the GPU lacks: refused in a line, before CUDA fails setting it
+    if why:
         raise CupyGPTError(why)
     hsp = next(n for n in FLASH_HEAD_SIZES if n >= HS)
     x, warps, name = qkv.dtype.itemsize, GEOMETRY["FLASH_WARPS"], f"flash_{kind}_{hsp}"
-    smem = flash_smem_bytes(kind, hsp, x, x == 4 and not tf32)
+    smem = flash_smem_bytes(kind, hsp, x, x == 4 and not tf32, _fp32_doubled())
     k = _k(name, "bf16" if qkv.dtype == BF16 else "fp32")
     if k.max_dynamic_shared_size_bytes < smem:  # above 48 KiB, CUDA asks for an opt-in
         k.max_dynamic_shared_size_bytes = smem

@@ -89,8 +89,9 @@ def fallbacks():
     return []
 
 
-def attention_refuses(head_size):
-    """Why this backend cannot run attention heads of head_size, or None: it runs any."""
+def attention_refuses(head_size, dtype=None):
+    """Why this backend cannot run attention heads of head_size (in dtype), or None: it runs
+    any."""
     return None
 
 

@@ -28,8 +28,8 @@
 // tile, over the query tiles after it).
 #include "common.cuh"
 
-#if !defined(FLASH_WARPS) || !defined(FLASH_COLS)
-#error "flash geometry not defined: compile with cupygpt.kernels.OPTIONS"
+#if !defined(FLASH_WARPS) || !defined(FLASH_COLS) || !defined(FLASH_FP32_DOUBLED)
+#error "flash geometry not defined: compile with cupygpt.kernels.options()"
 #endif
 constexpr int FR = 16 * FLASH_WARPS, THREADS = FLASH_WARPS * WARP;
 static_assert(FR % FLASH_COLS == 0 && FLASH_COLS % 32 == 0, "a block's rows are whole tiles");
@@ -38,13 +38,16 @@ enum Math { FMA, TF32, BF16MMA };
 
 // Columns per walked tile and buffers per walked tile, by head size (kernels.py's flash_cols
 // and flash_stages, which size the launch's shared memory): 64-wide tiles where the
-// registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit.
+// registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit
+// and the device's per-block shared memory holds them (fp32 up to FLASH_FP32_DOUBLED).
 template <int HSP>
 __device__ constexpr int cols() {
     return sizeof(floatX) == 2 && HSP <= 64 ? FLASH_COLS : FLASH_COLS / 2;
 }
 template <int HSP>
-__device__ constexpr int stages() { return sizeof(floatX) == 4 && HSP > 96 ? 1 : 2; }
+__device__ constexpr int stages() {
+    return sizeof(floatX) == 4 && HSP > FLASH_FP32_DOUBLED ? 1 : 2;
+}
 
 __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {  // rounded, lo low
     return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
@@ -620,16 +623,19 @@ FLASH_BY_MATH(flash_forward)
 FLASH_BY_MATH(flash_dq)
 FLASH_BY_MATH(flash_dkdv)
 
-// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). dkdv up to 64
-// dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
+// Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). bf16's dkdv up
+// to 64 dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
 // spills: it works 32 queries at a time), the occupancy its critical path wants
 // (bench/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
-// and dv alone would not fit three.
+// and dv alone would not fit three. fp32 asks for one block (no cap on its
+// registers): the three were chosen for bf16's critical path, and in fp32's FMA and TF32
+// paths a cap would only risk spills.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define DKDV_BLOCKS 2
+#define DKDV_BF16_BLOCKS 2
 #else
-#define DKDV_BLOCKS 3
+#define DKDV_BF16_BLOCKS 3
 #endif
+#define DKDV_BLOCKS (sizeof(floatX) == 2 ? DKDV_BF16_BLOCKS : 1)
 extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
                                            float scale, int T, int NH, int HS, int tf32) {
     flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);

@@ -123,9 +123,10 @@ inline float exp2_ftz(float x) {
 inline unsigned dynamic_smem_bytes() { return sim::dynamic_shared_bytes(); }
 
 // cp.async: each copy is deferred to the wait that covers its group (both its read and its
-// write), so a kernel that reads a tile before waiting for it, or waits for too few groups,
-// reads the shared memory's old bytes (the tile before, or the launch's NaN-like fill), and
-// copies no commit closed are never made. Per thread, as on the GPU.
+// write), its destination filled with 0xff bytes (NaN) at issue, so a kernel that reads a
+// tile before waiting for it, or waits for too few groups, or lets a prefetch overwrite a
+// tile other warps still read (no barrier before it), reads NaN; copies no commit closed
+// are never made. Per thread, as on the GPU.
 namespace sim {
 void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();

@@ -123,7 +123,13 @@ AsyncCopies& my_copies() {
 }
 }  // namespace
 
+// The copy lands at the wait covering its group; until then its destination holds 0xff
+// bytes (NaN in fp32 and bf16), written at issue: on the GPU the bytes may land any time in
+// between, so a read before the wait (a missing wait) and a read of a buffer a prefetch
+// is overwriting (a missing barrier before the prefetch) both give NaN here, not stale
+// bytes that happen to be right.
 void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    memset(dst, 0xff, bytes);
     my_copies().open.push_back({dst, src, bytes, src_bytes});
 }
 
