@@ -754,7 +754,7 @@ def _dims(d):
 SHARED_DEFAULT = 48 * 1024  # CUDA's per-block limit without the opt-in
 
 
-def shared_opt_in():
+def _shared_opt_in():
     """The per-block opt-in the device reports: sm_90's 227 KiB, or CUDASIM_SMEM_OPTIN's
     bytes (read at each call, so a test can pretend a 99 KiB sm_86/89/120 device)."""
     return int(os.environ.get("CUDASIM_SMEM_OPTIN", 227 * 1024))
@@ -772,9 +772,9 @@ class _Kernel:
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, n):  # cuFuncSetAttribute's opt-in
-        if not 0 <= n <= shared_opt_in():
+        if not 0 <= n <= _shared_opt_in():
             raise RuntimeError(f"cudaErrorInvalidValue: {self.name}: {n} bytes of dynamic "
-                               f"shared memory (at most {shared_opt_in()})")
+                               f"shared memory (at most {_shared_opt_in()})")
         self._max_dynamic = int(n)
 
     def _arg(self, i, value):
@@ -890,7 +890,7 @@ class Device:
 
     @property
     def attributes(self):  # (CuPy's holds every cudaDeviceAttr; the backend reads this one)
-        return {"MaxSharedMemoryPerBlockOptin": shared_opt_in()}
+        return {"MaxSharedMemoryPerBlockOptin": _shared_opt_in()}
 
 
 class _OutOfMemoryError(MemoryError):
