@@ -11,6 +11,7 @@ from .bench import ATTENTIONS, bench as run_bench, side_by_side
 from .bench_comm import comm_bench, format_rows, sizes
 from .config_parts import RUN_DTYPES, VERIFY_DTYPES
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, HellaSwagH, device_options, entry, grid_options,
+                      overwrite_option,
                       pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
 from .config import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
@@ -47,6 +48,7 @@ def cli():
                    "against the fp32 reference at bf16's tolerances")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @trace_option
+@overwrite_option
 @device_options
 @grid_options
 @pipeline_options
@@ -138,7 +140,7 @@ def beside(model, suffix):
               show_default=True, help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
 @click.option("--overwrite", is_flag=True,
               help="a fresh run may replace what an earlier run left in -o (its model.bin, "
-                   "log and checkpoints)")
+                   "log and checkpoints) and an existing --trace file")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="replay each step as a CUDA graph (a GPU alone, or over nvshmem without "
                    "the overlapped dp sum)")
@@ -177,13 +179,14 @@ def train(**kw):
 @click.option("--out", default="bench.json", show_default=True, help="JSON to write")
 @device_options
 @trace_option
+@overwrite_option
 @grid_options
 @pipeline_options
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
     check_outputs([("out", out)], [os.path.join(DATA, "tiny_shakespeare_train.bin")])
-    out_file("out", out)
+    out_file("out", out, kw["overwrite"])
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)
     if sess.config.comm:
@@ -210,6 +213,8 @@ def bench(out, **kw):
         click.echo("\n".join([bench_line(r[k], out) for k in ATTENTIONS] + [side_by_side(r)]))
     else:
         click.echo(bench_line(r, out))
+    if c.trace:
+        click.echo(f"wrote the trace {c.trace} (draw it: timeline {c.trace})")
 
 
 def bench_line(r, out):

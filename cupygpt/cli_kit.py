@@ -161,3 +161,6 @@ trace_option = click.option(
     "--trace", default=None, metavar="PATH",
     help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
          "(open in Perfetto or chrome://tracing)")
+overwrite_option = click.option(
+    "--overwrite", is_flag=True,
+    help="replace the files this command writes (--out, --trace) where they exist")

@@ -11,7 +11,7 @@ import click
 
 from . import CupyGPTError
 from .backends import gpu_available, host_memory
-from .cli_kit import TOKENIZER, entry, one_process, progress
+from .cli_kit import TOKENIZER, entry, one_process, overwrite_option, progress
 from .comm.launch import Stopped
 from .config_parts import RUN_DTYPES, make_dir, out_file
 from .convert import convert as run_convert
@@ -248,6 +248,7 @@ def gpucheck(out, budget, peers_dir, quick, parts):
     if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
         raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
                            "peers_dir", peers_dir)
+    check_outputs([("out", out)], [])  # (not into the package, as train's -o)
     make_dir("out", out)
     claim("out", out)
     if os.path.lexists(os.path.join(out, "report.json")):  # (refused before the check)
@@ -263,12 +264,13 @@ def gpucheck(out, budget, peers_dir, quick, parts):
 @click.command()
 @click.argument("log", type=click.Path())
 @click.option("--out", default="loss.png", show_default=True, help="PNG to write")
+@overwrite_option
 @entry
-def plot(log, out):
+def plot(log, out, overwrite):
     """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
     one_process("plot")
     check_outputs([("out", out)], [log])
-    out_file("out", out)
+    out_file("out", out, overwrite)
     n_train, n_val, left_out = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points" + (
         f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
@@ -280,13 +282,14 @@ def plot(log, out):
 @click.option("--out", default="timeline.png", show_default=True, help="PNG to write")
 @click.option("--schedule", default=None, type=click.Choice(list(SCHEDULES)),
               help="the run's schedule, for the prediction  [default: the trace's]")
+@overwrite_option
 @entry
-def timeline(trace, out, schedule):
+def timeline(trace, out, schedule, overwrite):
     """Draw a --trace file: every rank's forwards and backwards over time, the measured
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     one_process("timeline")
     check_outputs([("out", out)], [trace])
-    out_file("out", out)
+    out_file("out", out, overwrite)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")

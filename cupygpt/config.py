@@ -139,7 +139,7 @@ class TrainConfig:
         check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
                        ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
         # last, as they make directories: nothing is left behind when a check above fails
-        out_file("trace", c.trace)
+        out_file("trace", c.trace, c.overwrite)
         out_file("log_file", c.log_file)
         c = replace(c, log_file=log_file, made_out=not os.path.isdir(c.out))
         make_dir("out", c.out)
@@ -217,6 +217,7 @@ class VerifyConfig:
     expected_losses: tuple = ()     # validate reads them from `expected`
     dtype: str = "fp32"
     trace: Optional[str] = None
+    overwrite: bool = False         # --trace may replace an existing file
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)
     grid: Grid = field(default_factory=Grid)
@@ -235,7 +236,7 @@ class VerifyConfig:
         grid = self.grid.validate(shape, world)
         check_outputs([("trace", self.trace)],
                       [*files_of(self.model), self.state, *files_of(self.expected)])
-        out_file("trace", self.trace)
+        out_file("trace", self.trace, self.overwrite)
         pipeline = self.pipeline.validate(shape, T, grid.pp, grid.rows_per_replica(B))
         return replace(c, device=self.device.validate(be, world), grid=grid,
                        pipeline=pipeline), shape
@@ -284,6 +285,7 @@ class BenchConfig:
     dtype: Optional[str] = None     # fp32 | bf16 | both; None: the backend's DEFAULT_DTYPE
     grad_clip: float = 1.0          # train's default: the step it times clips as train's
     trace: Optional[str] = None
+    overwrite: bool = False         # --out and --trace may replace existing files
     device: Device = field(default_factory=Device)
     pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
     grid: Grid = field(default_factory=Grid)
@@ -313,6 +315,6 @@ class BenchConfig:
             return replace(c, grid=Grid(dp=world).validate(shape, world)), shape
         c = replace(c, grid=c.grid.validate(shape, world))
         check_outputs([("trace", c.trace)], [c.data])
-        out_file("trace", c.trace)
+        out_file("trace", c.trace, c.overwrite)
         return replace(c, pipeline=c.pipeline.validate(shape, c.seq, c.grid.pp,
                                                        c.grid.rows_per_replica(c.batch))), shape

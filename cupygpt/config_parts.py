@@ -220,13 +220,20 @@ def unmake_dirs():
     MADE.clear()
 
 
-def out_file(name, path):
+def out_file(name, path, overwrite=None):
     """A file the command writes (at its end, perhaps): not a directory, and its directory
-    exists (made) and is writable, before the run starts."""
+    exists (made) and is writable, before the run starts. overwrite (the command's
+    --overwrite; None where the command claims it otherwise, train's log): an existing file
+    is replaced only when asked (bench --out over a run's model.bin would destroy it); every
+    such file is written through atomic_write (a temporary renamed over it, the umask's
+    mode)."""
     if path is None:
         return
     if not path:
         raise CupyGPTError("is empty; give a file name", name, "''")
+    if overwrite is False and os.path.lexists(path) and not os.path.isdir(path):
+        raise CupyGPTError("exists; add --overwrite to replace it, or give another path",
+                           name, path)
     if os.path.isdir(path):
         raise CupyGPTError("is a directory; give a file name", name, path)
     if os.path.islink(path) and not os.path.exists(path):  # (else found at the end)

@@ -81,7 +81,7 @@ def test_bench_on_the_cpu_defaults_to_the_cpu_preset(tmp_path):
     assert r["model"] == "tiny" and r["backend"] == "numpy" and r["ms_per_step_median"] > 0
     assert "host_launch_fraction" not in r and "host launch" not in res.stdout  # no meaning here
     rc, shown = on_terminal("bench", "--backend", "numpy", "-b", "1", "-t", "16", "--steps", "2",
-                            "--warmup", "0", "--out", out)
+                            "--warmup", "0", "--out", out, "--overwrite")  # (its own, asked)
     assert rc == 0 and "benchmarking" in shown and "100%" in shown
 
 

@@ -48,5 +48,6 @@ def test_timeline_wants_a_schedule_without_the_pipeline_object(tmp_path):
     trace.write_text(json.dumps(data))
     res = cli("timeline", trace, "--out", tmp_path / "t.png")
     assert res.returncode == 1 and "--schedule (none): the trace names no schedule" in res.stderr
-    res = cli("timeline", trace, "--out", tmp_path / "t.png", "--schedule", "1f1b")
+    res = cli("timeline", trace, "--out", tmp_path / "t.png", "--schedule", "1f1b",
+              "--overwrite")
     assert res.returncode == 0 and "measured bubble 0.3333" in res.stdout, res.stderr

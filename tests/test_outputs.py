@@ -1,0 +1,65 @@
+"""Every file a command writes goes through one claim rule (an existing file is replaced
+only with --overwrite, never a file of the installed package), and a command's standard
+output that cannot be written (closed, a full disk) is a write error, said once."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CLI, FIX, ROOT, cli
+
+PKG = os.path.join(ROOT, "cupygpt")
+BENCH = ["bench", "--backend", "numpy", "-e", "tiny", "-b", "1", "-t", "16", "--steps", "1",
+         "--warmup", "0"]
+TINY = ["train", "--backend", "numpy", "-b", "1", "-t", "16", "-v", "0", "-g", "0"]
+
+
+def one_line(res, expect):
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), \
+        (res.stdout, res.stderr)
+    assert expect in lines[0], lines[0]
+
+
+def someones(path, data=b"a run's model, not this command's"):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    lambda t: [*BENCH, "--out", t / "mine"],
+    lambda t: [*BENCH, "--trace", t / "mine", "--out", t / "b.json"],
+    lambda t: ["plot", t / "log.jsonl", "--out", t / "mine"],
+    lambda t: ["timeline", t / "trace.json", "--out", t / "mine"],
+    lambda t: [*TINY, "-n", 1, "-o", t / "o", "--trace", t / "mine"],
+    lambda t: ["verify", "--backend", "numpy", "--trace", t / "mine"],
+], ids=["bench out", "bench trace", "plot out", "timeline out", "train trace",
+        "verify trace"])
+def test_no_command_replaces_an_existing_file_unasked(tmp_path, args):
+    mine = someones(tmp_path / "mine")
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "train_loss": 3.0}\n')
+    (tmp_path / "trace.json").write_text("{}")
+    one_line(cli(*args(tmp_path)), f"{tmp_path / 'mine'}: exists; add --overwrite to replace "
+                                   f"it, or give another path")
+    assert mine.read_bytes() == b"a run's model, not this command's"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_bench_replaces_its_outputs_when_asked_atomically_with_the_umask(tmp_path):
+    out, trace = someones(tmp_path / "b.json"), someones(tmp_path / "t.json")
+    res = cli(*BENCH, "--out", out, "--trace", trace, "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert f"wrote the trace {trace}" in res.stdout
+    for path in (out, trace):
+        assert path.read_bytes().startswith(b"{")
+        assert os.stat(path).st_mode & 0o777 == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["b.json", "t.json"]  # (no temporary left)
+
+
+def test_gpucheck_writes_nothing_into_the_installed_package(tmp_path):
+    (tmp_path / "link").symlink_to(PKG)
+    for out in (os.path.join(PKG, "gpurep"), tmp_path / "link" / "gpurep"):
+        one_line(cli("gpucheck", "--out", out, "--budget", 20, "--part", "peers"),
+                 f"--out {out}: lies in the installed package")
+        assert not os.path.exists(os.path.join(PKG, "gpurep"))
