@@ -11,7 +11,7 @@ import click
 from . import CupyGPTError
 from .comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
 from .config_parts import Device, Grid, Pipeline, unmake_dirs
-from .log import guard_streams
+from .log import FAILED, guard_streams
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
 
@@ -43,13 +43,13 @@ def entry(fn):
         if launched_ranks() > 1:
             start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
-            return fn(**kw)
-        except SystemExit as e:  # (verify and gpucheck exit 0 on success)
+            fn(**kw)
+        except SystemExit as e:  # (verify and gpucheck exit 0 on success: on to wrote)
             if e.code not in (0, None) or isinstance(e, Stopped):
                 unmake_dirs()
-            if isinstance(e, Stopped):
-                stop_job(e.code)
-            raise
+                if isinstance(e, Stopped):
+                    stop_job(e.code)
+                raise
         except BaseException as e:
             unmake_dirs()  # a failed or stopped command leaves no directory it made
             if isinstance(e, CupyGPTError):
@@ -61,7 +61,16 @@ def entry(fn):
             if isinstance(e, Exception):
                 fail(traceback.format_exc().rstrip())
             raise
+        wrote()
     return wrapper
+
+
+def wrote():
+    """A command whose standard output failed (log.write_fd said so) ends in exit 1 once
+    its work is done, as coreutils' `write error`."""
+    sys.stdout.flush()
+    if FAILED:
+        sys.exit(1)
 
 
 class HellaSwagH(click.Command):

@@ -1,6 +1,8 @@
 """Per-rank output: one prefix and colour per rank (pe0 blue, pe1 magenta, ...); colour only
-on a terminal. Standard output and error that outlive their reader. And train's JSON-lines
-log, reopened on a resume."""
+on a terminal. Standard output and error that outlive their reader, and a standard output
+that cannot be written (closed, a full disk) reported as coreutils do. And train's
+JSON-lines log, reopened on a resume."""
+import errno
 import io
 import json
 import os
@@ -27,18 +29,44 @@ class Log:
         emit(f"{msg}\n")
 
 
+FDS = {"stdout": 1, "stderr": 2}  # their fds (guard_streams: a closed one's stand-in)
+CLOSED = set()  # fds closed when the command started, now /dev/null: writing is an error
+FAILED = []     # standard output's write error, said once: the command ends in exit 1
+
+
 def write_fd(fd, data):
     """All of data to fd. A reader that closed its end (`train | head -2`) costs nothing:
     the fd is pointed at /dev/null, so this write and every later one, from any writer,
     succeed, and the command goes on (a run writes its model and log) and ends as it would
-    have, quietly, as Unix tools do."""
+    have, quietly, as Unix tools do. Any other failure (`>&-`: closed; `> /dev/full`: no
+    space; EIO) loses what stdout shows, so it is a write error, as coreutils' is: said
+    once on stderr, then the same /dev/null; the command still does its work (a training
+    run keeps training, its log and model intact) and exits 1 at its end (entry)."""
+    if fd in CLOSED:
+        CLOSED.discard(fd)
+        return failed(fd, os.strerror(errno.EBADF))
     while data:
         try:
             data = data[os.write(fd, data):]
         except BrokenPipeError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, fd)
-            os.close(null)
+            to_null(fd)
+        except OSError as e:
+            to_null(fd)
+            return failed(fd, e.strerror)
+
+
+def to_null(fd):
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+def failed(fd, why):
+    """stdout's write error, said once (stderr's own has nowhere to be said)."""
+    if fd == FDS["stdout"] and not FAILED:
+        FAILED.append(why)
+        write_fd(FDS["stderr"], f"error: standard output: write error ({why}); what the command prints "
+                    f"is lost, it goes on and exits 1 at its end\n".encode())
 
 
 class _Raw(io.RawIOBase):
@@ -64,18 +92,26 @@ class _Raw(io.RawIOBase):
 
 def guard_streams():
     """sys.stdout and sys.stderr, as they are (encoding, buffering), but writing through
-    write_fd: every writer (click.echo, print, emit) survives a closed pipe. (A captured
-    stream, in-process tests, is left alone.)"""
+    write_fd: every writer (click.echo, print, emit) survives a closed pipe. One closed when
+    the command started (None: `>&-`) becomes /dev/null whose first write is the error.
+    (A captured stream, in-process tests, is left alone.)"""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        try:
-            fd = stream.fileno()
-        except (AttributeError, OSError, ValueError):
-            continue
+        if stream is None:  # (a new fd, not dup2 onto 1 or 2: a file may hold that number)
+            fd = os.open(os.devnull, os.O_WRONLY)
+            CLOSED.add(fd)
+            stream = io.TextIOWrapper(open(os.devnull, "wb"), encoding="utf-8",
+                                      errors="backslashreplace")
+        else:
+            try:
+                fd = stream.fileno()
+            except (AttributeError, OSError, ValueError):
+                continue
         if isinstance(getattr(stream, "buffer", None), io.BufferedWriter) and \
                 isinstance(stream.buffer.raw, _Raw):
             continue  # (already guarded)
         stream.flush()
+        FDS[name] = fd
         setattr(sys, name, io.TextIOWrapper(
             io.BufferedWriter(_Raw(fd)), encoding=stream.encoding, errors=stream.errors,
             line_buffering=stream.line_buffering or name == "stderr",

@@ -63,3 +63,36 @@ def test_gpucheck_writes_nothing_into_the_installed_package(tmp_path):
         one_line(cli("gpucheck", "--out", out, "--budget", 20, "--part", "peers"),
                  f"--out {out}: lies in the installed package")
         assert not os.path.exists(os.path.join(PKG, "gpurep"))
+
+
+def shell(args, redirect):
+    """The command with its stdout redirected (`>&-`: closed; `> /dev/full`): the result."""
+    cmd = " ".join(f"'{a}'" for a in (sys.executable, CLI, *map(str, args)))
+    return subprocess.run(f"{cmd} {redirect}", shell=True, capture_output=True, text=True,
+                          timeout=300)
+
+
+WRITE_ERROR = {">&-": "error: standard output: write error (Bad file descriptor)",
+               "> /dev/full": "error: standard output: write error (No space left on device)"}
+
+
+@pytest.mark.parametrize("redirect", list(WRITE_ERROR))
+@pytest.mark.parametrize("args", [
+    ["schedule", "-p", 4, "-m", 8], ["verify", "--backend", "numpy", "--json"],
+    ["sample", "--backend", "numpy", "--model", os.path.join(FIX, "gpt2v_model.bin"),
+     "--max-new-tokens", 4]], ids=["schedule", "verify", "sample"])
+def test_a_command_whose_stdout_fails_says_so_once_and_exits_1(args, redirect):
+    res = shell(args, redirect)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith(("error", "Traceback"))]
+    assert res.returncode == 1 and lines == [lines[0]], res.stderr
+    assert lines[0].startswith(WRITE_ERROR[redirect]), lines[0]
+
+
+@pytest.mark.parametrize("redirect", list(WRITE_ERROR))
+def test_a_training_run_whose_stdout_fails_trains_on_and_exits_1(tmp_path, redirect):
+    res = shell([*TINY, "-n", 3, "-o", tmp_path], redirect)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.count("error: ") == 1 and WRITE_ERROR[redirect] in res.stderr
+    assert (tmp_path / "model.bin").stat().st_size > 0
+    log = [line for line in open(tmp_path / "log.jsonl")]
+    assert len(log) == 3 and all(line.startswith('{"step"') for line in log)
