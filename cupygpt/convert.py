@@ -13,7 +13,7 @@ import shutil
 from safetensors.numpy import save_file
 
 from . import CupyGPTError, hf
-from .files import UMASK, model_shape, read_model, write_model
+from .files import UMASK, disk_full, full, model_shape, read_model, write_model
 from .hf_tokenizer import write_tokenizer
 from .paths import check_outputs, claim, files_of
 from .tokenizer import Tokenizer
@@ -99,6 +99,8 @@ def write_hf(dst, cfg, params, tok):
         os.rename(partial, dst)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
+        if full(e):  # (as the other direction's atomic_write says it)
+            raise disk_full(dst) from None
         if isinstance(e, OSError):
             raise CupyGPTError(f"{dst}: writing failed ({e.strerror or e}); nothing was "
                                f"left") from None

@@ -45,10 +45,24 @@ def atomic_write(path):
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):  # (a signal just after the rename)
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing "
-                               f"was written there: free some space and run again") from None
+        if full(e):
+            raise disk_full(path) from None
         raise
+
+
+def full(e):
+    """e says the disk is full (or the quota spent): an OSError's errno, or the OS's error
+    quoted by a library that raises its own type (safetensors: "... (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, Exception) and any(f"(os error {n})" in str(e)
+                                            for n in (errno.ENOSPC, errno.EDQUOT))
+
+
+def disk_full(path):
+    """The one line for a write that found no room (the partial output already removed)."""
+    return CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing was "
+                        f"written there: free some space and run again")
 
 
 def read_header(path, magic, kind):

@@ -96,3 +96,15 @@ def test_a_training_run_whose_stdout_fails_trains_on_and_exits_1(tmp_path, redir
     assert (tmp_path / "model.bin").stat().st_size > 0
     log = [line for line in open(tmp_path / "log.jsonl")]
     assert len(log) == 3 and all(line.startswith('{"step"') for line in log)
+
+
+def test_convert_to_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path):
+    import test_stops_and_limits as limits  # (its small tmpfs)
+    small = limits.a_small_filesystem(tmp_path / "small", "1m")
+    try:
+        one_line(cli("convert", os.path.join(FIX, "gpt2v_model.bin"), small / "hf"),
+                 f"{small / 'hf'}: disk full (or over quota) while writing it; nothing was "
+                 f"written there")
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)])
