@@ -37,7 +37,8 @@ from .tokenizer import Tokenizer, tokenize_tinyshakespeare
 @click.option("--shard-size", type=int, default=None,
               help="tokens per shard: the corpus mode, llm.c's FineWeb script (its default "
                    "with several inputs or jsonl/parquet: 100,000,000)")
-@click.option("--force", is_flag=True, help="overwrite shards already there")
+@click.option("--overwrite", "--force", "force", is_flag=True,
+              help="replace shards already there (--force: its older name)")
 @click.option("--workers", type=int, default=None,
               help="tokenizing processes in the corpus mode  [default: one per core]")
 @click.option("--hellaswag", is_flag=True,
@@ -88,12 +89,12 @@ def prepare(inputs, out, tokenizer, name, shard_size, force, workers, hellaswag)
 def claim_out(out, replaced, force):
     """prepare's --out made and claimed (one command writing there at a time); then what
     it would replace there (replaced(): the paths, looked at once claimed) only with
-    --force. Returns those paths."""
+    --overwrite. Returns those paths."""
     make_dir("out", out)
     claim("out", out)
     there = replaced()
     if there and not force:
-        raise CupyGPTError(f"{there[0]} exists; give --force to overwrite "
+        raise CupyGPTError(f"{there[0]} exists; add --overwrite to replace "
                            f"{'it' if len(there) == 1 else 'them'}, or another --out or "
                            f"--name", "out", out)
     return there
@@ -176,7 +177,8 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
               type=click.Choice(RUN_DTYPES))
 @click.option("--tokenizer", default=TOKENIZER, show_default=True,
               help="its vocab.json, merges.txt go beside a model with its vocab")
-@click.option("--force", is_flag=True, help="replace an existing llm.c model file DST")
+@click.option("--overwrite", "--force", "force", is_flag=True,
+              help="replace an existing llm.c model file DST (--force: its older name)")
 @entry
 def convert(src, dst, dtype, tokenizer, force):
     """A transformers GPT-2 directory SRC to an llm.c model file DST, or an llm.c file SRC

@@ -35,7 +35,7 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
         writable_parent(dst)
         claim("dst", os.path.dirname(os.path.abspath(dst)))
         if os.path.lexists(dst) and not force:
-            raise CupyGPTError(f"{dst}: already exists; give --force to replace it, or name "
+            raise CupyGPTError(f"{dst}: already exists; add --overwrite to replace it, or name "
                                f"another file")
         write_model(dst, cfg, read_model(src)[1], bf16)
         return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {shape(cfg)}"]

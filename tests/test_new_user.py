@@ -114,7 +114,7 @@ def test_prepare_names_shards_after_the_text_and_never_overwrites_unasked(tmp_pa
     assert sorted(os.listdir(tmp_path / "data")) == ["other_train.bin", "other_val.bin"]
     rc, lines = run("prepare", text, cwd=tmp_path)
     assert rc == 1 and lines == [f"error: --out data: {os.path.join('data', 'other_val.bin')} "
-                                 f"exists; give --force to overwrite them, or another --out or "
+                                 f"exists; add --overwrite to replace them, or another --out or "
                                  f"--name"]
     assert run("prepare", text, "--force", cwd=tmp_path)[0] == 0
 

@@ -108,3 +108,16 @@ def test_convert_to_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path)
         assert os.listdir(small) == []
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_prepare_and_convert_take_the_overwrite_flag_every_other_command_takes(tmp_path):
+    text = os.path.join(PKG, "data", "tinyshakespeare.txt")
+    assert cli("prepare", text, "--out", tmp_path).returncode == 0
+    one_line(cli("prepare", text, "--out", tmp_path), "exists; add --overwrite to replace")
+    assert cli("prepare", text, "--out", tmp_path, "--overwrite").returncode == 0
+    model = os.path.join(FIX, "gpt2v_model.bin")
+    someones(tmp_path / "m.bin")
+    assert cli("convert", model, tmp_path / "hf").returncode == 0
+    one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"),
+             "already exists; add --overwrite to replace it")
+    assert cli("convert", tmp_path / "hf", tmp_path / "m.bin", "--overwrite").returncode == 0

@@ -54,7 +54,7 @@ def test_corpus_shards_hold_tiktokens_with_an_eot_before_each_document(tmp_path)
     assert np.array_equal(np.concatenate(shards), want)
     assert f"wrote {want.size:,} tokens in {n} shard(s)" in res.stdout
     again = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web")
-    assert again.returncode == 1 and "exists; give --force" in again.stderr
+    assert again.returncode == 1 and "exists; add --overwrite" in again.stderr
     # --force with bigger shards: the set replaced, none of the old one's left
     res = cli("prepare", *paths, "--out", tmp_path / "out", "--name", "web", "--force",
               "--shard-size", str(want.size))

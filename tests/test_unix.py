@@ -117,7 +117,7 @@ def test_convert_never_replaces_a_file_unasked_and_writes_with_the_umask(tmp_pat
     assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode & 0o777 == 0o644
     (tmp_path / "x.bin").write_bytes(b"mine")
     one_line(cli("convert", tmp_path / "hf", tmp_path / "x.bin"),
-             f"{tmp_path / 'x.bin'}: already exists; give --force to replace it")
+             f"{tmp_path / 'x.bin'}: already exists; add --overwrite to replace it")
     assert (tmp_path / "x.bin").read_bytes() == b"mine"
     assert cli("convert", tmp_path / "hf", tmp_path / "x.bin", "--force").returncode == 0
     assert open(tmp_path / "x.bin", "rb").read() == open(model, "rb").read()
