@@ -222,14 +222,49 @@ def read_state(path, cfg):
 
 # --- token shards ------------------------------------------------------------------------
 
-def read_shard(path):
+def shard_count(path):
+    """A token shard's token count, its header and size checked."""
     header, f = read_header(path, SHARD_MAGIC, "token shard")
     f.close()
     if header[1] != 1:
         raise CupyGPTError(f"{path}: token shard version {header[1]} is not supported (1)")
     ntok = int(header[2])
+    if ntok < 0:
+        raise CupyGPTError(f"{path}: bad token shard header: token count (int 2) is {ntok}; "
+                           f"it cannot be negative: is this the right file?")
     expect_size(path, "token shard", HEADER_BYTES + 2 * ntok)
+    return ntok
+
+
+def read_shard(path):
+    ntok = shard_count(path)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+class Shard:
+    """A token shard read batch by batch with pread from a file opened once (no mmap: a
+    file that shrinks under a read gives a short read, checked, never a SIGBUS)."""
+
+    def __init__(self, path):
+        self.path, self.size = path, shard_count(path)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, at, n):
+        """Tokens at..at+n-1 as uint16; refused when the file no longer holds them."""
+        want = 2 * n
+        raw = os.pread(self.fd, want, HEADER_BYTES + 2 * at)
+        if len(raw) < want:
+            now = os.fstat(self.fd).st_size
+            raise CupyGPTError(f"{self.path}: token shard changed while training read it: it "
+                               f"is now {now} bytes, its header says "
+                               f"{HEADER_BYTES + 2 * self.size}; restore the shard (or "
+                               f"prepare it again) and resume from the last checkpoint")
+        return np.frombuffer(raw, dtype=np.uint16)
+
+    def __del__(self):
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            os.close(fd)
 
 
 def write_shard(path, tokens, f=None):
