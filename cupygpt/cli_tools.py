@@ -13,7 +13,7 @@ from . import CupyGPTError
 from .backends import gpu_available, host_memory
 from .cli_kit import TOKENIZER, entry, one_process, progress
 from .comm.launch import Stopped
-from .config_parts import RUN_DTYPES, make_dir, out_file
+from .config_parts import RUN_DTYPES, at_most_a_year, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .paths import TEXT_CAP, check_outputs, claim, json_object, not_compressed, read_bounded
@@ -245,6 +245,7 @@ def gpucheck(out, budget, peers_dir, quick, parts):
     one_process("gpucheck")
     if not budget > 0 or math.isinf(budget):  # nan too
         raise CupyGPTError("must be a positive number of seconds", "budget", budget)
+    at_most_a_year(budget, "budget")
     if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
         raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
                            "peers_dir", peers_dir)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from . import CupyGPTError
+from .comm.launch import YEAR_S
 from .layout import RECOMPUTED
 from .paths import not_regular
 from .precision import DTYPES, dtype_name
@@ -26,6 +27,7 @@ class Device:
 
     def validate(self, be, world):
         positive(self, "peer_timeout")
+        at_most_a_year(self.peer_timeout, "peer_timeout")
         if world == 1 and self.transport != "auto":
             raise CupyGPTError("carries arrays between ranks, and this is one process; run "
                                "under mpiexec -n 2 or more, or leave it out", "transport",
@@ -127,6 +129,12 @@ def positive(cfg, *names, zero_ok=False):
         if not (v >= 0 if zero_ok else v > 0):
             raise CupyGPTError("must not be negative" if zero_ok else "must be positive",
                                name, v)
+
+
+def at_most_a_year(v, name):
+    if v > YEAR_S:
+        raise CupyGPTError(f"is more than a year; the most it takes is {YEAR_S} seconds",
+                           name, v)
 
 
 def between(cfg, name, lo, hi, what):

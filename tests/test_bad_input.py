@@ -317,6 +317,9 @@ CASES += [
                                       "-o", t / "never"],
      "nope.bin: no such file; `cupygpt prepare hellaswag_val.jsonl --hellaswag` (HellaSwag's "
      "published jsonl) makes it"),
+    ("train --peer-timeout 1e10", lambda t: ["train", "-n", "1", "--peer-timeout", "1e10",
+                                             "-o", t / "never"],
+     "--peer-timeout 10000000000.0: is more than a year; the most it takes is 31536000 seconds"),
 ]
 
 
@@ -390,3 +393,14 @@ def test_interleaved_micro_batches_refused_before_the_run():
 def test_backend_cuda_without_gpu():
     res = cli("train", "--backend", "cuda", "-n", "1")
     assert res.returncode == 1 and res.stderr.startswith("error: --backend cuda: no GPU")
+
+
+def test_a_peer_timeout_past_what_select_takes_is_one_line_under_mpiexec(tmp_path):
+    """Each rank's start-up watchdog waited with select, which overflows near 9.2e9 s: a
+    traceback per rank; now the timeout is bounded (a year) and refused once, in one line."""
+    res = cli("train", "-e", "tiny", "-n", "1", "-v", "0", "-s", "0", "-g", "0", "-b", "2",
+              "-t", "32", "--peer-timeout", "1e300", "-o", tmp_path / "never", ranks=2)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "error: --peer-timeout 1e+300: is more than a year; the most it takes is 31536000 " \
+        "seconds" in res.stderr, res.stderr
+    assert not os.path.exists(tmp_path / "never")

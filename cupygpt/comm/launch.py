@@ -8,6 +8,8 @@ import socket
 import sys
 import time
 
+YEAR_S = 365 * 86400  # the most a seconds flag takes (select and thread waits overflow
+#                      near 9.2e9 s; a wait longer than a year is never meant)
 _FAILURES = None  # a duplicate of COMM_WORLD used only by fail(), so nothing else matches
 
 
@@ -42,8 +44,9 @@ def start_mpi(timeout):
     every rank: when one never starts (a host in the hostfile that does not answer), the
     ranks that did give up after timeout seconds, the first of each host saying why."""
     global _FAILURES
-    # (a timeout not above 0 is refused by the command's checks, once MPI has started)
-    with _watchdog(timeout) if timeout > 0 else contextlib.nullcontext():
+    # (a timeout not above 0, or above a year, is refused by the command's checks, once MPI
+    # has started: select could not wait that long)
+    with _watchdog(timeout) if 0 < timeout <= YEAR_S else contextlib.nullcontext():
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
 
