@@ -186,6 +186,9 @@ def convert(src, dst, dtype, tokenizer, force):
         click.echo(line)
 
 
+MAX_STAGES, MAX_CELLS = 512, 65536  # (-p 64 -m 1000: 3.4 s; -p 2000 -m 8: 18 s)
+
+
 @click.command()
 @click.option("--stages", "-p", default=4, show_default=True)
 @click.option("--micro-batches", "-m", default=8, show_default=True)
@@ -202,6 +205,10 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     one_process("schedule")
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
+    if stages > MAX_STAGES or stages * micro_batches > MAX_CELLS:
+        raise CupyGPTError(f"-p {stages} -m {micro_batches}: at most {MAX_STAGES} stages and "
+                           f"{MAX_CELLS:,} stages x micro-batches (the simulator runs in "
+                           f"Python: that takes seconds already); give smaller ones")
     if not 0 < backward_cost < float("inf"):
         raise CupyGPTError("must be a positive number (a backward's time in forwards)",
                            "backward_cost", backward_cost)

@@ -320,6 +320,9 @@ CASES += [
     ("train --peer-timeout 1e10", lambda t: ["train", "-n", "1", "--peer-timeout", "1e10",
                                              "-o", t / "never"],
      "--peer-timeout 10000000000.0: is more than a year; the most it takes is 31536000 seconds"),
+    *[(f"schedule {pm}", lambda t, pm=pm: ["schedule", *pm.split()],
+       f"error: {pm}: at most 512 stages and 65,536 stages x micro-batches (the simulator runs "
+       f"in Python") for pm in ("-p 513 -m 1", "-p 8 -m 8193")],
 ]
 
 
