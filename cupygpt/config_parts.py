@@ -164,7 +164,7 @@ def runs_on(c, be, shape, name, value, both=False):
                            "attention", asked)
     for dtype in RUN_DTYPES if c.dtype == "both" else (c.dtype,):
         for one in ("cudnn", "own") if asked == "both" else (asked,):
-            attention_path(one, be, DTYPES[dtype], shape)
+            attention_path(one, be, DTYPES[dtype], shape, given=asked)
         why = be.attention_refuses(shape.C // shape.NH, DTYPES[dtype])
         if why:
             raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
@@ -173,18 +173,22 @@ def runs_on(c, be, shape, name, value, both=False):
 ATTENTION = ("auto", "cudnn", "own", "both")
 
 
-def attention_path(asked, be, dtype, shape):
+def attention_path(asked, be, dtype, shape, given=None):
     """(the attention a run of dtype takes for --attention asked: "cudnn" | "own", the run
     table's words for it: which, and why when auto fell back); an asked cudnn that cannot
-    run raises, saying why."""
+    run raises, saying why, naming the value given (both: bench's, which asks cudnn too).
+    Where the own kernels cannot run the head size either, the advice is the numpy backend."""
     why = be.fused_attention_refuses(dtype, shape.C // shape.NH)
     if asked == "own":
         return "own", "own flash kernels (as asked)"
     if why is None:
         return "cudnn", f"cuDNN fused sdpa ({'auto' if asked == 'auto' else 'as asked'})"
     if asked == "cudnn":
-        raise CupyGPTError(f"{why}; else use --attention auto (cuDNN where it can run, "
-                           f"the own kernels elsewhere) or own", "attention", asked)
+        advice = ("use --backend numpy for this model (the own kernels do not run its head "
+                  "size either)" if be.attention_refuses(shape.C // shape.NH, dtype) else
+                  "else use --attention auto (cuDNN where it can run, the own kernels "
+                  "elsewhere) or own")
+        raise CupyGPTError(f"{why}; {advice}", "attention", given or asked)
     return "own", f"own flash kernels (auto: {why})"
 
 
