@@ -28,6 +28,9 @@ class Device:
     def validate(self, be, world):
         positive(self, "peer_timeout")
         at_most_a_year(self.peer_timeout, "peer_timeout")
+        if self.tf32 and be.name == "numpy":
+            raise CupyGPTError("the numpy backend has no TF32 (a GPU's matmul mode): it runs "
+                               "with --backend cuda; leave it out here", "tf32", FLAG)
         if world == 1 and self.transport != "auto":
             raise CupyGPTError("carries arrays between ranks, and this is one process; run "
                                "under mpiexec -n 2 or more, or leave it out", "transport",
@@ -129,6 +132,18 @@ def positive(cfg, *names, zero_ok=False):
         if not (v >= 0 if zero_ok else v > 0):
             raise CupyGPTError("must not be negative" if zero_ok else "must be positive",
                                name, v)
+
+
+FLAG = "(given)"  # CupyGPTError's value for an on/off flag: the CLI names the flag alone
+
+
+def graphs_on(c, be):
+    """c with --graphs resolved (None: on where the backend has them); --graphs asked of a
+    backend without CUDA graphs is refused, as --tf32 and --attention cudnn are."""
+    if c.graphs and not be.supports_graphs:
+        raise CupyGPTError(f"the {be.name} backend has no CUDA graphs (a GPU's): it runs "
+                           f"with --backend cuda; leave it out here", "graphs", FLAG)
+    return replace(c, graphs=c.graphs is not False)
 
 
 def at_most_a_year(v, name):

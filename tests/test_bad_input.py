@@ -323,6 +323,19 @@ CASES += [
     *[(f"schedule {pm}", lambda t, pm=pm: ["schedule", *pm.split()],
        f"error: {pm}: at most 512 stages and 65,536 stages x micro-batches (the simulator runs "
        f"in Python") for pm in ("-p 513 -m 1", "-p 8 -m 8193")],
+    # GPU-only switches asked of the numpy backend: refused as --attention cudnn there is
+    ("train --tf32 on numpy", lambda t: ["train", "--tf32", "-n", "1", "-b", "2", "-t", "32",
+                                         "-o", t / "never"],
+     "error: --tf32: the numpy backend has no TF32 (a GPU's matmul mode): it runs with "
+     "--backend cuda"),
+    ("train --graphs on numpy", lambda t: ["train", "--graphs", "-n", "1", "-b", "2", "-t",
+                                           "32", "-o", t / "never"],
+     "error: --graphs: the numpy backend has no CUDA graphs (a GPU's): it runs with "
+     "--backend cuda"),
+    ("bench --graphs on numpy", lambda t: ["bench", "--backend", "numpy", "--graphs", "-e",
+                                           "tiny", "-b", "2", "-t", "32", "--steps", "1",
+                                           "--warmup", "0", "--out", t / "never.json"],
+     "error: --graphs: the numpy backend has no CUDA graphs"),
 ]
 
 
