@@ -336,7 +336,22 @@ CASES += [
                                            "tiny", "-b", "2", "-t", "32", "--steps", "1",
                                            "--warmup", "0", "--out", t / "never.json"],
      "error: --graphs: the numpy backend has no CUDA graphs"),
+    ("resume a .partial", lambda t: ["train", "--resume", a_partial(t), "-b", "4", "-t", "32",
+                                     "-n", "2", "-o", t / "never"],
+     "ckpt_00000001.partial: a checkpoint never finished (a run stopped while writing it); "
+     "give a complete ckpt_STEP directory or the run's -o directory"),
+    ("resume a checkpoint's model.bin", lambda t: [
+        "train", "--resume", os.path.join(a_ckpt(t), "model.bin"), "-b", "4", "-t", "32",
+        "-n", "2", "-o", t / "never"],
+     "model.bin: is a file; give the checkpoint directory it is in ("),
 ]
+
+
+def a_partial(tmp_path):
+    """A whole checkpoint, but named as one never renamed (ckpt_STEP.partial)."""
+    done = a_ckpt(tmp_path)
+    os.rename(done, done + ".partial")
+    return done + ".partial"
 
 
 def a_file(tmp_path, text="a short text\n\nin two sections\n"):
