@@ -87,6 +87,9 @@ def make_header(magic, version, *fields):
 
 # --- model -------------------------------------------------------------------------------
 
+HEADER_LIMITS = dict(maxT=1 << 20, V=1 << 24, Vp=1 << 24, L=1 << 12, NH=1 << 12, C=1 << 16)
+
+
 def read_model_header(path):
     header, f = read_header(path, MODEL_MAGIC, "model")
     f.close()
@@ -95,6 +98,11 @@ def read_model_header(path):
         raise CupyGPTError(f"{path}: model version {version} is not supported (3 = fp32, "
                            f"5 = bf16); re-export it with llm.c")
     maxT, V, L, NH, C, Vp = (int(x) for x in header[2:8])
+    for i, (name, v) in enumerate(zip(("maxT", "V", "L", "NH", "C", "Vp"), header[2:8]), 2):
+        if v > HEADER_LIMITS[name]:  # (a size computed from it would overflow)
+            raise CupyGPTError(f"{path}: bad model header: {name} (int {i}) is {int(v)}, more "
+                               f"than any GPT-2 has (at most {HEADER_LIMITS[name]}); a "
+                               f"damaged file, or not an llm.c model?")
     try:
         cfg = GPT2Config(maxT=maxT, V=V, Vp=Vp, L=L, NH=NH, C=C)
     except CupyGPTError as e:

@@ -344,6 +344,15 @@ CASES += [
         "train", "--resume", os.path.join(a_ckpt(t), "model.bin"), "-b", "4", "-t", "32",
         "-n", "2", "-o", t / "never"],
      "model.bin: is a file; give the checkpoint directory it is in ("),
+    ("model header C 1e9", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin",
+                                                                  set_int(6, 10**9)),
+                                      "--state", STATE],
+     "m.bin: bad model header: C (int 6) is 1000000000, more than any GPT-2 has (at most "
+     "65536)"),
+    ("shard count negative", lambda t: ["train", "-i", corrupt(
+        t, os.path.join(DATA, "tiny_shakespeare_val.bin"), "s.bin", set_int(2, -5)), "-n", "1",
+        "-o", t / "never"],
+     "s.bin: bad token shard header: token count (int 2) is -5; it cannot be negative"),
 ]
 
 
