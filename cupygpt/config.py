@@ -168,7 +168,7 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
     examples = tuple(read_eval(path))
     longest = longest_row(examples)
     if longest > shape.maxT:  # no -t helps: say what the model takes
-        raise CupyGPTError(f"{path}: its longest example is {longest} tokens (context + "
+        raise CupyGPTError(f"its longest example is {longest} tokens (context + "
                            f"completion), more than the model's context takes (maxT = "
                            f"{shape.maxT}); give a file whose examples fit {shape.maxT} "
                            f"tokens, or a model with a longer context", option, path)

@@ -444,3 +444,14 @@ def test_a_peer_timeout_past_what_select_takes_is_one_line_under_mpiexec(tmp_pat
     assert "error: --peer-timeout 1e+300: is more than a year; the most it takes is 31536000 " \
         "seconds" in res.stderr, res.stderr
     assert not os.path.exists(tmp_path / "never")
+
+
+def test_an_eval_file_past_the_models_context_is_named_once(tmp_path):
+    """The line named the --hellaswag file twice ("--hellaswag X: X: its longest ...")."""
+    from test_hellaswag import write_llmc_eval
+    write_llmc_eval(tmp_path / "long.bin", [(0, [1] * 70, [[2], [3], [4], [5]])])
+    res = cli("eval", MODEL, "--hellaswag", tmp_path / "long.bin", "--backend", "numpy")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: --hellaswag {tmp_path / 'long.bin'}: its longest "
+                                 f"example is 71 tokens"), res.stderr
+    assert res.stderr.count("long.bin") == 1, res.stderr
