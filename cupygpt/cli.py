@@ -268,9 +268,12 @@ def sample(**kw):
         sess.log(prompt + text)
     else:  # the text as it comes, untagged (under mpiexec only the first rank prints it)
         echo = (lambda piece: click.echo(piece, nl=False)) if first else None
-        if echo:
-            echo(prompt)
-        sample_text(sess, start, echo)
+
+        def begin(n):  # (the prompt once it is checked: a refused one is not echoed)
+            start(n)
+            if echo:
+                echo(prompt)
+        sample_text(sess, begin, echo)
         if echo:
             echo("\n")
     if first:

@@ -455,3 +455,11 @@ def test_an_eval_file_past_the_models_context_is_named_once(tmp_path):
     assert res.stderr.startswith(f"error: --hellaswag {tmp_path / 'long.bin'}: its longest "
                                  f"example is 71 tokens"), res.stderr
     assert res.stderr.count("long.bin") == 1, res.stderr
+
+
+def test_a_prompt_too_long_is_refused_before_it_is_echoed(tmp_path):
+    """sample printed the whole prompt to stdout, then refused it (shorten it)."""
+    res = cli("sample", "--model", fixture("gpt2v_model.bin"), "--backend", "numpy",
+              "--prompt", "word " * 40)
+    assert res.returncode == 1 and "shorten it" in res.stderr, res.stderr
+    assert res.stdout == "", res.stdout
