@@ -149,11 +149,14 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     t0 = time.perf_counter()
     try:
         with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
-            paths, total = write_shards(inputs, out, name, shard_size, tokenizer, bar.update,
-                                         workers)
-        if not paths:
+            paths, total, docs = write_shards(inputs, out, name, shard_size, tokenizer,
+                                               bar.update, workers)
+        if total == docs:  # (each document's EOT alone: no text at all)
+            for p in paths:
+                os.unlink(p)
             raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
-                               f"documents in the input(s); nothing written")
+                               f"text in the input(s) (empty documents only); nothing "
+                               f"written: give a non-empty corpus")
     except Stopped:
         click.echo("interrupted: the shards written so far are whole; no shard is half "
                    "written", err=True)

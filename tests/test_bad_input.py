@@ -353,6 +353,9 @@ CASES += [
         t, os.path.join(DATA, "tiny_shakespeare_val.bin"), "s.bin", set_int(2, -5)), "-n", "1",
         "-o", t / "never"],
      "s.bin: bad token shard header: token count (int 2) is -5; it cannot be negative"),
+    ("prepare empty corpus in shards", lambda t: [
+        "prepare", a_file(t, ""), a_file(t, ""), "--shard-size", "100", "--out", t / "never"],
+     "plain.txt ...: no text in the input(s) (empty documents only); nothing written"),
 ]
 
 
