@@ -52,14 +52,13 @@ def save(run, tr, out, step, state, keep=2, major=0):
     rank = tr.rank
     final = os.path.join(out, f"ckpt_{step:08d}")
     tmp = final + ".partial"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     whole = run.state_dict()
     if rank == 0:
         meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
                 "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
-        try:
+        try:  # (made inside: a second signal at any point leaves no .partial directory)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
             # a bf16 run's weights as they are (version 5), its fp32 master weights beside m, v
             write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"],
                         bf16=is_narrow(run.dtype))
@@ -110,8 +109,16 @@ def demote(tr, out, path):
 def resolve(path):
     """--resume takes a checkpoint directory or a run's -o directory: its newest complete
     checkpoint (a run killed while writing `latest` may have left it one behind)."""
+    if os.path.isfile(path):
+        raise CupyGPTError(f"is a file; give the checkpoint directory it is in "
+                           f"({os.path.dirname(os.path.abspath(path))})", "resume", path)
     if not os.path.isdir(path):
         raise CupyGPTError("no such checkpoint directory", "resume", path)
+    base = os.path.basename(os.path.normpath(path))
+    if base.endswith(".partial") and NAME.match(base.removesuffix(".partial")):
+        raise CupyGPTError("a checkpoint never finished (a run stopped while writing it); "
+                           "give a complete ckpt_STEP directory or the run's -o directory",
+                           "resume", path)
     done = listed(path)
     if done:
         return os.path.join(path, done[-1])

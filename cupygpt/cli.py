@@ -141,9 +141,9 @@ def beside(model, suffix):
 @click.option("--overwrite", is_flag=True,
               help="a fresh run may replace what an earlier run left in -o (its model.bin, "
                    "log and checkpoints) and an existing --trace file")
-@click.option("--graphs/--no-graphs", default=True, show_default=True,
+@click.option("--graphs/--no-graphs", default=None,
               help="replay each step as a CUDA graph (a GPU alone, or over nvshmem without "
-                   "the overlapped dp sum)")
+                   "the overlapped dp sum)  [default: on with --backend cuda]")
 @trace_option
 @device_options
 @grid_options
@@ -163,7 +163,8 @@ def train(**kw):
               help="sequence length  [default: 1024 on a GPU, 64 on the CPU]")
 @click.option("--steps", default=20, show_default=True, help="timed steps (median reported)")
 @click.option("--warmup", default=3, show_default=True, help="untimed steps first")
-@click.option("--graphs/--no-graphs", default=True, show_default=True)
+@click.option("--graphs/--no-graphs", default=None,
+              help="as train's  [default: on with --backend cuda]")
 @click.option("-r", "recompute", default=0, show_default=True,
               help="activation recomputation, as train's -r")
 @click.option("--dtype", default=None, type=click.Choice(RUN_DTYPES + ("both",)),
@@ -272,9 +273,12 @@ def sample(**kw):
         sess.log(prompt + text)
     else:  # the text as it comes, untagged (under mpiexec only the first rank prints it)
         echo = (lambda piece: click.echo(piece, nl=False)) if first else None
-        if echo:
-            echo(prompt)
-        sample_text(sess, start, echo)
+
+        def begin(n):  # (the prompt once it is checked: a refused one is not echoed)
+            start(n)
+            if echo:
+                echo(prompt)
+        sample_text(sess, begin, echo)
         if echo:
             echo("\n")
     if first:

@@ -10,7 +10,7 @@ import click
 
 from . import CupyGPTError
 from .comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
-from .config_parts import Device, Grid, Pipeline, unmake_dirs
+from .config_parts import FLAG, Device, Grid, Pipeline, unmake_dirs
 from .log import FAILED, guard_streams
 from .parallel.pipeline.schedule import SCHEDULES
 from .session import Session
@@ -27,8 +27,11 @@ def as_flag(e):
         return str(e)
     ctx = click.get_current_context(silent=True)
     params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    flag = params.get(e.option, e.option)
+    if e.value is FLAG:  # an on/off flag given: its name alone
+        return f"{flag}: {e.args[0]}"
     shown = "''" if e.value == "" else e.value  # (an empty value, visibly)
-    return f"{params.get(e.option, e.option)} {shown}: {e.args[0]}"
+    return f"{flag} {shown}: {e.args[0]}"
 
 
 def entry(fn):

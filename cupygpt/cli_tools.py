@@ -13,7 +13,7 @@ from . import CupyGPTError
 from .backends import gpu_available, host_memory
 from .cli_kit import TOKENIZER, entry, one_process, overwrite_option, progress
 from .comm.launch import Stopped
-from .config_parts import RUN_DTYPES, make_dir, out_file
+from .config_parts import RUN_DTYPES, at_most_a_year, make_dir, out_file
 from .convert import convert as run_convert
 from .files import atomic_write, write_shard
 from .paths import TEXT_CAP, check_outputs, claim, json_object, not_compressed, read_bounded
@@ -150,11 +150,14 @@ def prepare_corpus(inputs, out, tokenizer, name, shard_size, force, workers):
     t0 = time.perf_counter()
     try:
         with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
-            paths, total = write_shards(inputs, out, name, shard_size, tokenizer, bar.update,
-                                         workers)
-        if not paths:
+            paths, total, docs = write_shards(inputs, out, name, shard_size, tokenizer,
+                                               bar.update, workers)
+        if total == docs:  # (each document's EOT alone: no text at all)
+            for p in paths:
+                os.unlink(p)
             raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
-                               f"documents in the input(s); nothing written")
+                               f"text in the input(s) (empty documents only); nothing "
+                               f"written: give a non-empty corpus")
     except Stopped:
         click.echo("interrupted: the shards written so far are whole; no shard is half "
                    "written", err=True)
@@ -188,6 +191,9 @@ def convert(src, dst, dtype, tokenizer, force):
         click.echo(line)
 
 
+MAX_STAGES, MAX_CELLS = 512, 65536  # (-p 64 -m 1000: 3.4 s; -p 2000 -m 8: 18 s)
+
+
 @click.command()
 @click.option("--stages", "-p", default=4, show_default=True)
 @click.option("--micro-batches", "-m", default=8, show_default=True)
@@ -204,6 +210,10 @@ def schedule(stages, micro_batches, schedule, virtual_stages, backward_cost):
     one_process("schedule")
     if stages < 1 or micro_batches < 1:
         raise CupyGPTError("--stages and --micro-batches must be positive")
+    if stages > MAX_STAGES or stages * micro_batches > MAX_CELLS:
+        raise CupyGPTError(f"-p {stages} -m {micro_batches}: at most {MAX_STAGES} stages and "
+                           f"{MAX_CELLS:,} stages x micro-batches (the simulator runs in "
+                           f"Python: that takes seconds already); give smaller ones")
     if not 0 < backward_cost < float("inf"):
         raise CupyGPTError("must be a positive number (a backward's time in forwards)",
                            "backward_cost", backward_cost)
@@ -247,6 +257,7 @@ def gpucheck(out, budget, peers_dir, quick, parts):
     one_process("gpucheck")
     if not budget > 0 or math.isinf(budget):  # nan too
         raise CupyGPTError("must be a positive number of seconds", "budget", budget)
+    at_most_a_year(budget, "budget")
     if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
         raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
                            "peers_dir", peers_dir)

@@ -17,8 +17,8 @@ from .checkpoint import STATE, check_resume, resolve as resolve_checkpoint
 from .data import shard_files
 from .files import is_model_file, model_shape, read_expected, read_state_header
 from .hellaswag import check_fits, longest_row, read_eval
-from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, make_dir,
-                           out_file, positive, recompute_level, run_dtype, runs_on,
+from .config_parts import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
+                           make_dir, out_file, positive, recompute_level, run_dtype, runs_on,
                            RUN_DTYPES, VERIFY_DTYPES)
 from .optim import LR_SCHEDULES
 from .paths import check_outputs, files_of
@@ -54,7 +54,7 @@ class TrainConfig:
     keep: int = 2
     resume: Optional[str] = None
     log_file: Optional[str] = None
-    graphs: bool = True
+    graphs: Optional[bool] = None   # None: on where the backend has CUDA graphs
     trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
     overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
     skip_loss: float = 0.0          # llm.c's -sl: skip the update at a loss z-score above; 0 off
@@ -102,7 +102,7 @@ class TrainConfig:
                                f"{c.batch * c.seq} (each micro-step a batch)", "total_batch",
                                c.total_batch)
         recompute_level(c)
-        c = run_dtype(c, be)
+        c = graphs_on(run_dtype(c, be), be)
         if c.lr_schedule not in LR_SCHEDULES:
             raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
                                c.lr_schedule)
@@ -168,7 +168,7 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
     examples = tuple(read_eval(path))
     longest = longest_row(examples)
     if longest > shape.maxT:  # no -t helps: say what the model takes
-        raise CupyGPTError(f"{path}: its longest example is {longest} tokens (context + "
+        raise CupyGPTError(f"its longest example is {longest} tokens (context + "
                            f"completion), more than the model's context takes (maxT = "
                            f"{shape.maxT}); give a file whose examples fit {shape.maxT} "
                            f"tokens, or a model with a longer context", option, path)
@@ -278,7 +278,7 @@ class BenchConfig:
     seq: Optional[int] = None
     steps: int = 20
     warmup: int = 3
-    graphs: bool = True
+    graphs: Optional[bool] = None   # None: on where the backend has CUDA graphs
     profile: bool = False
     comm: bool = False              # the transports' collectives and handoff instead
     recompute: int = 0
@@ -296,6 +296,7 @@ class BenchConfig:
         positive(c, "batch", "seq", "steps")
         positive(c, "warmup", "grad_clip", zero_ok=True)
         recompute_level(c)
+        c = graphs_on(c, be)
         if c.dtype == "both":  # side by side: each must run here
             for name in RUN_DTYPES:
                 run_dtype(replace(c, dtype=name), be)

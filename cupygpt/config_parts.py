@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from . import CupyGPTError
+from .comm.launch import YEAR_S
 from .layout import RECOMPUTED
 from .paths import not_regular
 from .precision import DTYPES, dtype_name
@@ -26,6 +27,10 @@ class Device:
 
     def validate(self, be, world):
         positive(self, "peer_timeout")
+        at_most_a_year(self.peer_timeout, "peer_timeout")
+        if self.tf32 and be.name == "numpy":
+            raise CupyGPTError("the numpy backend has no TF32 (a GPU's matmul mode): it runs "
+                               "with --backend cuda; leave it out here", "tf32", FLAG)
         if world == 1 and self.transport != "auto":
             raise CupyGPTError("carries arrays between ranks, and this is one process; run "
                                "under mpiexec -n 2 or more, or leave it out", "transport",
@@ -129,6 +134,24 @@ def positive(cfg, *names, zero_ok=False):
                                name, v)
 
 
+FLAG = "(given)"  # CupyGPTError's value for an on/off flag: the CLI names the flag alone
+
+
+def graphs_on(c, be):
+    """c with --graphs resolved (None: on where the backend has them); --graphs asked of a
+    backend without CUDA graphs is refused, as --tf32 and --attention cudnn are."""
+    if c.graphs and not be.supports_graphs:
+        raise CupyGPTError(f"the {be.name} backend has no CUDA graphs (a GPU's): it runs "
+                           f"with --backend cuda; leave it out here", "graphs", FLAG)
+    return replace(c, graphs=c.graphs is not False)
+
+
+def at_most_a_year(v, name):
+    if v > YEAR_S:
+        raise CupyGPTError(f"is more than a year; the most it takes is {YEAR_S} seconds",
+                           name, v)
+
+
 def between(cfg, name, lo, hi, what):
     v = getattr(cfg, name)
     if not lo <= v <= hi:  # (NaN fails too)
@@ -156,7 +179,7 @@ def runs_on(c, be, shape, name, value, both=False):
                            "attention", asked)
     for dtype in RUN_DTYPES if c.dtype == "both" else (c.dtype,):
         for one in ("cudnn", "own") if asked == "both" else (asked,):
-            attention_path(one, be, DTYPES[dtype], shape)
+            attention_path(one, be, DTYPES[dtype], shape, given=asked)
         why = be.attention_refuses(shape.C // shape.NH, DTYPES[dtype])
         if why:
             raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
@@ -165,18 +188,22 @@ def runs_on(c, be, shape, name, value, both=False):
 ATTENTION = ("auto", "cudnn", "own", "both")
 
 
-def attention_path(asked, be, dtype, shape):
+def attention_path(asked, be, dtype, shape, given=None):
     """(the attention a run of dtype takes for --attention asked: "cudnn" | "own", the run
     table's words for it: which, and why when auto fell back); an asked cudnn that cannot
-    run raises, saying why."""
+    run raises, saying why, naming the value given (both: bench's, which asks cudnn too).
+    Where the own kernels cannot run the head size either, the advice is the numpy backend."""
     why = be.fused_attention_refuses(dtype, shape.C // shape.NH)
     if asked == "own":
         return "own", "own flash kernels (as asked)"
     if why is None:
         return "cudnn", f"cuDNN fused sdpa ({'auto' if asked == 'auto' else 'as asked'})"
     if asked == "cudnn":
-        raise CupyGPTError(f"{why}; else use --attention auto (cuDNN where it can run, "
-                           f"the own kernels elsewhere) or own", "attention", asked)
+        advice = ("use --backend numpy for this model (the own kernels do not run its head "
+                  "size either)" if be.attention_refuses(shape.C // shape.NH, dtype) else
+                  "else use --attention auto (cuDNN where it can run, the own kernels "
+                  "elsewhere) or own")
+        raise CupyGPTError(f"{why}; {advice}", "attention", given or asked)
     return "own", f"own flash kernels (auto: {why})"
 
 

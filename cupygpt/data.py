@@ -1,7 +1,8 @@
-"""llm.c's data loader over a glob of token shards (memory-mapped: only the batch is held
-in memory). A sample is one step's batch, B*T+1 tokens starting at a multiple of
-B*T; a shard of n tokens holds (n - 1) // (B*T) of them. Every rank reads the whole batch
-and its replica computes its own rows of it (the executor's split), so each row of an
+"""llm.c's data loader over a glob of token shards (each batch read with pread and its
+length checked: only the batch is held in memory, and a shard that shrinks under a run is
+named, never a SIGBUS as from a memory map). A sample is one step's batch, B*T+1 tokens
+starting at a multiple of B*T; a shard of n tokens holds (n - 1) // (B*T) of them. Every
+rank reads the whole batch and its replica computes its own rows of it (the executor's split), so each row of an
 epoch goes to exactly one replica and every grid sees the one-rank run's data.
 
 Shuffled (llm.c's training default), each epoch visits the shards in a seeded random order
@@ -14,7 +15,7 @@ import os
 import numpy as np
 
 from . import CupyGPTError
-from .files import read_shard
+from .files import Shard
 
 
 def shard_order(n, seed, epoch, shuffle):
@@ -48,7 +49,7 @@ class DataLoader:
         self.B, self.T, self.V, self.shuffle, self.seed = B, T, V, shuffle, seed
         self.shards = []
         for path in self.files:
-            tokens = read_shard(path)
+            tokens = Shard(path)
             if tokens.size < B * T + 1:
                 raise CupyGPTError(f"{path}: shard holds {tokens.size} tokens, fewer than "
                                    f"B*T+1 = {B * T + 1}; lower the batch size or sequence length")
@@ -64,7 +65,7 @@ class DataLoader:
     def _tokens(self, f, at):
         """Shard f's B*T+1 tokens from token `at`, int32, checked against the vocab batch by
         batch: a FineWeb-sized set is never read whole before its first step."""
-        buf = np.asarray(self.shards[f][at: at + self.B * self.T + 1], dtype=np.int32)
+        buf = self.shards[f].read(at, self.B * self.T + 1).astype(np.int32)
         if int(buf.max()) >= self.V:
             raise CupyGPTError(f"{self.files[f]}: token {int(buf.max())} (in tokens {at}.."
                                f"{at + buf.size - 1}) is outside the model's vocab "

@@ -101,6 +101,9 @@ def make_header(magic, version, *fields):
 
 # --- model -------------------------------------------------------------------------------
 
+HEADER_LIMITS = dict(maxT=1 << 20, V=1 << 24, Vp=1 << 24, L=1 << 12, NH=1 << 12, C=1 << 16)
+
+
 def read_model_header(path):
     header, f = read_header(path, MODEL_MAGIC, "model")
     f.close()
@@ -109,6 +112,11 @@ def read_model_header(path):
         raise CupyGPTError(f"{path}: model version {version} is not supported (3 = fp32, "
                            f"5 = bf16); re-export it with llm.c")
     maxT, V, L, NH, C, Vp = (int(x) for x in header[2:8])
+    for i, (name, v) in enumerate(zip(("maxT", "V", "L", "NH", "C", "Vp"), header[2:8]), 2):
+        if v > HEADER_LIMITS[name]:  # (a size computed from it would overflow)
+            raise CupyGPTError(f"{path}: bad model header: {name} (int {i}) is {int(v)}, more "
+                               f"than any GPT-2 has (at most {HEADER_LIMITS[name]}); a "
+                               f"damaged file, or not an llm.c model?")
     try:
         cfg = GPT2Config(maxT=maxT, V=V, Vp=Vp, L=L, NH=NH, C=C)
     except CupyGPTError as e:
@@ -236,14 +244,49 @@ def read_state(path, cfg):
 
 # --- token shards ------------------------------------------------------------------------
 
-def read_shard(path):
+def shard_count(path):
+    """A token shard's token count, its header and size checked."""
     header, f = read_header(path, SHARD_MAGIC, "token shard")
     f.close()
     if header[1] != 1:
         raise CupyGPTError(f"{path}: token shard version {header[1]} is not supported (1)")
     ntok = int(header[2])
+    if ntok < 0:
+        raise CupyGPTError(f"{path}: bad token shard header: token count (int 2) is {ntok}; "
+                           f"it cannot be negative: is this the right file?")
     expect_size(path, "token shard", HEADER_BYTES + 2 * ntok)
+    return ntok
+
+
+def read_shard(path):
+    ntok = shard_count(path)
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+class Shard:
+    """A token shard read batch by batch with pread from a file opened once (no mmap: a
+    file that shrinks under a read gives a short read, checked, never a SIGBUS)."""
+
+    def __init__(self, path):
+        self.path, self.size = path, shard_count(path)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, at, n):
+        """Tokens at..at+n-1 as uint16; refused when the file no longer holds them."""
+        want = 2 * n
+        raw = os.pread(self.fd, want, HEADER_BYTES + 2 * at)
+        if len(raw) < want:
+            now = os.fstat(self.fd).st_size
+            raise CupyGPTError(f"{self.path}: token shard changed while training read it: it "
+                               f"is now {now} bytes, its header says "
+                               f"{HEADER_BYTES + 2 * self.size}; restore the shard (or "
+                               f"prepare it again) and resume from the last checkpoint")
+        return np.frombuffer(raw, dtype=np.uint16)
+
+    def __del__(self):
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            os.close(fd)
 
 
 def write_shard(path, tokens, f=None):

@@ -133,8 +133,8 @@ def _encode(task):
 def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
     """Tokenizes the inputs in order on `processes` workers and writes
     shards of shard_size tokens; progress(n) gets the input bytes done. Returns the paths
-    written and the token count."""
-    buf, fill, written, total = np.empty(shard_size, np.uint16), 0, [], 0
+    written, the token count and the documents' (each an EOT and its text's tokens)."""
+    buf, fill, written, total, docs = np.empty(shard_size, np.uint16), 0, [], 0, [0]
 
     def flush(n):
         path = shard_path(out, name, len(written))
@@ -146,6 +146,7 @@ def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
         the workers keep up, never all at once)."""
         pending = collections.deque()
         for task in tasks(inputs):
+            docs[0] += len(task[0])
             pending.append(pool.apply_async(_encode, (task,)))
             if len(pending) >= ahead:
                 yield pending.popleft().get()
@@ -164,4 +165,4 @@ def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
             progress(done)
     if fill:
         flush(fill)
-    return written, total
+    return written, total, docs[0]

@@ -317,7 +317,53 @@ CASES += [
                                       "-o", t / "never"],
      "nope.bin: no such file; `cupygpt prepare hellaswag_val.jsonl --hellaswag` (HellaSwag's "
      "published jsonl) makes it"),
+    ("train --peer-timeout 1e10", lambda t: ["train", "-n", "1", "--peer-timeout", "1e10",
+                                             "-o", t / "never"],
+     "--peer-timeout 10000000000.0: is more than a year; the most it takes is 31536000 seconds"),
+    *[(f"schedule {pm}", lambda t, pm=pm: ["schedule", *pm.split()],
+       f"error: {pm}: at most 512 stages and 65,536 stages x micro-batches (the simulator runs "
+       f"in Python") for pm in ("-p 513 -m 1", "-p 8 -m 8193")],
+    # GPU-only switches asked of the numpy backend: refused as --attention cudnn there is
+    ("train --tf32 on numpy", lambda t: ["train", "--tf32", "-n", "1", "-b", "2", "-t", "32",
+                                         "-o", t / "never"],
+     "error: --tf32: the numpy backend has no TF32 (a GPU's matmul mode): it runs with "
+     "--backend cuda"),
+    ("train --graphs on numpy", lambda t: ["train", "--graphs", "-n", "1", "-b", "2", "-t",
+                                           "32", "-o", t / "never"],
+     "error: --graphs: the numpy backend has no CUDA graphs (a GPU's): it runs with "
+     "--backend cuda"),
+    ("bench --graphs on numpy", lambda t: ["bench", "--backend", "numpy", "--graphs", "-e",
+                                           "tiny", "-b", "2", "-t", "32", "--steps", "1",
+                                           "--warmup", "0", "--out", t / "never.json"],
+     "error: --graphs: the numpy backend has no CUDA graphs"),
+    ("resume a .partial", lambda t: ["train", "--resume", a_partial(t), "-b", "4", "-t", "32",
+                                     "-n", "2", "-o", t / "never"],
+     "ckpt_00000001.partial: a checkpoint never finished (a run stopped while writing it); "
+     "give a complete ckpt_STEP directory or the run's -o directory"),
+    ("resume a checkpoint's model.bin", lambda t: [
+        "train", "--resume", os.path.join(a_ckpt(t), "model.bin"), "-b", "4", "-t", "32",
+        "-n", "2", "-o", t / "never"],
+     "model.bin: is a file; give the checkpoint directory it is in ("),
+    ("model header C 1e9", lambda t: ["verify", "--model", corrupt(t, MODEL, "m.bin",
+                                                                  set_int(6, 10**9)),
+                                      "--state", STATE],
+     "m.bin: bad model header: C (int 6) is 1000000000, more than any GPT-2 has (at most "
+     "65536)"),
+    ("shard count negative", lambda t: ["train", "-i", corrupt(
+        t, os.path.join(DATA, "tiny_shakespeare_val.bin"), "s.bin", set_int(2, -5)), "-n", "1",
+        "-o", t / "never"],
+     "s.bin: bad token shard header: token count (int 2) is -5; it cannot be negative"),
+    ("prepare empty corpus in shards", lambda t: [
+        "prepare", a_file(t, ""), a_file(t, ""), "--shard-size", "100", "--out", t / "never"],
+     "plain.txt ...: no text in the input(s) (empty documents only); nothing written"),
 ]
+
+
+def a_partial(tmp_path):
+    """A whole checkpoint, but named as one never renamed (ckpt_STEP.partial)."""
+    done = a_ckpt(tmp_path)
+    os.rename(done, done + ".partial")
+    return done + ".partial"
 
 
 def a_file(tmp_path, text="a short text\n\nin two sections\n"):
@@ -390,3 +436,33 @@ def test_interleaved_micro_batches_refused_before_the_run():
 def test_backend_cuda_without_gpu():
     res = cli("train", "--backend", "cuda", "-n", "1")
     assert res.returncode == 1 and res.stderr.startswith("error: --backend cuda: no GPU")
+
+
+def test_a_peer_timeout_past_what_select_takes_is_one_line_under_mpiexec(tmp_path):
+    """Each rank's start-up watchdog waited with select, which overflows near 9.2e9 s: a
+    traceback per rank; now the timeout is bounded (a year) and refused once, in one line."""
+    res = cli("train", "-e", "tiny", "-n", "1", "-v", "0", "-s", "0", "-g", "0", "-b", "2",
+              "-t", "32", "--peer-timeout", "1e300", "-o", tmp_path / "never", ranks=2)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "error: --peer-timeout 1e+300: is more than a year; the most it takes is 31536000 " \
+        "seconds" in res.stderr, res.stderr
+    assert not os.path.exists(tmp_path / "never")
+
+
+def test_an_eval_file_past_the_models_context_is_named_once(tmp_path):
+    """The line named the --hellaswag file twice ("--hellaswag X: X: its longest ...")."""
+    from test_hellaswag import write_llmc_eval
+    write_llmc_eval(tmp_path / "long.bin", [(0, [1] * 70, [[2], [3], [4], [5]])])
+    res = cli("eval", MODEL, "--hellaswag", tmp_path / "long.bin", "--backend", "numpy")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: --hellaswag {tmp_path / 'long.bin'}: its longest "
+                                 f"example is 71 tokens"), res.stderr
+    assert res.stderr.count("long.bin") == 1, res.stderr
+
+
+def test_a_prompt_too_long_is_refused_before_it_is_echoed(tmp_path):
+    """sample printed the whole prompt to stdout, then refused it (shorten it)."""
+    res = cli("sample", "--model", fixture("gpt2v_model.bin"), "--backend", "numpy",
+              "--prompt", "word " * 40)
+    assert res.returncode == 1 and "shorten it" in res.stderr, res.stderr
+    assert res.stdout == "", res.stdout

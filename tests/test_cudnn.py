@@ -163,6 +163,33 @@ def test_a_head_size_cudnn_does_not_run_is_attentions_line(tmp_path):
 
 
 @SIM_ONLY
+@pytest.mark.parametrize("C", [12, 136])
+def test_cudnns_refusal_of_a_head_size_the_own_kernels_refuse_too_advises_numpy(tmp_path, C):
+    """Heads of 12 (not a multiple of 8) or 136 (past 128): neither attention on cuda runs
+    them, so the advice is the numpy backend, not --attention auto or own (refused too)."""
+    from cupygpt.files import write_model
+    from cupygpt.initialize import init_params
+    from cupygpt.shape import GPT2Config
+    cfg = GPT2Config(maxT=8, V=50, Vp=64, L=1, NH=1, C=C)
+    write_model(tmp_path / "m.bin", cfg, init_params(cfg, 1))
+    res = cli("sample", "--backend", "cuda", "--dtype", "bf16", "--attention", "cudnn",
+              "--model", tmp_path / "m.bin", env=env("sim"))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: --attention cudnn: cuDNN's sdpa runs head sizes")
+    assert res.stderr.rstrip().endswith("; use --backend numpy for this model (the own "
+                                        "kernels do not run its head size either)")
+
+
+def test_bench_attention_both_refused_names_both_as_given(tmp_path):
+    """bench --attention both asks cuDNN too: its refusal names the value the user gave."""
+    res = cli("bench", "-e", "tiny", "-b", "2", "-t", "32", "--steps", "1", "--warmup", "0",
+              "--backend", "numpy", "--attention", "both", "--out", tmp_path / "b.json")
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: --attention both: the numpy backend has no cuDNN")
+    assert not (tmp_path / "b.json").exists()
+
+
+@SIM_ONLY
 def test_tensor_parallel_shards_take_cudnn_on_their_heads():
     """--tp 2: each rank's graphs are over its 8 of the 16 heads, in its shard's packed qkv
     (and the graphs' workspace is in each rank's plan)."""

@@ -118,3 +118,21 @@ def test_a_token_outside_the_vocab_is_found_in_its_batch(tmp_path):
     write_shard(tmp_path / "s.bin", toks)
     with pytest.raises(CupyGPTError, match="token 301"):
         DataLoader(str(tmp_path / "s.bin"), 1, 16, 300)
+
+
+def test_a_shard_that_shrinks_under_the_loader_is_named_not_a_bus_error(tmp_path):
+    """A shard truncated while a run reads it (another job rewriting it): one error naming
+    the shard, where a memory map's read past the new end killed the process (SIGBUS)."""
+    write_shard(tmp_path / "s.bin", np.zeros(4 * 4096 + 1, np.uint16))
+    code = (f"import os, sys\nfrom cupygpt import CupyGPTError\n"
+            f"from cupygpt.data import DataLoader\n"
+            f"dl = DataLoader({str(tmp_path / 's.bin')!r}, 1, 4096, 300)\n"
+            f"dl.next_batch()\nos.truncate({str(tmp_path / 's.bin')!r}, 2000)\n"
+            f"try:\n    dl.next_batch()\nexcept CupyGPTError as e:\n    print(e)\n")
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.startswith(f"{tmp_path / 's.bin'}: token shard changed while training "
+                               f"read it: it is now 2000 bytes"), r.stdout

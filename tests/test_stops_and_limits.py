@@ -111,6 +111,24 @@ def test_a_second_signal_stops_at_once_leaving_nothing_half_written(tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt_00000001")) == ["adamw.npz", "model.bin"]
 
 
+def test_a_signal_while_a_checkpoints_state_is_gathered_leaves_no_partial_directory(
+        tmp_path):
+    """The .partial directory was made before the weights were gathered: a second signal
+    there left it empty (while saying nothing half-written is left)."""
+    from cupygpt.checkpoint import save
+    from cupygpt.comm.launch import Stopped
+
+    class Run:
+        def state_dict(self):
+            raise Stopped(143)
+
+    class Rank0:
+        rank = 0
+    with pytest.raises(Stopped):
+        save(Run(), Rank0(), str(tmp_path), 4, {})
+    assert os.listdir(tmp_path) == []
+
+
 BIG = ["train", "--backend", "numpy", "-b", "128", "-t", "256", "-n", "1"]  # needs 3.03 GiB
 
 

@@ -8,6 +8,8 @@ import socket
 import sys
 import time
 
+YEAR_S = 365 * 86400  # the most a seconds flag takes (select and thread waits overflow
+#                      near 9.2e9 s; a wait longer than a year is never meant)
 _FAILURES = None  # a duplicate of COMM_WORLD used only by fail(), so nothing else matches
 
 
@@ -42,8 +44,9 @@ def start_mpi(timeout):
     every rank: when one never starts (a host in the hostfile that does not answer), the
     ranks that did give up after timeout seconds, the first of each host saying why."""
     global _FAILURES
-    # (a timeout not above 0 is refused by the command's checks, once MPI has started)
-    with _watchdog(timeout) if timeout > 0 else contextlib.nullcontext():
+    # (a timeout not above 0, or above a year, is refused by the command's checks, once MPI
+    # has started: select could not wait that long)
+    with _watchdog(timeout) if 0 < timeout <= YEAR_S else contextlib.nullcontext():
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
 
@@ -112,11 +115,17 @@ def fail(message, window=2.0):
     sys.exit(1)
 
 
-STOPPING = (signal.SIGINT, signal.SIGTERM)
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: the terminal closed
+
+
+def stopping():
+    """The signals that stop a command: SIGHUP too, unless ignored (nohup: left so)."""
+    return [s for s in STOPPING
+            if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
 
 
 def stop_at_once(signum, _):
-    """Every command's handler of Ctrl-C and SIGTERM (what SLURM and Kubernetes send before
+    """Every command's handler of Ctrl-C, SIGTERM and SIGHUP (what SLURM and Kubernetes send before
     a kill) outside train's loop: Stopped unwinds through what is being written
     (atomic_write, checkpoint.save, prepare's --out remove what they half wrote or made)
     and the CLI exits 128 + the signal, quietly."""
@@ -124,19 +133,19 @@ def stop_at_once(signum, _):
 
 
 def on_signals():
-    for s in STOPPING:
+    for s in stopping():
         signal.signal(s, stop_at_once)
 
 
 class Interrupt:
-    """train's handler: Ctrl-C or SIGTERM sets a flag, which the loop's phases (each step's
+    """train's handler: Ctrl-C, SIGTERM or SIGHUP sets a flag, which the loop's phases (each step's
     end, and between the batches of validation, HellaSwag and sampling) combine over the
     ranks (stopping), so a signal to one rank stops all within a batch, the run's state
     kept. A second signal stops at once (stop_at_once)."""
 
     def __init__(self):
         self.hit = None
-        self.old = {s: signal.signal(s, self.handle) for s in STOPPING}
+        self.old = {s: signal.signal(s, self.handle) for s in stopping()}
 
     def handle(self, signum, _):
         if self.hit:
