@@ -9,13 +9,11 @@ import click
 
 from .bench import ATTENTIONS, bench as run_bench, side_by_side
 from .bench_comm import comm_bench, format_rows, sizes
-from .config_parts import RUN_DTYPES, VERIFY_DTYPES
+from .config_parts import RUN_DTYPES, VERIFY_DTYPES, out_file
 from .cli_kit import (DATA, REFERENCE, TOKENIZER, HellaSwagH, device_options, entry, grid_options,
-                      overwrite_option,
-                      pipeline_options, progress, session, trace_option)
+                      overwrite_option, pipeline_options, progress, session, trace_option)
 from .cli_tools import TOOLS
 from .config import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
-from .config_parts import out_file
 from .files import atomic_write
 from .hellaswag import eval_command
 from .optim import LR_SCHEDULES
@@ -266,6 +264,8 @@ def sample(**kw):
                        f"{n} after the prompt; generating {n}", err=True)
         if bar:
             bar.length = n
+        elif first:  # the prompt once it is checked (a refused one is not echoed)
+            click.echo(prompt, nl=False)
         began.update(n=n, t=time.perf_counter())
     if sys.stdout.isatty() and first:  # a progress bar, then the text
         with progress(asked, "generating") as bar:
@@ -273,12 +273,7 @@ def sample(**kw):
         sess.log(prompt + text)
     else:  # the text as it comes, untagged (under mpiexec only the first rank prints it)
         echo = (lambda piece: click.echo(piece, nl=False)) if first else None
-
-        def begin(n):  # (the prompt once it is checked: a refused one is not echoed)
-            start(n)
-            if echo:
-                echo(prompt)
-        sample_text(sess, begin, echo)
+        sample_text(sess, start, echo)
         if echo:
             echo("\n")
     if first:

@@ -120,9 +120,8 @@ class TrainConfig:
                                "off", "val_batches", c.val_batches)
         if c.tokenizer:
             existing("tokenizer", c.tokenizer)
-        for name in ("train_pattern", "val_pattern"):
-            if getattr(c, name):
-                shard_files(getattr(c, name), name)
+        for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
+            shard_files(getattr(c, name), name)
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         runs_on(c, be, shape, "init", c.init)
@@ -168,10 +167,10 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
     examples = tuple(read_eval(path))
     longest = longest_row(examples)
     if longest > shape.maxT:  # no -t helps: say what the model takes
-        raise CupyGPTError(f"its longest example is {longest} tokens (context + "
-                           f"completion), more than the model's context takes (maxT = "
-                           f"{shape.maxT}); give a file whose examples fit {shape.maxT} "
-                           f"tokens, or a model with a longer context", option, path)
+        raise CupyGPTError(f"its longest example is {longest} tokens (context + completion), "
+                           f"more than the model's context takes (maxT = {shape.maxT}); give "
+                           f"a file whose examples fit, or a model with a longer context",
+                           option, path)
     seq = default(seq, longest)
     fits(seq, shape)
     check_fits(path, examples, seq, shape.V, option)

@@ -53,10 +53,10 @@ def atomic_write(path):
 def full(e):
     """e says the disk is full (or the quota spent): an OSError's errno, or the OS's error
     quoted by a library that raises its own type (safetensors: "... (os error 28)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
     if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(e, Exception) and any(f"(os error {n})" in str(e)
-                                            for n in (errno.ENOSPC, errno.EDQUOT))
+        return e.errno in codes
+    return isinstance(e, Exception) and any(f"(os error {n})" in str(e) for n in codes)
 
 
 def disk_full(path):
@@ -273,9 +273,8 @@ class Shard:
 
     def read(self, at, n):
         """Tokens at..at+n-1 as uint16; refused when the file no longer holds them."""
-        want = 2 * n
-        raw = os.pread(self.fd, want, HEADER_BYTES + 2 * at)
-        if len(raw) < want:
+        raw = os.pread(self.fd, 2 * n, HEADER_BYTES + 2 * at)
+        if len(raw) < 2 * n:
             now = os.fstat(self.fd).st_size
             raise CupyGPTError(f"{self.path}: token shard changed while training read it: it "
                                f"is now {now} bytes, its header says "
