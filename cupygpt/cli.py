@@ -184,7 +184,8 @@ def train(**kw):
 @entry
 def bench(out, **kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
-    check_outputs([("out", out)], [os.path.join(DATA, "tiny_shakespeare_train.bin")])
+    check_outputs([("out", out), ("trace", kw["trace"])],
+                  [os.path.join(DATA, "tiny_shakespeare_train.bin")])
     out_file("out", out, kw["overwrite"])
     sess = session(BenchConfig, {**kw, "data": os.path.join(DATA, "tiny_shakespeare_train.bin")},
                    tf32_default=True)

@@ -41,8 +41,15 @@ def open_tokenizer(path, cfg, log):
 def injected_fault():
     """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK, or one step's
     targets all the vocab's last token (a loss spike, for -sl/-sg) with targets:STEP."""
-    kind, _, rest = os.environ.get("CUPYGPT_FAULT", "").partition(":")
-    return (kind, *map(int, rest.split(":"))) if kind in ("raise", "targets") else None
+    spec = os.environ.get("CUPYGPT_FAULT", "")
+    kind, _, rest = spec.partition(":")
+    if kind not in ("raise", "targets"):
+        return None
+    try:
+        return (kind, *map(int, rest.split(":")))
+    except ValueError:
+        raise CupyGPTError(f"CUPYGPT_FAULT={spec!r}: give raise:STEP:RANK or targets:STEP "
+                           f"(whole numbers), or unset it") from None
 
 
 def train(sess):

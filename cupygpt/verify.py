@@ -1,5 +1,7 @@
 """llm.c's test_gpt2 as a command: logits, loss and every gradient against a debug state,
 then K AdamW steps on its batch. Under mpiexec each rank checks its own slice."""
+import math
+
 import numpy as np
 
 from .files import check_finite, read_model, read_state
@@ -101,18 +103,17 @@ def gradient_check(run, tr, state, cfg):
 
 
 def compare_steps(steps, expected, tol):
-    """Marks each step's loss against the expected losses (the validated --expected file's,
-    when given); whether all are within tolerance."""
-    if expected is None:
-        return True
-    ok = True
+    """Marks each step's loss: a non-finite one fails (whatever the flags: a diverged step
+    is no pass), the others against the expected losses (the validated --expected file's)
+    when given; whether all hold."""
     for s in steps:
-        if s["step"] < len(expected):
+        if not math.isfinite(s["loss"]):
+            s["ok"] = False
+        elif expected is not None and s["step"] < len(expected):
             want = expected[s["step"]]
             s.update(expected=want, abs_diff=abs(s["loss"] - want),
                      ok=abs(s["loss"] - want) <= tol["step_loss"])
-            ok = ok and s["ok"]
-    return ok
+    return all(s.get("ok", True) for s in steps)
 
 
 def format_report(r):
@@ -129,7 +130,7 @@ def format_report(r):
                      f"{g['tol']:>12.3e}  {mark(g['ok'])}")
     for s in r["steps"]:
         exp = (f"  expected {s['expected']:.6f}  |diff| {s['abs_diff']:.3e}  {mark(s['ok'])}"
-               if "expected" in s else "")
+               if "expected" in s else "" if s.get("ok", True) else "  FAIL (not finite)")
         lines.append(f"step {s['step']}: loss {s['loss']:.6f}{exp}")
     lines.append(f"verify: {'PASS' if r['ok'] else 'FAIL'}")
     return "\n".join(lines)

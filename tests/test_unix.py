@@ -139,6 +139,39 @@ def test_two_outputs_of_one_command_on_one_path_are_refused(tmp_path):
                  "--log-file", tmp_path / "x"),
              f"--trace {tmp_path / 'x'}: is also another of this command's outputs")
     assert os.listdir(tmp_path) == []
+    one_line(cli("bench", "--backend", "numpy", "-e", "tiny", "-b", 1, "-t", 16, "--steps", 1,
+                 "--out", tmp_path / "b.json", "--trace", tmp_path / "." / "b.json"),
+             "is also another of this command's outputs")  # (bench's --out beside --trace)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 0.6])
+def test_ctrl_c_while_a_command_still_imports_is_a_quiet_130(tmp_path, delay):
+    """Before a command's own handlers are in (its imports: numpy, the package) Ctrl-C
+    ends it as it does later: 130, no KeyboardInterrupt traceback."""
+    p = subprocess.Popen([sys.executable, CLI, *TINY, "-n", "2", "-o", str(tmp_path / "o")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, err
+
+
+def test_verify_fails_a_step_whose_loss_is_not_finite():
+    from conftest import cli
+    res = cli("verify", "--backend", "numpy", "--steps", 2, "--lr", 1e30, "--json")
+    r = json.loads(res.stdout.splitlines()[-1])
+    assert res.returncode == 1 and not r["ok"], res.stdout + res.stderr
+    assert [s["ok"] for s in r["steps"] if not np.isfinite(s["loss"])] == [False] * sum(
+        not np.isfinite(s["loss"]) for s in r["steps"]) and r["steps"], r["steps"]
+    assert not np.isfinite(r["steps"][-1]["loss"]), "the test needs a diverged step"
+
+
+def test_a_malformed_fault_hook_is_one_line(tmp_path):
+    from conftest import cli
+    one_line(cli(*TINY, "-n", 1, "-o", tmp_path / "o", env={"CUPYGPT_FAULT": "raise:abc"}),
+             "CUPYGPT_FAULT='raise:abc': give raise:STEP:RANK")
+    assert os.listdir(tmp_path) == []
 
 
 def test_gpucheck_refuses_an_out_it_cannot_use_in_one_line(tmp_path):
