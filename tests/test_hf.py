@@ -257,6 +257,6 @@ def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
     def full(*args, **kw):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(convert, "save_file", full)
-    with pytest.raises(CupyGPTError, match=r"failed \(No space left on device\); nothing was"):
+    with pytest.raises(CupyGPTError, match=r"hf: disk full \(or over quota\) while writing it; nothing was"):
         convert.convert(fixture("tiny_model.bin"), str(tmp_path / "hf"))
     assert os.listdir(tmp_path) == []

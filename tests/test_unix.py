@@ -149,7 +149,7 @@ def test_two_outputs_of_one_command_on_one_path_are_refused(tmp_path):
 def test_ctrl_c_while_a_command_still_imports_is_a_quiet_130(tmp_path, delay):
     """Before a command's own handlers are in (its imports: numpy, the package) Ctrl-C
     ends it as it does later: 130, no KeyboardInterrupt traceback."""
-    p = subprocess.Popen([sys.executable, CLI, *TINY, "-n", "2", "-o", str(tmp_path / "o")],
+    p = subprocess.Popen([sys.executable, CLI, *TINY, "-n", "100000", "-o", str(tmp_path / "o")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(delay)
     p.send_signal(signal.SIGINT)

@@ -47,9 +47,11 @@ class Mpi(Transport):
         sizes = np.zeros(self.size, np.int64)
         what = ("rank 0 to take this rank's part of a gather" if self.rank else
                 "the parts of a gather from " + ", ".join(f"rank {q}" for q in range(1, self.size)))
-        self.wait(self.comm.Igather(np.array([data.size], np.int64), sizes, root=0), what)
+        mine = np.array([data.size], np.int64)  # (named: a nonblocking call's buffers must
+        self.wait(self.comm.Igather(mine, sizes, root=0), what)  # outlive it, not be freed)
         got = np.empty(int(sizes.sum()) if self.rank == 0 else 0, np.uint8)
-        self.wait(self.comm.Igatherv(data, [got, sizes.astype(np.int32)], root=0), what)
+        counts = sizes.astype(np.int32)
+        self.wait(self.comm.Igatherv(data, [got, counts], root=0), what)
         if self.rank:
             return None
         ends = np.cumsum(sizes)
