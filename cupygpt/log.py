@@ -65,8 +65,8 @@ def failed(fd, why):
     """stdout's write error, said once (stderr's own has nowhere to be said)."""
     if fd == FDS["stdout"] and not FAILED:
         FAILED.append(why)
-        write_fd(FDS["stderr"], f"error: standard output: write error ({why}); what the command prints "
-                    f"is lost, it goes on and exits 1 at its end\n".encode())
+        write_fd(FDS["stderr"], f"error: standard output: write error ({why}); what the "
+                 f"command prints is lost, it goes on and exits 1 at its end\n".encode())
 
 
 class _Raw(io.RawIOBase):
@@ -100,8 +100,8 @@ def guard_streams():
         if stream is None:  # (a new fd, not dup2 onto 1 or 2: a file may hold that number)
             fd = os.open(os.devnull, os.O_WRONLY)
             CLOSED.add(fd)
-            stream = io.TextIOWrapper(open(os.devnull, "wb"), encoding="utf-8",
-                                      errors="backslashreplace")
+            stream = io.TextIOWrapper(io.BytesIO(), encoding="utf-8",  # (its settings only:
+                                      errors="backslashreplace")  # no second /dev/null fd)
         else:
             try:
                 fd = stream.fileno()
