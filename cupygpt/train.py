@@ -359,3 +359,6 @@ class Trainer:
         if broken:
             raise CupyGPTError(f"could not write {' and '.join(broken)}; the model was "
                                f"written: {path}")
+        if self.stopping():  # a signal during the last writes, which it let finish
+            self.log("interrupted after the last step; everything was written")
+            raise SystemExit(self.stop.code(self.tr))

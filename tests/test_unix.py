@@ -260,3 +260,23 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
                            log_file=str(out / "log.jsonl"))
     rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0)))
     assert not out.exists()
+
+
+def test_a_signal_during_the_last_writes_lets_them_finish_and_exits_as_signalled(tmp_path):
+    """SIGTERM while the last step's model is written: the model is whole, the run says
+    so, and the exit status is 128 + SIGTERM, not 0 (a scheduler must see the stop)."""
+    script = ("import os, signal, sys\n"
+              "import cupygpt.train as t\n"
+              "real = t.write_model\n"
+              "def signalled(*a, **k):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(*a, **k)\n"
+              "t.write_model = signalled\n"
+              "sys.argv = ['cli.py', *sys.argv[1:]]\n"
+              "from cupygpt.__main__ import run\n"
+              "run()\n")
+    res = subprocess.run([sys.executable, "-c", script, *TINY, "-n", "2", "-o", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert (res.returncode, res.stderr) == (143, ""), res.stderr
+    assert "interrupted after the last step; everything was written" in res.stdout
+    assert (tmp_path / "model.bin").stat().st_size > 0
