@@ -9,7 +9,7 @@ def run():
     installs its own handlers) a quiet exit 130 rather than an import's KeyboardInterrupt
     traceback."""
     signal.signal(signal.SIGINT, lambda sig, frame: sys.exit(128 + sig))
-    from .cli import main
+    from .cli.main import main
     main()
 
 

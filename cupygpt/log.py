@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .files import atomic_write
+from .paths import atomic_write
 
 COLORS = (34, 35, 36, 33, 32, 31, 94, 95)  # ANSI: blue, magenta, cyan, yellow, green, ...
 

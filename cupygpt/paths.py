@@ -2,14 +2,21 @@
 output is one of the command's inputs (a log written over a train shard destroys it) nor
 lies in the installed package; an input is a regular file (a FIFO blocks its reader
 forever, /dev/zero never ends) and text or JSON is read up to a cap."""
+import contextlib
+import errno
 import fcntl
 import json
 import os
 import stat
+import tempfile
+from contextlib import contextmanager
 
 from . import CupyGPTError
 
-PKG = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.dirname(os.path.abspath(__file__))  # the package, as imported
+PKG = os.path.realpath(PACKAGE)  # where its files are: no output may land there
+DATA = os.path.join(PACKAGE, "data")            # shipped: tokenizer, tinyshakespeare, its shards
+REFERENCE = os.path.join(PACKAGE, "reference")  # shipped: llm.c model + debug-state files
 JSON_CAP = 256 << 20   # a trace of a long run, a log, a config: far below this
 TEXT_CAP = 1 << 30     # prepare's text (tinyshakespeare is 1 MiB)
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
@@ -182,3 +189,47 @@ def claim(name, out):
     if why:
         raise CupyGPTError(why, name, out)
     HELD.append(fd)
+
+
+UMASK = os.umask(0)
+os.umask(UMASK)
+
+
+@contextmanager
+def atomic_write(path):
+    """Yields a file object; the file appears under path only if the block completes."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    except OSError as e:
+        raise CupyGPTError(f"{path}: cannot write here ({e.strerror})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~UMASK)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):  # (a signal just after the rename)
+            os.unlink(tmp)
+        if full(e):
+            raise disk_full(path) from None
+        raise
+
+
+def full(e):
+    """e says the disk is full (or the quota spent): an OSError's errno, or the OS's error
+    quoted by a library that raises its own type (safetensors: "... (os error 28)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, OSError):
+        return e.errno in codes
+    return isinstance(e, Exception) and any(f"(os error {n})" in str(e) for n in codes)
+
+
+def disk_full(path):
+    """The one line for a write that found no room (the partial output already removed)."""
+    return CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing was "
+                        f"written there: free some space and run again")

@@ -9,13 +9,13 @@ from . import CupyGPTError
 from .backends import FusedAttentionUnsupported, get_backend
 from .comm import make_transport
 from .comm.launch import host_names, launched_ranks, world_rank
-from .config_parts import attention_path
-from .files import is_model_file, read_model
+from .config.sections import attention_path
+from .formats.llmc import is_model_file, read_model
 from .log import Log
-from .initialize import init_params
+from .model.initialize import init_params
 from .parallel.mesh import Mesh
-from .parallel.pipeline.runner import Runner
-from .shape import preset
+from .parallel.runner import Runner
+from .model.shape import preset
 
 
 def load_model(spec, seed):

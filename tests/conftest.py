@@ -109,7 +109,7 @@ def tiktokens(texts, eot=True):
     """Each text's GPT-2 tokens (tiktoken's encoding of the shipped tokenizer), an EOT
     first when eot, in a process of its own: in-process, tiktoken can break once another
     test has loaded NVRTC or cudasim."""
-    script = ("import json, sys; from cupygpt.tokenizer import Tokenizer; "
+    script = ("import json, sys; from cupygpt.formats.tokenizer import Tokenizer; "
               f"t = Tokenizer({os.path.join(ROOT, 'cupygpt', 'data', 'gpt2_tokenizer.bin')!r}); "
               "print(json.dumps([([t.eot] if %r else []) + t.encode(x) "
               "for x in json.load(sys.stdin)]))" % eot)

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cupygpt.shape import GPT2Config  # noqa: E402
-from cupygpt.files import MODEL_MAGIC, atomic_write, make_header, write_model  # noqa: E402
-from cupygpt.layout import param_layout  # noqa: E402
+from cupygpt.model.shape import GPT2Config
+from cupygpt.formats.llmc import MODEL_MAGIC, make_header, write_model
+from cupygpt.paths import atomic_write
+from cupygpt.model.layout import param_layout
 from statefile import write_state  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cupygpt", "reference")

@@ -1,7 +1,8 @@
 """Writes llm.c's debug-state format (the package only reads it): fixtures and tests."""
 import numpy as np
 
-from cupygpt.files import STATE_MAGIC, atomic_write, make_header
+from cupygpt.formats.llmc import STATE_MAGIC, make_header
+from cupygpt.paths import atomic_write
 
 
 def write_state(path, x, y, logits, loss, grads):
@@ -21,10 +22,10 @@ def make_state64(model, d, B, T, seed=3):
 
     from cupygpt.backends import numpy_backend as be
     from cupygpt.comm.local import Local
-    from cupygpt.files import read_model
-    from cupygpt.optim import AdamWConfig
+    from cupygpt.formats.llmc import read_model
+    from cupygpt.model.optim import AdamWConfig
     from cupygpt.parallel.mesh import Mesh
-    from cupygpt.parallel.pipeline.runner import Runner
+    from cupygpt.parallel.runner import Runner
     cfg, params = read_model(model)
     run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=B, seq=T,
                  dtype=np.float64, adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))

@@ -30,7 +30,7 @@ def set_int(i, v):
 
 
 def short_shard(tmp_path):
-    from cupygpt.files import write_shard
+    from cupygpt.formats.llmc import write_shard
     write_shard(tmp_path / "short.bin", np.arange(100))
     return str(tmp_path / "short.bin")
 
@@ -389,7 +389,7 @@ def a_trace(tmp_path, pipeline, dur=5):
 
 def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None):
     """A checkpoint of the tiny reference model at B=4, T=32, step 1, made by hand."""
-    from cupygpt.files import read_model_header
+    from cupygpt.formats.llmc import read_model_header
     shape = read_model_header(MODEL)[0]
     d = tmp_path / "ckpt_00000001"
     d.mkdir()
@@ -425,8 +425,8 @@ def test_bad_input_is_one_line(tmp_path, case):
 def test_interleaved_micro_batches_refused_before_the_run():
     """Under mpiexec: the config refuses them before any peer is touched."""
     from cupygpt import CupyGPTError
-    from cupygpt.config_parts import Pipeline
-    from cupygpt.files import model_shape
+    from cupygpt.config.sections import Pipeline
+    from cupygpt.formats.llmc import model_shape
     with pytest.raises(CupyGPTError, match="multiple of the 2 pipeline stages") as e:
         Pipeline(3, "interleaved").validate(model_shape(fixture("odd_model.bin")), 8, 2, 3)
     assert e.value.option == "micro_batches"

@@ -11,15 +11,15 @@ from conftest import cli, losses
 from cupygpt import CupyGPTError
 from cupygpt.backends import numpy_backend as npb
 from cupygpt.comm.local import Local
-from cupygpt.config import SampleConfig
-from cupygpt.config_parts import run_dtype
-from cupygpt.files import read_model_header
-from cupygpt.initialize import init_params
-from cupygpt.optim import AdamWConfig
+from cupygpt.config.configs import SampleConfig
+from cupygpt.config.sections import run_dtype
+from cupygpt.formats.llmc import read_model_header
+from cupygpt.model.initialize import init_params
+from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
-from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.parallel.runner import Runner
 from cupygpt.precision import BF16, stochastic_round
-from cupygpt.shape import GPT2Config, preset
+from cupygpt.model.shape import GPT2Config, preset
 
 
 def test_stochastic_rounding_is_unbiased_repeatable_and_sliceable():

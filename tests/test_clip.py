@@ -9,11 +9,11 @@ import pytest
 from conftest import cli, losses
 from cupygpt.backends import numpy_backend
 from cupygpt.comm.local import Local
-from cupygpt.initialize import init_params
-from cupygpt.optim import AdamWConfig
+from cupygpt.model.initialize import init_params
+from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
-from cupygpt.parallel.pipeline.runner import Runner
-from cupygpt.shape import preset
+from cupygpt.parallel.runner import Runner
+from cupygpt.model.shape import preset
 
 
 def one_process(clip):

@@ -429,7 +429,7 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
     the arrays never written (so never touched on cudasim)."""
     import math
 
-    from cupygpt.layout import logit_rows
+    from cupygpt.model.layout import logit_rows
     cp, cu = dev.cp, dev.cu
     launches = []
 
@@ -673,7 +673,7 @@ def test_embedding_gradient_over_several_sorted_runs(dev, dtype):
     tokens, most repeated: the device's order is numpy's (token, position) sort, and wte's
     and wpe's gradients (a vocab shard missing some tokens) are the NumPy reference's."""
     from cupygpt.backends import numpy_backend as npb
-    from cupygpt.kernels import GEOMETRY
+    from cupygpt.backends.kernels import GEOMETRY
     cp, cu = dev.cp, dev.cu
     dt, rng = BF16 if dtype == "bf16" else np.float32, np.random.default_rng(11)
     B, T, C = 5, 500, 24

@@ -46,9 +46,9 @@ def test_verify_bf16_through_cudnn(device, files):
 def heads16(tmp_path_factory):
     """A model with heads of 16 (3 of them) and a float64 state at T = 37 (no multiple of
     64, nor of 16)."""
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
-    from cupygpt.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     from statefile import make_state64
     d = tmp_path_factory.mktemp("heads16")
     cfg = GPT2Config(maxT=40, V=301, Vp=320, L=2, NH=3, C=48)
@@ -150,9 +150,9 @@ def test_attention_both_is_benchs_alone(command):
 def test_a_head_size_cudnn_does_not_run_is_attentions_line(tmp_path):
     """Heads of 136 (a multiple of 8 past 128): --attention cudnn says cuDNN's limit, from
     the model file's header alone, before anything is read or allocated."""
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
-    from cupygpt.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     cfg = GPT2Config(maxT=8, V=50, Vp=64, L=1, NH=1, C=136)
     write_model(tmp_path / "m.bin", cfg, init_params(cfg, 1))
     res = cli("sample", "--backend", "cuda", "--dtype", "bf16", "--attention", "cudnn",
@@ -167,9 +167,9 @@ def test_a_head_size_cudnn_does_not_run_is_attentions_line(tmp_path):
 def test_cudnns_refusal_of_a_head_size_the_own_kernels_refuse_too_advises_numpy(tmp_path, C):
     """Heads of 12 (not a multiple of 8) or 136 (past 128): neither attention on cuda runs
     them, so the advice is the numpy backend, not --attention auto or own (refused too)."""
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
-    from cupygpt.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     cfg = GPT2Config(maxT=8, V=50, Vp=64, L=1, NH=1, C=C)
     write_model(tmp_path / "m.bin", cfg, init_params(cfg, 1))
     res = cli("sample", "--backend", "cuda", "--dtype", "bf16", "--attention", "cudnn",
@@ -246,11 +246,11 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     workspace, the most the shape's graphs ask, is what the plan counts and what the
     first forward allocates."""
     from cupygpt.comm.local import Local
-    from cupygpt.optim import AdamWConfig
+    from cupygpt.model.optim import AdamWConfig
     from cupygpt.parallel.mesh import Mesh
-    from cupygpt.parallel.pipeline.runner import Runner
+    from cupygpt.parallel.runner import Runner
     from cupygpt.precision import BF16
-    from cupygpt.shape import preset
+    from cupygpt.model.shape import preset
     cp, cu, att = sim_cudnn
     lib, shape = att["cudnn"], preset("tiny")
     run = Runner(shape=shape, backend=cu, transport=Local(), mesh=Mesh(), batch=2, seq=16,

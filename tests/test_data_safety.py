@@ -52,7 +52,7 @@ def one_line(res, expect):
 
 def small_shard(path, n=5000):
     """Tokens inside the tiny reference model's vocab (300)."""
-    from cupygpt.files import write_shard
+    from cupygpt.formats.llmc import write_shard
     write_shard(path, np.arange(n) % 300)
     return str(path)
 

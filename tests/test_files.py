@@ -9,9 +9,10 @@ import pytest
 
 from conftest import ROOT, cli, fixture
 from cupygpt import CupyGPTError
-from cupygpt.data import DataLoader
-from cupygpt.files import atomic_write, read_model, read_shard, read_state, write_model, write_shard
-from cupygpt.tokenizer import Tokenizer
+from cupygpt.train.loader import DataLoader
+from cupygpt.paths import atomic_write
+from cupygpt.formats.llmc import read_model, read_shard, read_state, write_model, write_shard
+from cupygpt.formats.tokenizer import Tokenizer
 from statefile import write_state
 
 TOK = os.path.join(ROOT, "data", "gpt2_tokenizer.bin")
@@ -74,7 +75,7 @@ SPLIT_CHECK = """
 import json, sys
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
-from cupygpt.tokenizer import Tokenizer
+from cupygpt.formats.tokenizer import Tokenizer
 tok = Tokenizer(sys.argv[1])
 theirs = tiktoken.Encoding("gpt2-published-pattern", pat_str=r50k_pat_str,
                            mergeable_ranks={t: i for i, t in enumerate(tok.tokens)

@@ -148,7 +148,7 @@ def test_fp32_heads_on_a_99_kib_device_take_one_buffer_or_are_refused(dev, devic
     with FMA) build with one buffer per walked tile and still equal the whole attention;
     64 keeps two; 128 fits in neither way and is refused in a line naming the bytes,
     before CUDA fails setting the opt-in."""
-    from cupygpt.kernels import flash_smem_bytes
+    from cupygpt.backends.kernels import flash_smem_bytes
     if device != "sim":
         pytest.skip("pretends a 99 KiB device: cudasim only")
     monkeypatch.setenv("CUDASIM_SMEM_OPTIN", str(SMALL_OPTIN))
@@ -170,9 +170,9 @@ def test_fp32_heads_on_a_99_kib_device_take_one_buffer_or_are_refused(dev, devic
 
 
 def test_a_head_the_gpus_shared_memory_cannot_hold_is_refused_in_a_line(device, tmp_path):
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
-    from cupygpt.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     if device != "sim":
         pytest.skip("pretends a 99 KiB device: cudasim only")
     cfg = GPT2Config(maxT=16, V=300, Vp=320, L=1, NH=1, C=128)
@@ -187,9 +187,9 @@ def test_a_head_the_gpus_shared_memory_cannot_hold_is_refused_in_a_line(device, 
 
 @pytest.mark.parametrize("NH", (4, 1))  # head sizes 12 (not a multiple of 8) and 192
 def test_a_head_size_the_kernels_lack_is_refused_before_anything_runs(device, tmp_path, NH):
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
-    from cupygpt.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     cfg = GPT2Config(maxT=16, V=300, Vp=320, L=1, NH=NH, C=48 if NH == 4 else 192)
     write_model(tmp_path / "model.bin", cfg, init_params(cfg, 3))
     res = cli("train", "--backend", "cuda", "-e", tmp_path / "model.bin", "-b", "1", "-t", "8",
@@ -208,9 +208,9 @@ def test_the_activations_grow_linearly_with_T():
     dimensions."""
     from dataclasses import replace
 
-    from cupygpt.layout import Part, activation_layout, scratch_layout
-    from cupygpt.model import Stage
-    from cupygpt.shape import PRESETS
+    from cupygpt.model.layout import Part, activation_layout, scratch_layout
+    from cupygpt.model.stage import Stage
+    from cupygpt.model.shape import PRESETS
 
     def activations(cfg, T):
         return Stage.sizes(cfg, batch=4, seq=T, part=Part.whole(cfg), slots=1, split=True,

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.mpi,
 def made(tmp_path_factory):
     """A model shaped for grids (4 layers; 6 heads: TP 2 and 3; a vocab of 301 padded to
     320, divisible by neither) and shards of the shipped text's tokens folded into it."""
-    from cupygpt.shape import GPT2Config
-    from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
+    from cupygpt.formats.llmc import read_shard, write_model, write_shard
+    from cupygpt.model.initialize import init_params
     d = tmp_path_factory.mktemp("grid")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))
@@ -82,7 +82,7 @@ def test_grid_trains_like_one_process(made, tmp_path, ranks, grid):
                                                          rel=1e-5)
     assert res.stdout.count("train loss") == 4, "one rank prints the step lines"
     assert "dp groups" in res.stdout
-    from cupygpt.files import read_model
+    from cupygpt.formats.llmc import read_model
     _, pa = read_model(tmp_path / "one" / "model.bin")
     _, pb = read_model(tmp_path / "grid" / "model.bin")
     # AdamW divides by sqrt(v): where a gradient is ~0, summation-order noise can turn one

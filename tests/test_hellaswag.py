@@ -81,7 +81,7 @@ def gpt2_float64(cfg, flat, tokens):
 
 def score_float64(model, path):
     """(accuracy, (n, 4) mean completion losses) of an eval file, llm.c's scoring."""
-    from cupygpt.files import read_model
+    from cupygpt.formats.llmc import read_model
     cfg, flat = read_model(model)
     losses = []
     for label, ctx, ends in read_llmc_eval(path):
@@ -103,9 +103,9 @@ def score_float64(model, path):
 def made(tmp_path_factory):
     """A 6-head 4-layer model (TP 2 splits its heads) and an eval file of 11 examples of
     random lengths: 5 batches of 2 examples and one of 1 at B = 8."""
-    from cupygpt.shape import GPT2Config
-    from cupygpt.files import write_model
-    from cupygpt.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
+    from cupygpt.formats.llmc import write_model
+    from cupygpt.model.initialize import init_params
     d = tmp_path_factory.mktemp("hellaswag")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))
@@ -167,7 +167,7 @@ def test_train_h1_logs_the_final_models_accuracy(made, tmp_path):
     equals `eval` of the model the run wrote."""
     from conftest import ROOT
     data = os.path.join(ROOT, "cupygpt", "data")
-    from cupygpt.files import read_shard, write_shard
+    from cupygpt.formats.llmc import read_shard, write_shard
     write_shard(tmp_path / "toks.bin", read_shard(os.path.join(
         data, "tiny_shakespeare_val.bin"))[:8000] % 301)
     res = cli("train", "-e", made / "model.bin", "-i", tmp_path / "toks.bin", "-j",

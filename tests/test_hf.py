@@ -17,9 +17,9 @@ from safetensors.numpy import load_file, save_file
 from conftest import ROOT, cli, fixture
 from statefile import write_state
 
-from cupygpt import hf
-from cupygpt.files import read_shard, to_bf16
-from cupygpt.tokenizer import Tokenizer
+from cupygpt.formats import hf
+from cupygpt.formats.llmc import read_shard, to_bf16
+from cupygpt.formats.tokenizer import Tokenizer
 
 MISSING = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
 needs_hf = pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
@@ -126,7 +126,7 @@ def test_exported_model_and_tokenizer_load_in_transformers(hf_dir, tmp_path):
     text = open(os.path.join(ROOT, "data", "tinyshakespeare.txt")).read()[:5000]
     text += " héllo wörld 日本語 🙂\n\n  it'll\tdo's   "
     script = ("import json, sys; from transformers import AutoTokenizer; "
-              "from cupygpt.tokenizer import Tokenizer; t = sys.stdin.read(); "
+              "from cupygpt.formats.tokenizer import Tokenizer; t = sys.stdin.read(); "
               f"print(json.dumps([AutoTokenizer.from_pretrained({str(tmp_path / 'again')!r})"
               f".encode(t), Tokenizer({TOK_PATH!r}).encode(t)]))")
     res = subprocess.run([sys.executable, "-c", script], input=text, capture_output=True,
@@ -252,7 +252,8 @@ def test_bad_paths_are_refused_before_anything_is_written(hf_dir, tmp_path):
 
 def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
     """A disk that fills while the directory is written: one error, no DST, no DST.partial."""
-    from cupygpt import CupyGPTError, convert
+    from cupygpt import CupyGPTError
+    from cupygpt.commands import convert
 
     def full(*args, **kw):
         raise OSError(28, "No space left on device")

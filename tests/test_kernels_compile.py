@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from cupygpt.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
-                             flash_fp32_doubled, flash_smem_bytes, kernels_in, nvrtc_compile,
-                             options, sources)
+from cupygpt.backends.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
+                                      flash_fp32_doubled, flash_smem_bytes, kernels_in,
+                                      nvrtc_compile, options, sources)
 
 ARCHS = ("compute_80", "compute_90")
 SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cli, losses
-from cupygpt.data import DataLoader
-from cupygpt.files import read_shard, write_shard
+from cupygpt.train.loader import DataLoader
+from cupygpt.formats.llmc import read_shard, write_shard
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.plan import plan_step
-from cupygpt.shape import preset
+from cupygpt.model.shape import preset
 
 B, T = 4, 8
 
@@ -125,7 +125,7 @@ def test_a_shard_that_shrinks_under_the_loader_is_named_not_a_bus_error(tmp_path
     the shard, where a memory map's read past the new end killed the process (SIGBUS)."""
     write_shard(tmp_path / "s.bin", np.zeros(4 * 4096 + 1, np.uint16))
     code = (f"import os, sys\nfrom cupygpt import CupyGPTError\n"
-            f"from cupygpt.data import DataLoader\n"
+            f"from cupygpt.train.loader import DataLoader\n"
             f"dl = DataLoader({str(tmp_path / 's.bin')!r}, 1, 4096, 300)\n"
             f"dl.next_batch()\nos.truncate({str(tmp_path / 's.bin')!r}, 2000)\n"
             f"try:\n    dl.next_batch()\nexcept CupyGPTError as e:\n    print(e)\n")

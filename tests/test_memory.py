@@ -7,12 +7,12 @@ import pytest
 from cupygpt import CupyGPTError
 from cupygpt.backends import host_memory, numpy_backend
 from cupygpt.comm.local import Local
-from cupygpt.optim import AdamWConfig
+from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
-from cupygpt.parallel.pipeline.memory import memory_plan
+from cupygpt.parallel.memory import memory_plan
 from cupygpt.parallel.pipeline.plan import plan_step
-from cupygpt.parallel.pipeline.runner import Runner
-from cupygpt.shape import GPT2Config, preset
+from cupygpt.parallel.runner import Runner
+from cupygpt.model.shape import GPT2Config, preset
 from conftest import cli
 
 
@@ -140,7 +140,7 @@ def test_each_host_counts_only_its_own_ranks():
     more than one host has; a host whose two ranks need more is refused on every rank."""
     from types import SimpleNamespace
 
-    from cupygpt.parallel.pipeline.memory import check_memory
+    from cupygpt.parallel.memory import check_memory
     mem = {"params": 3 * 2 ** 30, "activations": 2 ** 30}  # 4 GiB a rank
 
     def check(frees, rank):

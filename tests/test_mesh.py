@@ -6,10 +6,10 @@ import pytest
 from cupygpt import CupyGPTError
 from cupygpt.backends import numpy_backend
 from cupygpt.comm.local import Local
-from cupygpt.shape import GPT2Config
+from cupygpt.model.shape import GPT2Config
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.executor import Pass
-from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.pipeline.schedule import Action, Op
 
 
@@ -81,7 +81,7 @@ def test_runner_refuses_an_unknown_action():
 def test_default_split_balances_the_counted_cost():
     """The last stage carries the LM head, so by default it takes fewer blocks: the split
     minimises the largest stage's counted cost; an even split would not."""
-    from cupygpt.shape import preset
+    from cupygpt.model.shape import preset
     from cupygpt.parallel.pipeline.plan import plan_split, stage_shares
     d12 = preset("d12")
     for p in (2, 3, 4):

@@ -3,10 +3,10 @@ and a model cut into stages by hand giving the same loss and gradients as the wh
 import numpy as np
 
 from cupygpt.backends import numpy_backend as be
-from cupygpt.shape import GPT2Config
-from cupygpt.layout import Part, assemble, param_layout
-from cupygpt.initialize import init_params
-from cupygpt.model import Stage
+from cupygpt.model.shape import GPT2Config
+from cupygpt.model.layout import Part, assemble, param_layout
+from cupygpt.model.initialize import init_params
+from cupygpt.model.stage import Stage
 
 CFG = GPT2Config(maxT=8, V=11, Vp=16, L=2, NH=2, C=8)
 # CFG with heads of 8: the CUDA backend's attention runs head sizes in multiples of 8
@@ -88,8 +88,8 @@ def test_decoding_on_the_kv_cache_matches_whole_passes():
     position the logits a whole pass over the finished sequence gives, and the same tokens."""
     from cupygpt.comm.local import Local
     from cupygpt.parallel.mesh import Mesh
-    from cupygpt.parallel.pipeline.runner import Runner
-    from cupygpt.sample import generate
+    from cupygpt.parallel.runner import Runner
+    from cupygpt.train.sample import generate
     cfg = GPT2Config(maxT=24, V=50, Vp=64, L=2, NH=4, C=32)
     run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=2, seq=24)
     run.load_state_dict(init_params(cfg, 5))  # two rows: decoding reads row 0 only
@@ -173,7 +173,7 @@ def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
     logits, losses and every gradient (float64), and keeps no (B, T, Vp) tensor."""
     import threading
 
-    from cupygpt import layout
+    from cupygpt.model import layout
     x, y = batch(3)
     full = params64()
     whole = Stage(CFG, be, batch=B, seq=T, dtype=np.float64)
@@ -221,7 +221,7 @@ def check_bf16_chunks(be, monkeypatch):
     """In bf16 the head's chunks change nothing but wte's gradient (each chunk's addition
     rounded, as a micro-batch's is): the losses and every other gradient keep their bits,
     and wte's stays within a few bf16 steps of its largest value."""
-    from cupygpt import layout
+    from cupygpt.model import layout
     from cupygpt.precision import BF16
     x, y = batch(4)
     full = params64(CFG_HS8).astype(np.float32).astype(BF16)

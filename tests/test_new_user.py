@@ -27,7 +27,7 @@ def fsync(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(fd)
 os.fsync = fsync
-from cupygpt.cli import main
+from cupygpt.cli.main import main
 main()
 """
 
@@ -143,7 +143,7 @@ def test_each_message_is_one_write_so_ranks_do_not_interleave(monkeypatch):
 
 def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
     """`train -e d12 -o d12` run twice: the second run's -e is still the preset."""
-    from cupygpt.files import is_model_file
+    from cupygpt.formats.llmc import is_model_file
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d12").mkdir()
     assert not is_model_file("d12") and is_model_file("d12.bin")
@@ -159,7 +159,7 @@ def test_a_one_process_command_under_mpiexec_says_so(tmp_path):
 
 def test_plot_without_matplotlib_names_the_package_to_install(tmp_path, monkeypatch):
     from cupygpt import CupyGPTError
-    from cupygpt.plot import plot
+    from cupygpt.commands.plot import plot
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     with pytest.raises(CupyGPTError, match=r"pip install 'cupygpt\[plot\]'"):
         plot(tmp_path / "log.jsonl", tmp_path / "loss.png")

@@ -20,7 +20,7 @@ def test_log_plot_and_checkpoint_model(tmp_path):
         assert {"step", "train_loss", "lr", "ms", "tok_s", "mem_bytes"} <= set(r)
         assert r["ms"] > 0 and r["tok_s"] > 0 and r["mem_bytes"] > 0
     assert [r["step"] for r in recs if "val_loss" in r] == [0, 3, 6]
-    from cupygpt.files import read_model
+    from cupygpt.formats.llmc import read_model
     cfg, params = read_model(tmp_path / "ckpt_00000006" / "model.bin")
     assert (tmp_path / "ckpt_00000006" / "model.bin").read_bytes() == \
         (tmp_path / "model.bin").read_bytes()

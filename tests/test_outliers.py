@@ -14,9 +14,9 @@ SPIKE = 130  # the window (128 values) is full from step 129
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    from cupygpt.shape import GPT2Config
-    from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
+    from cupygpt.formats.llmc import read_shard, write_model, write_shard
+    from cupygpt.model.initialize import init_params
     d = tmp_path_factory.mktemp("outliers")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))
@@ -93,7 +93,7 @@ def test_a_spike_is_skipped_on_cuda(made, tmp_path, device):
 
 def test_a_non_finite_value_is_an_outlier_that_stays_out_of_the_window():
     """(llm.c's running sums would turn NaN for good, and no later step could be judged.)"""
-    from cupygpt.outlier import WINDOW, OutlierDetector
+    from cupygpt.train.outlier import WINDOW, OutlierDetector
     d = OutlierDetector()
     for i in range(WINDOW):
         d.update(1.0 + (i % 2))

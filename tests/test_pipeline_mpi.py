@@ -60,7 +60,7 @@ def test_pipelined_train_equals_single_process(tmp_path, single_run, ranks, extr
     assert len(va) == len(vb) == 3 and vb == pytest.approx(va, rel=1e-5)
     assert piped.stdout.count("generating:") == 1, "the pipeline samples, one rank prints"
     assert "[pe1] rank 1 = stage 1" in piped.stdout
-    from cupygpt.files import read_model
+    from cupygpt.formats.llmc import read_model
     cfg_a, pa = read_model(single_out / "model.bin")
     cfg_b, pb = read_model(tmp_path / "b" / "model.bin")
     # AdamW divides by sqrt(v): where a gradient is ~0, summation-order noise becomes a

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cli, tiktokens
-from cupygpt.files import read_shard
-from cupygpt.shards import shard_path
+from cupygpt.formats.llmc import read_shard
+from cupygpt.commands.prepare import shard_path
 
 WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
          "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")
@@ -130,7 +130,7 @@ def test_a_corpus_of_50m_characters_uses_every_core(tmp_path, big_corpus):
     (tmp_path / "docs.json").write_text(json.dumps(docs))
     ref = tmp_path / "ref.u16"  # the reference, in a process of its own (as tiktokens)
     subprocess.run([sys.executable, "-c", (
-        "import json, sys, numpy as np; from cupygpt.tokenizer import Tokenizer; "
+        "import json, sys, numpy as np; from cupygpt.formats.tokenizer import Tokenizer; "
         f"t = Tokenizer({os.path.join(ROOT, 'cupygpt', 'data', 'gpt2_tokenizer.bin')!r}); "
         f"docs = json.load(open({str(tmp_path / 'docs.json')!r})); "
         "np.array([x for d in docs for x in [t.eot] + t.encode(d)], np.uint16)"

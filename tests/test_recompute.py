@@ -6,9 +6,9 @@ import re
 import pytest
 
 from conftest import cli, losses
-from cupygpt.layout import RECOMPUTED, Part
-from cupygpt.model import Stage
-from cupygpt.shape import preset
+from cupygpt.model.layout import RECOMPUTED, Part
+from cupygpt.model.stage import Stage
+from cupygpt.model.shape import preset
 
 FLAGS = ("-e", "tiny", "-b", "4", "-t", "32", "-n", "3", "-v", "0", "-g", "0", "-l", "3e-3",
          "-u", "1")

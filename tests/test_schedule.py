@@ -243,7 +243,7 @@ def test_schedule_command_makes_each_ranks_list_once(monkeypatch):
     """The simulator and the printout read the same lists (the command made each twice:
     at -p 256 -m 2048, 3 million actions built twice over)."""
     from click.testing import CliRunner
-    from cupygpt.cli_tools import schedule
+    from cupygpt.cli.tools import schedule
     made = []
     real = SCHEDULES["1f1b"]
     monkeypatch.setitem(SCHEDULES, "1f1b", lambda p, m, r, v=1: made.append(r) or real(p, m, r, v))

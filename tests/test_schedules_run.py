@@ -20,9 +20,9 @@ def test_split_backward_adds_what_the_fused_one_adds():
     """bwd_input on every micro-batch, then bwd_weight on each: the fused backward's bits,
     parameter gradients and the input gradient alike."""
     from cupygpt.backends import numpy_backend as be
-    from cupygpt.files import read_model
-    from cupygpt.layout import Part
-    from cupygpt.model import Stage
+    from cupygpt.formats.llmc import read_model
+    from cupygpt.model.layout import Part
+    from cupygpt.model.stage import Stage
     cfg, params = read_model(fixture("tiny_model.bin"))
     B, T, M = 2, 16, 3
     rng = np.random.default_rng(0)
@@ -67,9 +67,9 @@ def deep(tmp_path_factory):
     """8 layers (interleaved V=2 and zbv on 4 stages need 8 chunks), 4 heads, a vocab of
     301 padded to 320; B=12 splits into 2, 3, 4 or 6 micro-batches. Its reference: the
     single process's float64 state."""
-    from cupygpt.shape import GPT2Config
-    from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
+    from cupygpt.formats.llmc import read_shard, write_model, write_shard
+    from cupygpt.model.initialize import init_params
     from statefile import make_state64
     d = tmp_path_factory.mktemp("deep")
     cfg = GPT2Config(maxT=16, V=301, Vp=320, L=8, NH=4, C=32)

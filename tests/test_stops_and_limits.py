@@ -61,7 +61,7 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_and_resumes_bit_for_bit(tmp_
 
 
 def test_sigterm_without_checkpoints_writes_the_model_of_the_last_step(tmp_path):
-    from cupygpt.files import read_model
+    from cupygpt.formats.llmc import read_model
     n, text = sigterm_rank_1(tmp_path)
     assert f"wrote {tmp_path / 'model.bin'} of step {n}" in text
     assert max(log_losses(tmp_path / "log.jsonl")) == n
@@ -115,7 +115,7 @@ def test_a_signal_while_a_checkpoints_state_is_gathered_leaves_no_partial_direct
         tmp_path):
     """The .partial directory was made before the weights were gathered: a second signal
     there left it empty (while saying nothing half-written is left)."""
-    from cupygpt.checkpoint import save
+    from cupygpt.train.checkpoint import save
     from cupygpt.comm.launch import Stopped
 
     class Run:
@@ -225,7 +225,7 @@ def test_the_disk_check_counts_the_checkpoints_keep_holds(tmp_path):
 def test_checkpoints_held_at_once(every, keep, major, steps, held):
     """While the last is written: --keep's newest before it, and -nm's older multiples."""
     from types import SimpleNamespace
-    from cupygpt.rundir import checkpoints_held
+    from cupygpt.train.rundir import checkpoints_held
     assert checkpoints_held(SimpleNamespace(checkpoint_every=every, keep=keep, steps=steps,
                                             checkpoint_major=major)) == held
 
@@ -251,7 +251,7 @@ def test_a_trace_that_cannot_be_written_never_costs_the_model(tmp_path):
 
 
 def with_nan(src, dst, where=5):
-    from cupygpt.files import read_model, write_model
+    from cupygpt.formats.llmc import read_model, write_model
     cfg, params = read_model(src)
     params = params.copy()
     params[where] = np.nan

@@ -16,9 +16,9 @@ B, T = 4, 16
 def made(tmp_path_factory):
     """A small model; shard A: text tokens; shard P: A's first B*T tokens over and over, so
     the sequential loader (--no-shuffle) serves A's first batch every step."""
-    from cupygpt.shape import GPT2Config
-    from cupygpt.files import read_shard, write_model, write_shard
-    from cupygpt.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
+    from cupygpt.formats.llmc import read_shard, write_model, write_shard
+    from cupygpt.model.initialize import init_params
     d = tmp_path_factory.mktemp("flags")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=2, NH=4, C=32)
     write_model(d / "model.bin", cfg, init_params(cfg, 3))
@@ -64,8 +64,8 @@ def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
     record carry its MFU: llm.c's FLOPs of the step's tokens over its time and the bf16
     peak (989.4 TFLOP/s)."""
     from conftest import device_env
-    from cupygpt.bench import flops_per_token
-    from cupygpt.files import read_model
+    from cupygpt.model.shape import flops_per_token
+    from cupygpt.formats.llmc import read_model
     env = {**device_env("sim"), "CUDASIM_DEVICE_NAME": "NVIDIA H100 80GB HBM3"}
     res = cli("train", "-e", made / "model.bin", "-i", made / "P.bin", "-j", "", "-b", str(B), "-t",
               str(T), "-n", "2", "-g", "0", "-o", tmp_path / "o", "--backend", "cuda", "--dtype",
@@ -80,8 +80,8 @@ def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
 
 
 def test_mfu_is_llmc_flops_over_the_devices_peak():
-    from cupygpt.bench import mfu
-    from cupygpt.shape import PRESETS
+    from cupygpt.model.shape import mfu
+    from cupygpt.model.shape import PRESETS
     cfg, gpu = PRESETS["d12"], SimpleNamespace(peak_flops=lambda dtype: 989e12)
     per_token = 6 * 124475904 + 6 * 12 * 768 * 1024  # llm.c's 6N + 6LCT for d12 at T 1024
     assert mfu(gpu, cfg, 1024, "bf16", 524288, 0.5, 8) == pytest.approx(
@@ -92,7 +92,7 @@ def test_mfu_is_llmc_flops_over_the_devices_peak():
 def test_descriptors_are_llmcs_shapes():
     """llm.c's train_gpt2.cu descriptors, as its source lists them: dN -> (channels, heads)
     at T 1024; gpt3:cC -> (depth, head size) at T 2048; GPT-2's vocab padded to 50304."""
-    from cupygpt.shape import PRESETS
+    from cupygpt.model.shape import PRESETS
     gpt2 = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
             60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}
     gpt3 = {384: (6, 64), 768: (12, 64), 1024: (24, 64), 1536: (24, 96), 2048: (24, 128),

@@ -244,7 +244,7 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
     instant earlier), so its own made_out is False; the run made it all the same."""
     from types import SimpleNamespace
-    from cupygpt import rundir
+    from cupygpt.train import rundir
 
     class Rank0:  # rank 0 of two, rank 1 having made -o
         rank = 0
@@ -266,7 +266,7 @@ def test_a_signal_during_the_last_writes_lets_them_finish_and_exits_as_signalled
     """SIGTERM while the last step's model is written: the model is whole, the run says
     so, and the exit status is 128 + SIGTERM, not 0 (a scheduler must see the stop)."""
     script = ("import os, signal, sys\n"
-              "import cupygpt.train as t\n"
+              "import cupygpt.train.loop as t\n"
               "real = t.write_model\n"
               "def signalled(*a, **k):\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"

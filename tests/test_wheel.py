@@ -129,14 +129,14 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # nothing of the repository's config
     # the module the test imported is the one left in sys.modules: name its sources after
     code = ("import sys, pytest; rc = pytest.main(['-rA', '-p', 'no:cacheprovider', "
-            "'test_kernels_compile.py']); from cupygpt.kernels import sources; "
+            "'test_kernels_compile.py']); from cupygpt.backends.kernels import sources; "
             "print('SOURCES', *sources()); sys.exit(rc)")
     res = run([venv.python, "-c", code], tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     compiled = res.stdout.split("SOURCES ")[-1].split()
-    repo = sorted(f for f in os.listdir(os.path.join(ROOT, "cupygpt", "kernels_cu"))
+    repo = sorted(f for f in os.listdir(os.path.join(ROOT, "cupygpt", "backends", "kernels_cu"))
                   if f.endswith(".cu"))
-    assert compiled == [os.path.join(venv.pkg, "kernels_cu", f) for f in repo], compiled
+    assert compiled == [os.path.join(venv.pkg, "backends", "kernels_cu", f) for f in repo], compiled
     passed = set(re.findall(r"^PASSED \S+::test_nvrtc_compiles\[(\S+)\]", res.stdout, re.M))
     assert passed == {f"{f}-{arch}-{dtype}" for f in repo for arch in ("sm_80", "sm_90")
                       for dtype in ("fp32", "bf16")}, res.stdout
@@ -149,7 +149,7 @@ def test_installed_gpucheck_needs_no_repository(venv, tmp_path):
     """gpucheck from the wheel, on cudasim: the sanitizer part runs verify through the
     installed CLI on the packaged reference, from its own work directory; the tests part,
     which needs a clone's tests/, says so."""
-    code = ("from cupygpt.gpucheck import gpucheck; "
+    code = ("from cupygpt.commands.gpucheck.check import gpucheck; "
             "print(gpucheck('report', 'quick', ('tests', 'sanitizer'))[1])")
     # cudasim's cupy and compute-sanitizer stand-ins, and nothing of the repository's else
     sim = {"PYTHONPATH": SIM, "PATH": os.pathsep.join((os.path.join(SIM, "bin"), ENV["PATH"]))}

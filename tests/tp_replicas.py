@@ -8,9 +8,9 @@ from mpi4py import MPI
 
 from cupygpt.backends import numpy_backend as be
 from cupygpt.comm.mpi import Mpi
-from cupygpt.files import read_model
+from cupygpt.formats.llmc import read_model
 from cupygpt.parallel.mesh import Mesh
-from cupygpt.parallel.pipeline.runner import Runner
+from cupygpt.parallel.runner import Runner
 
 cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size

@@ -7,7 +7,7 @@ sums, gelu adding fc's bias, the flash kernels then), kept for the calibration; 
 today's kernels by today's names, each with the profile name it was measured as
 (measured_as), whose correction factor it takes. tests/test_gpumodel.py checks "now"
 against the kernels a cudasim step launches."""
-from cupygpt.layout import logit_rows
+from cupygpt.model.layout import logit_rows
 from .flash import flash_flops, flash_time
 from .hw import (C, HS, L, LAT_HBM, LAT_L2, LAT_L2_IDLE, NH, P, T, Vp, fl, gemm_cal, gemm_plain,
                 issue, mem, wave1)

@@ -34,8 +34,8 @@ from .. import CupyGPTError
 from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
                               missing as _sdpa_missing, plan as _sdpa_plan,
                               refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
-from ..kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_fp32_doubled, flash_smem_bytes,
-                       kernels_in, options, sources)
+from .kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_fp32_doubled, flash_smem_bytes,
+                      kernels_in, options, sources)
 from ..precision import BF16, dtype_name
 
 name = "cuda"

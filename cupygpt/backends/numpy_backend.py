@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import host_memory
-from ..layout import logit_rows
+from ..model.layout import logit_rows
 from ..precision import BF16, step_seed, stochastic_round, wide
 
 name = "numpy"

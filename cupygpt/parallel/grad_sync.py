@@ -1,7 +1,7 @@
 """The step's gradient sums, after (or during) its last backward: GPT-2's tied wte (the
 embedding's and the head's ends) and the data-parallel replicas' sum, overlapped with the
 backward or not, handed to ZeRO-1's reduce-scatter or not."""
-from ..layout import PARAM_NAMES, WHOLE
+from ..model.layout import PARAM_NAMES, WHOLE
 
 
 class GradSync:

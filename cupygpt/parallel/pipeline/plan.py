@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ... import CupyGPTError
-from ...layout import Part
+from ...model.layout import Part
 from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement,
                        slot_plan)
 

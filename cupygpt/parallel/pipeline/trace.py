@@ -2,7 +2,7 @@
 chrome://tracing): a row per rank, a slice per action."""
 import json
 
-from ...files import atomic_write
+from ...paths import atomic_write
 from .schedule import COMPUTE, short
 
 

@@ -1,0 +1,176 @@
+"""How the commands are built: the shipped files' paths, the one error line, a config from
+the flags, the options several commands share, and progress bars."""
+import dataclasses
+import functools
+import os
+import sys
+import traceback
+
+import click
+
+from .. import CupyGPTError
+from ..comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
+from ..config.sections import FLAG, Device, Grid, Pipeline, unmake_dirs
+from ..log import FAILED, guard_streams
+from ..paths import DATA
+from ..parallel.pipeline.schedule import SCHEDULES
+from ..session import Session
+
+TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
+
+
+def as_flag(e):
+    """A library error names a config field (CupyGPTError.option): show it as its flag."""
+    if e.option is None:
+        return str(e)
+    ctx = click.get_current_context(silent=True)
+    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    flag = params.get(e.option, e.option)
+    if e.value is FLAG:  # an on/off flag given: its name alone
+        return f"{flag}: {e.args[0]}"
+    shown = "''" if e.value == "" else e.value  # (an empty value, visibly)
+    return f"{flag} {shown}: {e.args[0]}"
+
+
+def entry(fn):
+    """Bad input ends in one line and exit 1; under mpiexec a failure ends every rank; a
+    reader closing stdout or stderr costs nothing (guard_streams); Ctrl-C and SIGTERM stop
+    the command at once, quietly, with 128 + the signal (train's loop stops at its next
+    batch instead)."""
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        guard_streams()
+        on_signals()
+        if launched_ranks() > 1:
+            start_mpi(kw.get("peer_timeout", Device.peer_timeout))
+        try:
+            fn(**kw)
+        except SystemExit as e:  # (verify and gpucheck exit 0 on success: on to wrote)
+            if e.code not in (0, None) or isinstance(e, Stopped):
+                unmake_dirs()
+                if isinstance(e, Stopped):
+                    stop_job(e.code)
+                raise
+        except BaseException as e:
+            unmake_dirs()  # a failed or stopped command leaves no directory it made
+            if isinstance(e, CupyGPTError):
+                fail(f"error: {as_flag(e)}")
+            if isinstance(e, MemoryError):  # past the check at start: another process
+                fail("error: out of memory while running (there was room at the start: "
+                     "another process took it, or a temporary outgrew the plan); lower the "
+                     "batch size or sequence length")
+            if isinstance(e, Exception):
+                fail(traceback.format_exc().rstrip())
+            raise
+        wrote()
+    return wrapper
+
+
+def wrote():
+    """A command whose standard output failed (log.write_fd said so) ends in exit 1 once
+    its work is done, as coreutils' `write error`."""
+    sys.stdout.flush()
+    if FAILED:
+        sys.exit(1)
+
+
+class HellaSwagH(click.Command):
+    """train's -h is llm.c's HellaSwag flag, so `train -h` (asking for help, as most tools
+    take it) lacks its value: the error says where help is."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadOptionUsage as e:
+            if e.option_name == "-h":
+                e.message = ("-h takes a value: 1 for HellaSwag accuracy (llm.c's -h); for "
+                             "help, give --help")
+            raise
+
+
+def one_process(command):
+    """Commands with no ranks' work to share would run once per rank under mpiexec (each
+    writing the same files)."""
+    if launched_ranks() > 1:
+        raise CupyGPTError(f"{command} runs in one process: run it without mpiexec")
+
+
+def config(cls, kw):
+    """cls (a config dataclass) from the flags: each field is the flag's parameter name;
+    the device and pipeline parts are filled the same way."""
+    parts = {"device": Device, "pipeline": Pipeline, "grid": Grid}
+    args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
+    for name, part in parts.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
+                                 if f.name in kw})
+    return cls(**args)
+
+
+def session(cls, kw, tf32_default):
+    return Session(config(cls, kw), tf32_default)
+
+
+def progress(length, label):
+    """A progress bar on stderr when it is a terminal (elsewhere a bar's label would only be
+    noise before the result or the one error line)."""
+    return click.progressbar(length=length, label=label, file=sys.stderr,
+                             hidden=not sys.stderr.isatty())
+
+
+def options(*opts):
+    """A decorator adding click options, first listed first in --help."""
+    def add(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return add
+
+
+backend_option = click.option("--backend", default="auto", show_default=True,
+                              type=click.Choice(["auto", "cuda", "numpy"]))
+device_options = options(
+    backend_option,
+    click.option("--transport", default="auto", show_default=True,
+                 type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
+                 help="stage-to-stage transport under mpiexec (auto: the backend's first "
+                      "choice: nvshmem on a GPU, mpi on the CPU)"),
+    click.option("--peer-timeout", default=300.0, show_default=True,
+                 help="seconds to wait on another rank before failing"),
+    click.option("--tf32/--no-tf32", default=None,
+                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
+    click.option("--attention", default="auto", show_default=True,
+                 type=click.Choice(["auto", "cudnn", "own", "both"]),
+                 help="bf16 attention: cuDNN's fused sdpa (the cudnn extra) or the own flash "
+                      "kernels; auto: cuDNN where it can run, saying why not otherwise; "
+                      "both: bench's, the two side by side"))
+pipeline_options = options(
+    click.option("--micro-batches", default=1, show_default=True,
+                 help="micro-batches per step (must divide the batch; per replica with --dp)"),
+    click.option("--schedule", default="1f1b", show_default=True,
+                 type=click.Choice(list(SCHEDULES))),
+    click.option("--virtual-stages", type=int, default=None,
+                 help="model chunks per rank (interleaved; zbv holds 2)  [default: 2 with "
+                      "interleaved, else 1]"),
+    click.option("--split", default=None,
+                 help="layers per model chunk (a stage's, but with interleaved or zbv), e.g. "
+                      "6,6 (default: balanced by counted cost)"))
+grid_options = options(
+    click.option("--dp", type=int, default=None,
+                 help="data-parallel replicas (each takes -b/DP rows)  [default: 1]"),
+    click.option("--tp", type=int, default=None,
+                 help="tensor-parallel ranks per stage (must divide the heads)  [default: 1]"),
+    click.option("--pp", type=int, default=None,
+                 help="pipeline stages  [default: the ranks dp and tp leave]"),
+    click.option("--zero", type=int, default=0, show_default=True,
+                 help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"),
+    click.option("--overlap/--no-overlap", default=True, show_default=True,
+                 help="sum the replicas' gradients layer by layer during the last backward "
+                      "(with --zero 1: as an all-reduce, each replica updating its slice)"))
+trace_option = click.option(
+    "--trace", default=None, metavar="PATH",
+    help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
+         "(open in Perfetto or chrome://tracing)")
+overwrite_option = click.option(
+    "--overwrite", is_flag=True,
+    help="replace the files this command writes (--out, --trace) where they exist")

@@ -1,0 +1,1 @@
+"""The GPU check: what each part runs, bounded by the lent minutes, and its report."""

@@ -1,0 +1,127 @@
+"""A checkpoint directory as a resume reads it: where the newest is, what its state file holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
+import json
+import os
+import re
+import zipfile
+
+import numpy as np
+
+from .. import CupyGPTError
+from .llmc import read_shard, shard_order
+from ..model.layout import param_layout
+
+
+LATEST = "latest"
+
+
+NAME = re.compile(r"ckpt_\d{8}$")
+
+
+# What NumPy raises on a damaged .npz: bad zip, CRC mismatch, truncation, not a zip at all
+UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+STATE = "adamw.npz"
+
+
+def listed(out):
+    """The complete checkpoints in out, oldest first."""
+    return sorted(d for d in os.listdir(out) if NAME.match(d))
+
+
+def resolve(path):
+    """--resume takes a checkpoint directory or a run's -o directory: its newest complete
+    checkpoint (a run killed while writing `latest` may have left it one behind)."""
+    if os.path.isfile(path):
+        raise CupyGPTError(f"is a file; give the checkpoint directory it is in "
+                           f"({os.path.dirname(os.path.abspath(path))})", "resume", path)
+    if not os.path.isdir(path):
+        raise CupyGPTError("no such checkpoint directory", "resume", path)
+    base = os.path.basename(os.path.normpath(path))
+    if base.endswith(".partial") and NAME.match(base.removesuffix(".partial")):
+        raise CupyGPTError("a checkpoint never finished (a run stopped while writing it); "
+                           "give a complete ckpt_STEP directory or the run's -o directory",
+                           "resume", path)
+    done = listed(path)
+    if done:
+        return os.path.join(path, done[-1])
+    if not os.path.isfile(os.path.join(path, "model.bin")):
+        raise CupyGPTError("not a checkpoint (no model.bin) and holds none (no ckpt_STEP "
+                           "directory); give a checkpoint or a run's output directory",
+                           "resume", path)
+    return path
+
+
+def damaged(f, path, why):
+    """One line for a checkpoint file that cannot be read, naming the one before it."""
+    out = os.path.dirname(os.path.abspath(path))
+    older = [d for d in listed(out) if d < os.path.basename(path)]
+    return CupyGPTError(f"{f}: damaged checkpoint file ({why}); " + (
+        f"the previous checkpoint {os.path.join(out, older[-1])} can be resumed instead"
+        if older else "no earlier checkpoint is left beside it"))
+
+
+def _state_file(path):
+    f = os.path.join(path, STATE)
+    if not os.path.isfile(f):
+        raise CupyGPTError(f"no {STATE} beside model.bin: not a checkpoint written by train "
+                           f"--checkpoint-every (a model file alone has no optimizer state)",
+                           "resume", path)
+    return f
+
+
+def check_matches(path, meta, want):
+    diff = [f"{k}: checkpoint {meta.get(k)} vs now {v}" for k, v in want.items()
+            if meta.get(k) != v]
+    if diff:
+        raise CupyGPTError(f"does not match this run ({'; '.join(diff)}); use the "
+                           f"checkpoint's settings", "resume", path)
+
+
+def _length(z, name):
+    """An array's length in an open .npz, from its header alone."""
+    with z.zip.open(name + ".npy") as a:
+        version = np.lib.format.read_magic(a)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read(a)
+    return shape[0] if len(shape) == 1 and dtype == np.float32 else None
+
+
+def check_resume(path, shape, B, T, total_batch, dtype, train_files):
+    """Before anything is allocated: the checkpoint's state file is readable and fits this
+    run: its model shape, batch and tokens per step (-d; B x T where a checkpoint has
+    none), m and v of the model's length, a usable RNG state, and its data position inside
+    this run's train shards. Returns its step."""
+    f = _state_file(path)
+    try:
+        with np.load(f) as z:
+            meta = json.loads(str(z["meta"]))
+            check_matches(path, {"total_batch": B * T, "dtype": "fp32", **meta},
+                          {"config": shape.__dict__, "B": B, "T": T,
+                           "total_batch": total_batch, "dtype": dtype})
+            # a bf16 run's fp32 master weights beside m and v
+            kept = ("m", "v") + (("master",) if dtype == "bf16" else ())
+            lengths = {_length(z, name) if name + ".npy" in z.zip.namelist() else None
+                       for name in kept}
+    except UNREADABLE as e:
+        raise damaged(f, path, type(e).__name__) from None
+    n = param_layout(shape).size
+    if lengths != {n}:
+        raise damaged(f, path, f"AdamW's {', '.join(kept[:-1])} and {kept[-1]} are not "
+                               f"float32 arrays of the model's {n:,} parameters")
+    try:
+        np.random.default_rng().bit_generator.state = meta["rng"]
+        step, t, loader = meta["step"], meta["adam_t"], meta["train_loader"]
+        (shard, pos, epoch, seed, shuffle) = loader if len(loader) == 5 else (*loader, 0, 0, 0)
+    except (KeyError, TypeError, ValueError):
+        raise damaged(f, path, "its step, RNG or data position is missing or malformed") \
+            from None
+    if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos, epoch, seed)):
+        raise damaged(f, path, "its step or data position is not a count")
+    if shard >= len(train_files) or pos + B * T + 1 > read_shard(
+            train_files[shard_order(len(train_files), seed, epoch, shuffle)[shard]]).size:
+        raise CupyGPTError(f"{f}: its data position (shard {shard}, token {pos:,}) lies "
+                           f"outside this run's train shards (-i); resume with the run's "
+                           f"own -i", "resume", path)
+    return step

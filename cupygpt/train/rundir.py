@@ -1,0 +1,136 @@
+"""A training run's output directory (-o): one run at a time, holding an advisory lock
+for its life; a fresh run does not replace another run's output unless asked; the disk
+holds what the run will write before step 1; a run that fails before its first step
+leaves no directory it made."""
+import math
+import os
+import shutil
+
+from .. import CupyGPTError
+from ..formats.checkpoint import LATEST, listed
+from ..formats.llmc import HEADER_BYTES
+from ..model.layout import param_layout
+from ..paths import lock
+
+MODEL = "model.bin"
+
+
+def earlier_output(out, log_file):
+    """What a fresh run would replace in out: an earlier run's model, log, checkpoints (a
+    --log-file elsewhere is log_elsewhere's)."""
+    found = [os.path.basename(p) for p in (os.path.join(out, MODEL), log_file)
+             if os.path.exists(p) and not log_elsewhere(out, p)]
+    done = listed(out)
+    if done:
+        found.append(f"{len(done)} checkpoint(s), the newest {done[-1]}, which a resume "
+                     f"from it would take for this run's")
+    return found
+
+
+def log_elsewhere(out, log_file):
+    """Whether the log is not in out (a --log-file of its own): refused by that name."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(log_file))) != os.path.realpath(out)
+
+
+def replace_earlier(out):
+    """--overwrite: the earlier run's checkpoints go (a resume would take them for this
+    run's); its model and log are replaced as this run writes its own."""
+    for name in listed(out):
+        shutil.rmtree(os.path.join(out, name))
+    if os.path.exists(os.path.join(out, LATEST)):
+        os.unlink(os.path.join(out, LATEST))
+
+
+def checkpoints_held(opts):
+    """The most checkpoints this run's -o holds at once (a bound: a resume writes fewer):
+    while the last one is written, --keep newest before it, and the older ones at -nm's
+    multiples (never removed). Counted, not listed: -n may be 10^9 steps."""
+    every, steps = opts.checkpoint_every, opts.steps
+    if not every:
+        return 0
+    saves = steps // every + (steps % every != 0)      # every K steps, and the last
+    older = saves - 1 - min(opts.keep, saves - 1)       # before the newest --keep
+    major = opts.checkpoint_major
+    kept = (older * every) // math.lcm(every, major) if major and older else 0
+    return 1 + min(opts.keep, saves - 1) + kept
+
+
+def need_bytes(shape, bf16, opts):
+    """What a run writes at most at once: (checkpoints, bytes): its model file and the
+    checkpoints it holds at once (each the model again, AdamW's m and v, a bf16 run's fp32
+    master weights, a little for its state)."""
+    n = param_layout(shape).size
+    model = HEADER_BYTES + n * (2 if bf16 else 4)
+    held = checkpoints_held(opts)
+    return held, model + held * (model + 4 * n * (3 if bf16 else 2) + (1 << 20))
+
+
+def room(out, need):
+    """Refuses a run whose files will not fit on out's filesystem."""
+    held, need = need
+    st = os.statvfs(out)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return (f"its filesystem has {free / 2**20:.1f} MiB free and this run writes "
+                f"{need / 2**20:.1f} MiB (the final model" + (
+                    f" and the {held} checkpoint(s) it holds at once: --keep's newest, the "
+                    f"one being written, -nm's" if held else "") +
+                "); free some space, give another -o" + (
+                    ", or lower --keep" if held > 1 else ""))
+    return None
+
+
+def claim(opts, tr, need):
+    """Collective, before anything is allocated: rank 0 locks -o for the run's life and
+    checks what it holds and its room; every rank raises the same refusal. Returns what
+    unmake needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o (the
+    ranks validate at once: the one that made it need not be rank 0), and the identity of
+    the directory rank 0 locked (None: not locked)."""
+    fd, why, made = None, None, tr.any(opts.made_out)
+    if tr.rank == 0:
+        fd, why = lock(opts.out)
+        real = os.path.realpath(opts.out)  # a resume continues its own directory:
+        own = opts.resume and os.path.commonpath([os.path.realpath(opts.resume), real]) == real
+        found = [] if why or own else earlier_output(opts.out, opts.log_file)
+        if found and not opts.overwrite:
+            why = (f"holds an earlier run's output ({'; '.join(found)}); " +
+                   (f"add --resume {opts.out} to continue that run, " if listed(opts.out)
+                    else "") + "add --overwrite to replace it, or give another -o")
+        why = why or room(opts.out, need)
+        if found and not why:
+            replace_earlier(opts.out)
+        why = why and ("out", opts.out, why)
+        log = opts.log_file
+        if not why and log_elsewhere(opts.out, log) and os.path.exists(log) and \
+                not opts.overwrite:
+            link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
+            why = ("log_file", log, f"exists{link}; add --overwrite to replace it, or give "
+                   f"another --log-file")
+    why, locked = tr.bcast((why, _identity(opts.out) if fd is not None else None))
+    if why:
+        unmake(opts, tr, (fd, made, locked))
+        if fd is not None:
+            os.close(fd)
+        raise CupyGPTError(why[2], why[0], why[1])
+    return fd, made, locked
+
+
+def _identity(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def unmake(opts, tr, claimed):
+    """A run that failed before its first step: the -o it made goes, when empty (its lock
+    held, so no other run's). claimed: claim's answer. Any rank that sees the directory
+    rank 0 locked (a filesystem they share) removes it: a rank failing alone aborts the
+    others before they could."""
+    _, made, locked = claimed
+    if made and locked is not None and _identity(opts.out) == locked:
+        try:
+            os.rmdir(opts.out)
+        except OSError:
+            pass  # (not empty: something of the run's is worth keeping)
