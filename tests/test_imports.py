@@ -66,3 +66,29 @@ def test_every_module_imports_alone():
     failed = {n: p.communicate()[1].strip().splitlines()[-1:] for n, p in procs.items()
               if p.wait() != 0}
     assert not failed, failed
+
+
+# The layers, top first: a module imports only from its own layer or those below it, so the
+# tree reads as the architecture (ARCHITECTURE.md draws it). "" is the package's __init__.
+LAYERS = (("__main__",), ("cli",), ("commands",), ("train",), ("session",), ("config",),
+          ("parallel",), ("formats",), ("backends",), ("model",), ("comm",),
+          ("log", "paths", "precision"), ("",))
+
+
+def layer(name):
+    top = name.removeprefix("cupygpt").lstrip(".").split(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_import_points_down_the_declared_layers():
+    known = modules()
+    up = [f"{n} -> {m}" for n, p in known.items() for m in imports(n, p, known)
+          if layer(m) < layer(n)]
+    assert not up, up
+
+
+def test_the_package_root_holds_the_layers_and_at_most_six_modules():
+    root = sorted(f for f in os.listdir(PKG) if f.endswith(".py"))
+    assert len(root) <= 6, root
+    tops = {name.removeprefix("cupygpt.").split(".")[0] for name in modules()} - {"cupygpt"}
+    assert tops == {n for names in LAYERS for n in names if n}, tops
