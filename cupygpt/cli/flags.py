@@ -2,9 +2,9 @@
 the flags, the options several commands share, and progress bars."""
 import dataclasses
 import functools
-import os
 import sys
 import traceback
+import typing
 
 import click
 
@@ -12,11 +12,8 @@ from .. import CupyGPTError
 from ..comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
 from ..config.sections import FLAG, Device, Grid, Pipeline, unmake_dirs
 from ..log import FAILED, guard_streams
-from ..paths import DATA
-from ..parallel.pipeline.schedule import SCHEDULES
 from ..session import Session
 
-TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
 
 
 def as_flag(e):
@@ -98,9 +95,8 @@ def one_process(command):
 def config(cls, kw):
     """cls (a config dataclass) from the flags: each field is the flag's parameter name;
     the device and pipeline parts are filled the same way."""
-    parts = {"device": Device, "pipeline": Pipeline, "grid": Grid}
     args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
-    for name, part in parts.items():
+    for name, part in SECTIONS.items():
         if name in {f.name for f in dataclasses.fields(cls)}:
             args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
                                  if f.name in kw})
@@ -127,50 +123,38 @@ def options(*opts):
     return add
 
 
-backend_option = click.option("--backend", default="auto", show_default=True,
-                              type=click.Choice(["auto", "cuda", "numpy"]))
-device_options = options(
-    backend_option,
-    click.option("--transport", default="auto", show_default=True,
-                 type=click.Choice(["auto", "nvshmem", "nccl", "mpi"]),
-                 help="stage-to-stage transport under mpiexec (auto: the backend's first "
-                      "choice: nvshmem on a GPU, mpi on the CPU)"),
-    click.option("--peer-timeout", default=300.0, show_default=True,
-                 help="seconds to wait on another rank before failing"),
-    click.option("--tf32/--no-tf32", default=None,
-                 help="TF32 matmuls on the GPU (default: on for train, off for verify)"),
-    click.option("--attention", default="auto", show_default=True,
-                 type=click.Choice(["auto", "cudnn", "own", "both"]),
-                 help="bf16 attention: cuDNN's fused sdpa (the cudnn extra) or the own flash "
-                      "kernels; auto: cuDNN where it can run, saying why not otherwise; "
-                      "both: bench's, the two side by side"))
-pipeline_options = options(
-    click.option("--micro-batches", default=1, show_default=True,
-                 help="micro-batches per step (must divide the batch; per replica with --dp)"),
-    click.option("--schedule", default="1f1b", show_default=True,
-                 type=click.Choice(list(SCHEDULES))),
-    click.option("--virtual-stages", type=int, default=None,
-                 help="model chunks per rank (interleaved; zbv holds 2)  [default: 2 with "
-                      "interleaved, else 1]"),
-    click.option("--split", default=None,
-                 help="layers per model chunk (a stage's, but with interleaved or zbv), e.g. "
-                      "6,6 (default: balanced by counted cost)"))
-grid_options = options(
-    click.option("--dp", type=int, default=None,
-                 help="data-parallel replicas (each takes -b/DP rows)  [default: 1]"),
-    click.option("--tp", type=int, default=None,
-                 help="tensor-parallel ranks per stage (must divide the heads)  [default: 1]"),
-    click.option("--pp", type=int, default=None,
-                 help="pipeline stages  [default: the ranks dp and tp leave]"),
-    click.option("--zero", type=int, default=0, show_default=True,
-                 help="1: shard AdamW's state across the --dp replicas (ZeRO-1)"),
-    click.option("--overlap/--no-overlap", default=True, show_default=True,
-                 help="sum the replicas' gradients layer by layer during the last backward "
-                      "(with --zero 1: as an all-reduce, each replica updating its slice)"))
-trace_option = click.option(
-    "--trace", default=None, metavar="PATH",
-    help="write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
-         "(open in Perfetto or chrome://tracing)")
+SECTIONS = {"device": Device, "pipeline": Pipeline, "grid": Grid}
+
+
+def parameter(f):
+    """The click option (or argument) a config field declares (config/fields.py's flag)."""
+    m, default = f.metadata, (None if f.default is dataclasses.MISSING else f.default)
+    kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
+    kw = dict(default=default, type=click.Choice(m["choices"]) if m["choices"] else kind)
+    if m["argument"]:
+        return click.argument(f.name, required=m["required"], **kw)
+    if kind is bool:
+        kw.pop("type")
+        kw["is_flag"] = "/" not in m["decls"][0] or None
+    return click.option(*m["decls"], f.name, help=m["help"], metavar=m["metavar"],
+                        required=m["required"],
+                        show_default=default is not None and default is not False
+                        and default != "", **kw)
+
+
+def options_of(cls):
+    """Every command-line parameter of a config class, its sections' in their place, in
+    the order the fields are declared (their order in --help)."""
+    params = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            params += [parameter(g) for g in dataclasses.fields(SECTIONS[f.name])
+                       if "decls" in g.metadata]
+        elif "decls" in f.metadata:
+            params.append(parameter(f))
+    return options(*params)
+
+
 overwrite_option = click.option(
     "--overwrite", is_flag=True,
     help="replace the files this command writes (--out, --trace) where they exist")

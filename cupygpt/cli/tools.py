@@ -11,7 +11,8 @@ import click
 
 from .. import CupyGPTError
 from ..backends import gpu_available, host_memory
-from .flags import TOKENIZER, entry, one_process, overwrite_option, progress
+from ..paths import TOKENIZER
+from .flags import entry, one_process, overwrite_option, progress
 from ..comm.launch import Stopped
 from ..config.sections import RUN_DTYPES, at_most_a_year, make_dir, out_file
 from ..commands.convert import convert as run_convert

@@ -9,10 +9,12 @@ checkpoint's identity) stay with the readers.
 """
 import glob
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
+from . import fields
+from .fields import flag
 from ..formats.checkpoint import STATE, check_resume, resolve as resolve_checkpoint
 from ..formats.llmc import shard_files
 from ..formats.llmc import is_model_file, model_shape, read_expected, read_state_header
@@ -21,53 +23,87 @@ from .sections import (Device, Grid, Pipeline, between, default, existing, fits,
                        make_dir, out_file, positive, recompute_level, run_dtype, runs_on,
                        RUN_DTYPES, VERIFY_DTYPES)
 from ..model.optim import LR_SCHEDULES
-from ..paths import check_outputs, files_of
+from ..paths import DATA, REFERENCE, TOKENIZER, check_outputs, files_of
 from ..model.shape import PRESETS, preset
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    train_pattern: str
-    val_pattern: str
-    tokenizer: str
-    shuffle: bool = True            # train batches in a seeded random order (llm.c's)
-    init: Optional[str] = None      # None: the backend's DEFAULT_RUN
-    out: str = "out"
-    batch: int = 4
-    seq: Optional[int] = None       # None: the backend's DEFAULT_RUN
-    lr: float = 1e-3
-    warmup: int = 10
-    final_lr_frac: float = 0.1
-    lr_schedule: str = "cosine"
-    recompute: int = 0              # llm.c's -r: 1 GELU's output, 2 also the layernorms'
-    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
-    total_batch: Optional[int] = None  # tokens per step (gradient accumulation); None: B x T
-    steps: int = 60
-    val_every: int = 20
-    val_batches: int = 4
-    sample_every: Optional[int] = None  # None: at the end only; 0: never
-    gen_tokens: int = 48
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0          # llm.c's: the gradient clipped at this global norm; 0 off
-    seed: int = 1337
-    checkpoint_every: int = 0
-    keep: int = 2
-    resume: Optional[str] = None
-    log_file: Optional[str] = None
-    graphs: Optional[bool] = None   # None: on where the backend has CUDA graphs
-    trace: Optional[str] = None     # Chrome trace-event JSON of every rank's actions
-    overwrite: bool = False         # a fresh run may replace an earlier run's output in -o
-    skip_loss: float = 0.0          # llm.c's -sl: skip the update at a loss z-score above; 0 off
-    skip_norm: float = 0.0          # llm.c's -sg: the same for the gradient norm
-    overfit: int = 0                # llm.c's -a 1: every step trains on the first batch
-    checkpoint_major: int = 0       # llm.c's -nm: checkpoints at multiples never removed
-    hellaswag: int = 0              # llm.c's -h 1: HellaSwag accuracy at every val step
-    hellaswag_file: str = os.path.join("data", "hellaswag_val.bin")
+    train_pattern: str = flag("-i", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
+                              help="train shards (glob)")
+    val_pattern: str = flag("-j", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
+                            help="val shards (glob)")
+    shuffle: bool = flag("--shuffle/--no-shuffle", default=True, help=(
+        "train shards and the batches in each in a seeded random order per epoch (llm.c's); "
+        "--no-shuffle: in file order"))
+    init: Optional[str] = flag("-e", default=None, help=(
+        "llm.c model file, or one of llm.c's descriptors for a fresh model: d6, d12 .. d84 "
+        "(GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), or tiny  [default: d12 "
+        "on a GPU, tiny on the CPU]"))  # None: the backend's DEFAULT_RUN
+    out: str = flag("-o", default="out", help="output directory")
+    batch: int = fields.batch()
+    seq: Optional[int] = fields.seq("sequence length T  [default: 1024 on a GPU, 64 on the "
+                                    "CPU]")  # None: the backend's DEFAULT_RUN
+    lr: float = flag("-l", default=1e-3, help="learning rate")
+    warmup: int = flag("-u", default=10, help="lr warm-up steps")
+    final_lr_frac: float = flag("-q", default=0.1, help="final lr as a fraction of -l (where "
+                                                        "the schedule decays)")
+    lr_schedule: str = flag("-k", default="cosine", choices=LR_SCHEDULES,
+                            help="lr schedule after the warm-up (llm.c's)")
+    recompute: int = fields.recompute(  # llm.c's -r
+        "activation recomputation: 1 GELU's output, 2 also the layernorms' (backward makes "
+        "them again; the same bits, less memory)")
+    dtype: Optional[str] = fields.dtype(RUN_DTYPES, help=(
+        "bf16: llm.c's mixed precision (fp32 master weights)  [default: the backend's: fp32 "
+        "on the CPU]"))
+    total_batch: Optional[int] = flag("-d", default=None, help=(
+        "tokens per step: a multiple of B x T, the batches of a step adding into its gradient "
+        "(gradient accumulation)  [default: B x T]"))
+    steps: int = flag("-n", default=60, help="training steps")
+    val_every: int = flag("-v", default=20, help="val loss every N steps")
+    val_batches: int = flag("-m", default=4, help="val batches")
+    sample_every: Optional[int] = flag("-s", default=None, help=(
+        "sample every N steps and at the end; 0: never  [default: at the end]"))
+    gen_tokens: int = flag("-g", default=48, help="tokens to generate")
+    weight_decay: float = flag("--weight-decay", default=0.0, help="AdamW weight decay")
+    grad_clip: float = flag("--grad-clip", default=1.0,
+                            help="clip the gradient at this global norm (0: off)")
+    seed: int = flag("--seed", default=1337, help="initialisation and sampling seed")
+    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    checkpoint_every: int = flag("--checkpoint-every", default=0, help=(
+        "write OUT/ckpt_STEP every K steps and at the end (0: never)"))
+    keep: int = flag("--keep", default=2,
+                     help="checkpoints to keep (besides --checkpoint-major's)")
+    checkpoint_major: int = flag("-nm", "--checkpoint-major", default=0, help=(
+        "checkpoints at multiples of K steps are never removed by --keep (0: none)"))
+    skip_loss: float = flag("-sl", "--skip-loss-z", default=0.0, help=(
+        "skip the update when the step's loss is more than Z standard deviations above its "
+        "last 128 steps' (llm.c's outlier detector; 0: off)"))
+    skip_norm: float = flag("-sg", "--skip-norm-z", default=0.0,
+                            help="the same for the gradient's global norm (0: off)")
+    overfit: int = flag("-a", "--overfit-single-batch", default=0,
+                        help="1: every step trains on the first batch (llm.c's debugging check)")
+    resume: Optional[str] = flag("--resume", default=None,
+                                 help="checkpoint dir (or a run's -o dir) to continue")
+    log_file: Optional[str] = flag("--log-file", default=None,
+                                   help="JSON lines per step (default OUT/log.jsonl)")
+    hellaswag: int = flag("-h", default=0, help=(
+        "1: HellaSwag accuracy at every val step and at the end (needs -b 4 or more)"))
+    hellaswag_file: str = flag("--hellaswag-file", default=os.path.join("data",
+                                                                        "hellaswag_val.bin"),
+                               help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
+    overwrite: bool = fields.overwrite(
+        "a fresh run may replace what an earlier run left in -o (its model.bin, log and "
+        "checkpoints) and an existing --trace file")
+    graphs: Optional[bool] = fields.graphs(
+        "replay each step as a CUDA graph (a GPU alone, or over nvshmem without the "
+        "overlapped dp sum)  [default: on with --backend cuda]")
+    trace: Optional[str] = fields.trace()  # Chrome trace-event JSON of every rank's actions
     hellaswag_examples: tuple = ()  # validate reads them from hellaswag_file
     made_out: bool = False          # validate made -o (a run failing before step 1 removes it)
-    device: Device = field(default_factory=Device)
-    pipeline: Pipeline = field(default_factory=Pipeline)
-    grid: Grid = field(default_factory=Grid)
+    device: Device = fields.section(Device)
+    grid: Grid = fields.section(Grid)
+    pipeline: Pipeline = fields.section(Pipeline)
 
     @property
     def micro_steps(self):
@@ -179,15 +215,21 @@ def hellaswag_examples(path, batch, seq, shape, option="hellaswag_file"):
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str
-    hellaswag: str
-    batch: int = 16                 # rows per forward: B // 4 examples
-    seq: Optional[int] = None       # None: the eval file's longest row
-    dtype: Optional[str] = None     # fp32 | bf16 | fp64; None: the backend's DEFAULT_DTYPE
+    model: str = flag(argument=True, default=None, required=True)
+    hellaswag: str = flag("--hellaswag", default=None, required=True, metavar="FILE",
+                          help="llm.c's eval file (hellaswag_val.bin; `prepare --hellaswag` "
+                               "makes it)")
+    batch: int = fields.batch(16, "rows per forward: B // 4 examples")
+    seq: Optional[int] = fields.seq("sequence length  [default: the file's longest context + "
+                                    "completion]")
+    dtype: Optional[str] = fields.dtype(VERIFY_DTYPES, help="fp64: the exact reference  "
+                                                            "[default: the backend's]")
+    as_json: bool = fields.as_json("print one JSON object (with every example's 4 completion "
+                                   "losses)")
     examples: tuple = ()            # validate reads them from `hellaswag`
-    device: Device = field(default_factory=Device)
-    pipeline: Pipeline = field(default_factory=Pipeline)
-    grid: Grid = field(default_factory=Grid)
+    device: Device = fields.section(Device)
+    grid: Grid = fields.section(Grid)
+    pipeline: Pipeline = fields.section(Pipeline)
 
     def validate(self, be, world):
         positive(self, "batch")
@@ -207,19 +249,27 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    model: str
-    state: Optional[str]
-    steps: int = 10
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    expected: Optional[str] = None
+    model: str = flag("--model", default=os.path.join(REFERENCE, "tiny_model.bin"), help=(
+        "llm.c model file (default: the shipped one made by llm.c's PyTorch reference)"))
+    state: Optional[str] = flag("--state", default=None, help=(
+        "llm.c debug state file for that model  [default: NAME_debug_state.bin beside a "
+        "NAME_model.bin]"))
+    steps: int = flag("--steps", default=10, help="AdamW steps on the state's batch")
+    lr: float = flag("--lr", default=1e-4)
+    weight_decay: float = flag("--weight-decay", default=0.01, help="AdamW weight decay")
+    expected: Optional[str] = flag("--expected", default=None, help=(
+        "JSON with a 'losses' list to check the steps  [default: NAME_expected.json beside a "
+        "NAME_model.bin, at the default --lr and --weight-decay]"))
+    dtype: str = fields.dtype(VERIFY_DTYPES, "fp32", help=(
+        "fp64: the gradients' exact reference; bf16: llm.c's mixed precision, against the "
+        "fp32 reference at bf16's tolerances"))
+    as_json: bool = fields.as_json()
+    trace: Optional[str] = fields.trace()
+    overwrite: bool = fields.overwrite()  # --trace may replace an existing file
     expected_losses: tuple = ()     # validate reads them from `expected`
-    dtype: str = "fp32"
-    trace: Optional[str] = None
-    overwrite: bool = False         # --trace may replace an existing file
-    device: Device = field(default_factory=Device)
-    pipeline: Pipeline = field(default_factory=Pipeline)
-    grid: Grid = field(default_factory=Grid)
+    device: Device = fields.section(Device)
+    grid: Grid = fields.section(Grid)
+    pipeline: Pipeline = fields.section(Pipeline)
 
     def validate(self, be, world):
         positive(self, "steps", "lr")
@@ -243,18 +293,21 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class SampleConfig:
-    model: str
-    tokenizer: str
-    prompt: str = ""
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    seed: int = 1337
-    kv_cache: bool = True
-    dtype: Optional[str] = None     # fp32 | bf16; None: the backend's DEFAULT_DTYPE
-    device: Device = field(default_factory=Device)
-    pipeline: Pipeline = field(default_factory=Pipeline)  # even split; one row, one pass
-    grid: Grid = field(default_factory=Grid)              # a pipeline of every rank
+    model: str = flag("--model", default=os.path.join("out", "model.bin"))
+    prompt: str = flag("--prompt", default="", help="text to continue (default: start of text)")
+    max_new_tokens: int = flag("--max-new-tokens", default=64)
+    temperature: float = flag("--temperature", default=1.0)
+    top_k: Optional[int] = flag("--top-k", default=None)
+    dtype: Optional[str] = fields.dtype(RUN_DTYPES, help=(
+        "bf16: llm.c's mixed precision (fp32 master weights)  [default: the backend's: fp32 "
+        "on the CPU]"))
+    seed: int = flag("--seed", default=1337, help="sampling seed")
+    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    kv_cache: bool = flag("--kv-cache/--no-kv-cache", default=True, help=(
+        "one position per token on cached keys and values, or a whole pass"))
+    device: Device = fields.section(Device)
+    pipeline: Pipeline = fields.section(Pipeline, False)  # even split; one row, one pass
+    grid: Grid = fields.section(Grid, False)              # a pipeline of every rank
 
     def validate(self, be, world):
         positive(self, "max_new_tokens", "temperature", "seed", zero_ok=True)
@@ -271,23 +324,31 @@ class SampleConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    data: str
-    init: Optional[str] = None      # None: the backend's DEFAULT_RUN
-    batch: int = 4
-    seq: Optional[int] = None
-    steps: int = 20
-    warmup: int = 3
-    graphs: Optional[bool] = None   # None: on where the backend has CUDA graphs
-    profile: bool = False
-    comm: bool = False              # the transports' collectives and handoff instead
-    recompute: int = 0
-    dtype: Optional[str] = None     # fp32 | bf16 | both; None: the backend's DEFAULT_DTYPE
-    grad_clip: float = 1.0          # train's default: the step it times clips as train's
-    trace: Optional[str] = None
-    overwrite: bool = False         # --out and --trace may replace existing files
-    device: Device = field(default_factory=Device)
-    pipeline: Pipeline = field(default_factory=Pipeline)  # one process: one stage
-    grid: Grid = field(default_factory=Grid)
+    init: Optional[str] = flag("-e", default=None, help=(
+        "descriptor to benchmark (as train's -e)  [default: d12 on a GPU, tiny on the CPU]"))
+    batch: int = fields.batch(help=None)
+    seq: Optional[int] = fields.seq()
+    steps: int = flag("--steps", default=20, help="timed steps (median reported)")
+    warmup: int = flag("--warmup", default=3, help="untimed steps first")
+    graphs: Optional[bool] = fields.graphs("as train's  [default: on with --backend cuda]")
+    recompute: int = fields.recompute("activation recomputation, as train's -r")
+    dtype: Optional[str] = fields.dtype(RUN_DTYPES + ("both",), help=(
+        "as train's; both: fp32 and bf16 side by side  [default: the backend's]"))
+    grad_clip: float = flag("--grad-clip", default=1.0, help=(
+        "the timed step clips at this global norm, as train's (0: off)"))
+    profile: bool = flag("--profile", default=False, help=(
+        "add a time-per-op table (GPU: CUDA events, also per kernel, eager steps; CPU: wall "
+        "time per op)"))
+    comm: bool = flag("--comm", default=False, help=(
+        "under mpiexec: time the transport's collectives and a stage handoff from 1 KiB to "
+        "64 MiB and at this model's step sizes, instead"))
+    out: str = flag("--out", default="bench.json", help="JSON to write")
+    device: Device = fields.section(Device)
+    trace: Optional[str] = fields.trace()
+    overwrite: bool = fields.overwrite()  # --out and --trace may replace existing files
+    grid: Grid = fields.section(Grid)
+    pipeline: Pipeline = fields.section(Pipeline)  # one process: one stage
+    data: str = os.path.join(DATA, "tiny_shakespeare_train.bin")  # the batches it times
 
     def validate(self, be, world):
         init, seq = be.DEFAULT_RUN

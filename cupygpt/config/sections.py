@@ -12,18 +12,29 @@ from ..comm.launch import YEAR_S
 from ..model.layout import RECOMPUTED
 from ..paths import not_regular
 from ..precision import DTYPES, dtype_name
+from .fields import flag
 from ..parallel.pipeline.plan import plan_split
 from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
+
+ATTENTION = ("auto", "cudnn", "own", "both")
 
 
 @dataclass(frozen=True)
 class Device:
     """Where a command computes and how its ranks talk."""
-    backend: str = "auto"
-    tf32: Optional[bool] = None     # None: the command's default (train on, verify off)
-    transport: str = "auto"
-    peer_timeout: float = 300.0
-    attention: str = "auto"         # auto | cudnn | own (| both: bench's side by side)
+    backend: str = flag("--backend", default="auto", choices=("auto", "cuda", "numpy"))
+    transport: str = flag("--transport", default="auto",
+                          choices=("auto", "nvshmem", "nccl", "mpi"), help=(
+                              "stage-to-stage transport under mpiexec (auto: the backend's "
+                              "first choice: nvshmem on a GPU, mpi on the CPU)"))
+    peer_timeout: float = flag("--peer-timeout", default=300.0,
+                               help="seconds to wait on another rank before failing")
+    tf32: Optional[bool] = flag("--tf32/--no-tf32", default=None, help=(
+        "TF32 matmuls on the GPU (default: on for train, off for verify)"))
+    attention: str = flag("--attention", default="auto", choices=ATTENTION, help=(
+        "bf16 attention: cuDNN's fused sdpa (the cudnn extra) or the own flash kernels; auto: "
+        "cuDNN where it can run, saying why not otherwise; both: bench's, the two side by "
+        "side"))
 
     def validate(self, be, world):
         positive(self, "peer_timeout")
@@ -47,11 +58,17 @@ class Grid:
     shards of each stage (tp), pipeline stages (pp); dp * tp * pp = the ranks. An omitted
     degree is inferred: the pipeline takes what dp and tp leave, so a plain mpiexec -n 2 is
     a 2-stage pipeline. zero=1 shards AdamW's state across the replicas (llm.c's -z 1)."""
-    dp: Optional[int] = None
-    tp: Optional[int] = None
-    pp: Optional[int] = None
-    zero: int = 0
-    overlap: bool = True            # the replicas' gradient sum during the last backward
+    dp: Optional[int] = flag("--dp", default=None, help=(
+        "data-parallel replicas (each takes -b/DP rows)  [default: 1]"))
+    tp: Optional[int] = flag("--tp", default=None, help=(
+        "tensor-parallel ranks per stage (must divide the heads)  [default: 1]"))
+    pp: Optional[int] = flag("--pp", default=None, help=(
+        "pipeline stages  [default: the ranks dp and tp leave]"))
+    zero: int = flag("--zero", default=0, help=(
+        "1: shard AdamW's state across the --dp replicas (ZeRO-1)"))
+    overlap: bool = flag("--overlap/--no-overlap", default=True, help=(
+        "sum the replicas' gradients layer by layer during the last backward (with --zero 1: "
+        "as an all-reduce, each replica updating its slice)"))
 
     def validate(self, shape, world):
         for name in ("dp", "tp", "pp"):
@@ -95,10 +112,15 @@ class Grid:
 @dataclass(frozen=True)
 class Pipeline:
     """How one step is cut across the pipeline's stages and micro-batches."""
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: Optional[int] = None  # model chunks per rank; None: the schedule's
-    split: Optional[str] = None     # "6,6"; validate resolves it into counts
+    micro_batches: int = flag("--micro-batches", default=1, help=(
+        "micro-batches per step (must divide the batch; per replica with --dp)"))
+    schedule: str = flag("--schedule", default="1f1b", choices=tuple(SCHEDULES))
+    virtual_stages: Optional[int] = flag("--virtual-stages", default=None, help=(
+        "model chunks per rank (interleaved; zbv holds 2)  [default: 2 with interleaved, "
+        "else 1]"))  # None: the schedule's
+    split: Optional[str] = flag("--split", default=None, help=(
+        "layers per model chunk (a stage's, but with interleaved or zbv), e.g. 6,6 (default: "
+        "balanced by counted cost)"))  # validate resolves it into counts
     counts: tuple = ()              # layers per model chunk, in model order
 
     def validate(self, shape, seq, stages, batch):
@@ -185,7 +207,6 @@ def runs_on(c, be, shape, name, value, both=False):
             raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
 
 
-ATTENTION = ("auto", "cudnn", "own", "both")
 
 
 def attention_path(asked, be, dtype, shape, given=None):
