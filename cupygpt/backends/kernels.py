@@ -109,9 +109,29 @@ def sources():
 
 def kernels_in(src):
     """{name: parameter list as written} for each extern "C" kernel in CUDA C source (its
-    __launch_bounds__, if any, skipped)."""
-    return dict(re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
-                           r'(\w+)\(([^)]*)\)', src))
+    __launch_bounds__ or a macro standing for them, if any, skipped), the invocations of a
+    macro that declares kernels (flash attention's, per head size) written out first."""
+    return dict(re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+|'
+                           r'[A-Z_]+\s+)?(\w+)\(([^)]*)\)', expand_kernel_macros(src)))
+
+
+def expand_kernel_macros(src):
+    """src with each invocation of a function-like #define whose body declares extern "C"
+    kernels replaced by that body, its parameters substituted (## pasted), as the
+    preprocessor would: the kernels' names and parameter lists as compiled."""
+    define = r"#define (\w+)\(([\w, ]+)\)((?:[^\n]*\\\n)*[^\n]*)"
+    macros = {name: ([p.strip() for p in params.split(",")], body.replace("\\\n", " "))
+              for name, params, body in re.findall(define, src) if 'extern "C"' in body}
+
+    def written_out(m):
+        params, body = macros[m.group(1)]
+        for p, arg in zip(params, m.group(2).split(",")):
+            body = re.sub(rf"\s*##\s*{p}\b|\b{p}\b", arg.strip(), body)
+        return body
+    if not macros:
+        return src
+    src = re.sub(define, lambda m: "" if m.group(1) in macros else m.group(0), src)
+    return re.sub(rf"^({'|'.join(macros)})\(([^)]*)\)", written_out, src, flags=re.M)
 
 
 def nvrtc_compile(path, arch, opts=None, cubin=False):

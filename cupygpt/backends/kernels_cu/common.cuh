@@ -116,29 +116,24 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 // CUDASIM and brings its own versions of these eleven, emulating the PTX ISA's fragment
 // layouts and cp.async's groups (tests/cudasim/sim_mma.h); a kernel uses only these names.
 #ifndef CUDASIM
+// One mma.sync of a 16x8 float accumulator from four A and two B registers (both shapes
+// below take operands so).
+#define MMA_16x8(NAME, PTX)                                                               \
+    __device__ __forceinline__ void NAME(float d[4], const unsigned a[4],                 \
+                                         const unsigned b[2]) {                           \
+        asm(PTX " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                  \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                              \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));          \
+    }
 // d += a b on one warp: m16n8k16, A 16x16 row-major bf16 (4 registers of 2), B 16x8
 // column-major bf16 (2 of 2), C/D 16x8 float. Lane l = 4g + q holds A's (g, 2q..2q+1),
 // (g+8, ..), (g, 2q+8..), (g+8, 2q+8..); B's (k 2q..2q+1, n g), (k 2q+8.., g); D's (g,
 // 2q..2q+1), (g+8, ..). Low halves hold the lower index.
-__device__ __forceinline__ void mma_bf16_16816(float d[4], const unsigned a[4],
-                                               const unsigned b[2]) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+MMA_16x8(mma_bf16_16816, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
 
 // d += a b: m16n8k8 in TF32, A 16x8 row-major (lane 4g + q: (g, q), (g+8, q), (g, q+4),
 // (g+8, q+4)), B 8x8 column-major ((k q, n g), (k q+4, n g)), D as above.
-__device__ __forceinline__ void mma_tf32_1688(float d[4], const unsigned a[4],
-                                              const unsigned b[2]) {
-    asm(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+MMA_16x8(mma_tf32_1688, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
 
 // Four 8x8 matrices of 16-bit elements from shared memory, one instruction for the warp:
 // lane l gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte

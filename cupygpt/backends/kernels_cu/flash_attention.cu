@@ -346,6 +346,27 @@ __device__ __forceinline__ void online_softmax(float (&s)[FC / 8][4], float (&m)
         for (int e = 0; e < 4; e++) o[j][e] *= alpha[e / 2];
 }
 
+// A forward or dq block's query tile: rows r0.. of head h of batch row b (the longest
+// rows first), and the key tiles it walks: tile j's K and V into buffer j % S, one cp.async
+// group.
+template <int HSP>
+struct QueryTile {
+    static constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>();
+    int r0, b, h, n;
+    long long C;
+    const floatX* base;
+    bool wide;
+    __device__ QueryTile(const floatX* qkv, int T, int NH, int HS)
+        : r0(((T + FR - 1) / FR - 1 - blockIdx.y) * FR), b(blockIdx.x / NH),
+          h(blockIdx.x % NH), n((min(T, r0 + FR) + FC - 1) / FC), C((long long)NH * HS),
+          base(qkv + (long long)b * T * 3 * C + h * HS), wide(aligned16(qkv)) {}
+    __device__ void walk(floatX* Ks, floatX* Vs, int j, int T, int HS) const {
+        load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
+        load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
+        cp_async_commit();
+    }
+};
+
 template <int HSP, int M>
 __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
                               float scale, int T, int NH, int HS) {
@@ -355,17 +376,11 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     floatX *Qs = reinterpret_cast<floatX*>(smem), *Ks = Qs + FR * LD, *Vs = Ks + S * FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
-    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;  // the longest rows first
-    int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (min(T, r0 + FR) + FC - 1) / FC;
-    long long C = (long long)NH * HS;
-    const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    bool wide = aligned16(qkv);
-    auto walk = [&](int j) {  // key tile j's K and V into buffer j % S
-        load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
-        load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
-        cp_async_commit();
-    };
-    load_rows<HSP, FR>(Qs, base, 3 * C, r0, T, HS, wide);
+    const QueryTile<HSP> t(qkv, T, NH, HS);
+    const int r0 = t.r0, b = t.b, h = t.h, n = t.n;
+    const long long C = t.C;
+    auto walk = [&](int j) { t.walk(Ks, Vs, j, T, HS); };
+    load_rows<HSP, FR>(Qs, t.base, 3 * C, r0, T, HS, t.wide);
     walk(0);
     cp_async_wait<0>();
     __syncthreads();
@@ -461,17 +476,11 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
            *Vs = Ks + S * FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
     int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
-    int r0 = ((T + FR - 1) / FR - 1 - blockIdx.y) * FR;
-    int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (min(T, r0 + FR) + FC - 1) / FC;
-    long long C = (long long)NH * HS;
-    const floatX* base = qkv + (long long)b * T * 3 * C + h * HS;
-    bool wide = aligned16(qkv);
-    auto walk = [&](int j) {  // key tile j's K and V into buffer j % S
-        load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
-        load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
-        cp_async_commit();
-    };
-    load_rows<HSP, FR>(Qs, base, 3 * C, r0, T, HS, wide);
+    const QueryTile<HSP> t(qkv, T, NH, HS);
+    const int r0 = t.r0, b = t.b, h = t.h, n = t.n;
+    const long long C = t.C;
+    auto walk = [&](int j) { t.walk(Ks, Vs, j, T, HS); };
+    load_rows<HSP, FR>(Qs, t.base, 3 * C, r0, T, HS, t.wide);
     load_rows<HSP, FR>(dYs, dy + (long long)b * T * C + h * HS, C, r0, T, HS, aligned16(dy));
     walk(0);
     cp_async_wait<0>();
@@ -636,76 +645,29 @@ FLASH_BY_MATH(flash_dkdv)
 #define DKDV_BF16_BLOCKS 3
 #endif
 #define DKDV_BLOCKS (sizeof(floatX) == 2 ? DKDV_BF16_BLOCKS : 1)
-extern "C" __global__ void flash_forward_16(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<16>(tf32, out, lse, qkv, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dq_16(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
-                                      float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<16>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
-flash_dkdv_16(floatX* dqkv, const float* D, const floatX* dy,
-              const floatX* qkv, const float* lse, float scale,
-              int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<16>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_forward_32(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<32>(tf32, out, lse, qkv, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dq_32(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
-                                      float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<32>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
-flash_dkdv_32(floatX* dqkv, const float* D, const floatX* dy,
-              const floatX* qkv, const float* lse, float scale,
-              int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<32>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_forward_64(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<64>(tf32, out, lse, qkv, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dq_64(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
-                                      float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<64>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, DKDV_BLOCKS)
-flash_dkdv_64(floatX* dqkv, const float* D, const floatX* dy,
-              const floatX* qkv, const float* lse, float scale,
-              int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<64>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_forward_96(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<96>(tf32, out, lse, qkv, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dq_96(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
-                                      float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<96>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dkdv_96(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<96>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_forward_128(floatX* out, float* lse, const floatX* qkv,
-                                           float scale, int T, int NH, int HS, int tf32) {
-    flash_forward_by_math<128>(tf32, out, lse, qkv, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dq_128(floatX* dqkv, float* D, const floatX* dy,
-                                      const floatX* qkv, const floatX* y, const float* lse,
-                                      float scale, int T, int NH, int HS, int tf32) {
-    flash_dq_by_math<128>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);
-}
-extern "C" __global__ void flash_dkdv_128(floatX* dqkv, const float* D, const floatX* dy,
-                                        const floatX* qkv, const float* lse, float scale,
-                                        int T, int NH, int HS, int tf32) {
-    flash_dkdv_by_math<128>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);
-}
+// One head size's three kernels (kernels.py's kernels_in writes each invocation out, as the
+// preprocessor does, to read their names and parameters).
+#define FLASH_KERNELS(HEAD, DKDV_BOUNDS)                                                   \
+    extern "C" __global__ void flash_forward_##HEAD(floatX* out, float* lse,              \
+                                                   const floatX* qkv, float scale, int T, \
+                                                   int NH, int HS, int tf32) {            \
+        flash_forward_by_math<HEAD>(tf32, out, lse, qkv, scale, T, NH, HS);               \
+    }                                                                                      \
+    extern "C" __global__ void flash_dq_##HEAD(floatX* dqkv, float* D, const floatX* dy,  \
+                                              const floatX* qkv, const floatX* y,         \
+                                              const float* lse, float scale, int T,       \
+                                              int NH, int HS, int tf32) {                 \
+        flash_dq_by_math<HEAD>(tf32, dqkv, D, dy, qkv, y, lse, scale, T, NH, HS);         \
+    }                                                                                      \
+    extern "C" __global__ void DKDV_BOUNDS flash_dkdv_##HEAD(                             \
+            floatX* dqkv, const float* D, const floatX* dy, const floatX* qkv,            \
+            const float* lse, float scale, int T, int NH, int HS, int tf32) {             \
+        flash_dkdv_by_math<HEAD>(tf32, dqkv, D, dy, qkv, lse, scale, T, NH, HS);          \
+    }
+#define DKDV_BOUNDED __launch_bounds__(THREADS, DKDV_BLOCKS)
+#define DKDV_UNBOUNDED
+FLASH_KERNELS(16, DKDV_BOUNDED)
+FLASH_KERNELS(32, DKDV_BOUNDED)
+FLASH_KERNELS(64, DKDV_BOUNDED)
+FLASH_KERNELS(96, DKDV_UNBOUNDED)
+FLASH_KERNELS(128, DKDV_UNBOUNDED)

@@ -102,21 +102,15 @@ __device__ void residual_layernorm_rows(floatX* res, const floatX* a, const floa
     if (lane == 0) { mean[row] = m; rstd[row] = r; }
 }
 
-extern "C" __global__ void residual_layernorm_forward(floatX* res, const floatX* a,
-                                                      const floatX* b, floatX* out,
-                                                      float* mean, float* rstd,
-                                                      const floatX* w, const floatX* lnb,
-                                                      int N, int C) {
-    residual_layernorm_rows<false>(res, a, b, out, mean, rstd, w, lnb, N, C);
-}
-
-extern "C" __global__ void residual_layernorm_forward_v(floatX* res, const floatX* a,
-                                                        const floatX* b, floatX* out,
-                                                        float* mean, float* rstd,
-                                                        const floatX* w, const floatX* lnb,
-                                                        int N, int C) {
-    residual_layernorm_rows<true>(res, a, b, out, mean, rstd, w, lnb, N, C);
-}
+// The scalar entry and the 16-byte one (_v), chosen once per launch by alignment.
+#define RESIDUAL_LAYERNORM(NAME, VEC)                                                     \
+    extern "C" __global__ void NAME(floatX* res, const floatX* a, const floatX* b,       \
+                                    floatX* out, float* mean, float* rstd,               \
+                                    const floatX* w, const floatX* lnb, int N, int C) {  \
+        residual_layernorm_rows<VEC>(res, a, b, out, mean, rstd, w, lnb, N, C);          \
+    }
+RESIDUAL_LAYERNORM(residual_layernorm_forward, false)
+RESIDUAL_LAYERNORM(residual_layernorm_forward_v, true)
 
 // dinp += d(layernorm)/dinp for the block's ROW_WARPS rows, and the block's partial
 // weight and bias gradients: partial[block, c] = sum over its rows of dout * norm,
