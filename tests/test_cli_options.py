@@ -6,6 +6,7 @@ import dataclasses
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from cupygpt.cli.flags import entry, options_of
 from cupygpt.cli.main import cli
@@ -48,7 +49,8 @@ def mismatches(p, f):
     """How parameter p differs from what field f declares."""
     m, default = f.metadata, None if f.default is dataclasses.MISSING else f.default
     choices = list(p.type.choices) if isinstance(p.type, click.Choice) else None
-    got = dict(argument=isinstance(p, click.Argument), default=p.default, choices=choices,
+    got = dict(argument=isinstance(p, click.Argument), default=p.to_info_dict()["default"],
+               choices=choices,
                required=p.required, path=isinstance(p.type, click.Path),
                metavar=p.metavar, multiple=p.multiple)
     want = dict(argument=m["argument"], default=default,
@@ -84,6 +86,15 @@ def problems(cmd):
                          isinstance(x, str) else "")
 def test_every_parameter_of_a_command_is_a_field_of_its_config(name, cmd):
     assert not problems(cmd), (name, problems(cmd))
+
+
+@pytest.mark.parametrize("name,cmd", [(n, c) for n, c in commands(cli)
+                                      if any(p.required for p in c.params)],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_a_required_parameter_left_out_is_a_usage_error(name, cmd):
+    """(a default given to click, None too, would stand in for it: the command ran on None)"""
+    res = CliRunner().invoke(cmd, [])
+    assert res.exit_code == 2 and "Missing" in res.output, (name, res.output)
 
 
 def test_no_group_takes_options():

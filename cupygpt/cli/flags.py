@@ -130,8 +130,10 @@ def parameter(f):
     """The click option (or argument) a config field declares (config/fields.py's flag)."""
     m, default = f.metadata, (None if f.default is dataclasses.MISSING else f.default)
     kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
-    kw = dict(default=default, type=click.Choice(m["choices"]) if m["choices"] else
+    kw = dict(type=click.Choice(m["choices"]) if m["choices"] else
               click.Path() if m["path"] else kind)
+    if not m["required"]:  # (click takes any default, None too, as a required one given)
+        kw["default"] = default
     if m["argument"]:
         return click.argument(f.name, required=m["required"], nargs=m["nargs"], **kw)
     if kind is bool:
