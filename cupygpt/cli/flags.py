@@ -130,16 +130,19 @@ def parameter(f):
     """The click option (or argument) a config field declares (config/fields.py's flag)."""
     m, default = f.metadata, (None if f.default is dataclasses.MISSING else f.default)
     kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
-    kw = dict(default=default, type=click.Choice(m["choices"]) if m["choices"] else kind)
+    kw = dict(type=click.Choice(m["choices"]) if m["choices"] else
+              click.Path() if m["path"] else kind)
+    if not m["required"]:  # (click takes any default, None too, as a required one given)
+        kw["default"] = default
     if m["argument"]:
-        return click.argument(f.name, required=m["required"], **kw)
+        return click.argument(f.name, required=m["required"], nargs=m["nargs"], **kw)
     if kind is bool:
         kw.pop("type")
         kw["is_flag"] = "/" not in m["decls"][0] or None
     return click.option(*m["decls"], f.name, help=m["help"], metavar=m["metavar"],
-                        required=m["required"],
+                        required=m["required"], multiple=m["multiple"],
                         show_default=default is not None and default is not False
-                        and default != "", **kw)
+                        and default not in ("", ()), **kw)
 
 
 def options_of(cls):
@@ -152,9 +155,7 @@ def options_of(cls):
                        if "decls" in g.metadata]
         elif "decls" in f.metadata:
             params.append(parameter(f))
-    return options(*params)
-
-
-overwrite_option = click.option(
-    "--overwrite", is_flag=True,
-    help="replace the files this command writes (--out, --trace) where they exist")
+    def add(fn):
+        fn.config = cls  # whose fields they are (test_cli_options checks each against it)
+        return options(*params)(fn)
+    return add

@@ -1,21 +1,31 @@
-"""prepare's corpus mode (llm.c's FineWeb script): documents from many files (a text file
-is one document; jsonl and parquet: each record's `text`) tokenized on every core, an EOT
-before each, cut into shards of a fixed token count (the last one shorter), the first the
-val shard: NAME_val_000000.bin, NAME_train_000001.bin, ... A shard is written only whole
-(atomically), so an interrupted run leaves none half-written."""
+"""prepare's work: one text file split as llm.c's tinyshakespeare script does, HellaSwag's
+jsonl to llm.c's eval file, or the corpus mode (llm.c's FineWeb script): documents from many
+files (a text file is one document; jsonl and parquet: each record's `text`) tokenized on
+every core, an EOT before each, cut into shards of a fixed token count (the last one
+shorter), the first the val shard: NAME_val_000000.bin, NAME_train_000001.bin, ... A shard
+is written only whole (atomically), so an interrupted run leaves none half-written."""
 import collections
+import glob
 import json
 import multiprocessing
 import os
 import signal
+import time
+from dataclasses import replace
 
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends import host_memory
+from ..comm.launch import Stopped
+from ..config.sections import make_dir
+from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
-from ..paths import TEXT_CAP, not_compressed, read_bounded, regular
-from ..formats.tokenizer import Tokenizer
+from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, not_compressed,
+                     read_bounded, regular)
+from ..formats.tokenizer import Tokenizer, tokenize_tinyshakespeare
 
+SHARD_SIZE = 10 ** 8   # the corpus mode's tokens per shard, llm.c's FineWeb script's
 TASK_CHARS = 1 << 20   # documents handed to a worker at a time: few pickles, steady order
 
 
@@ -166,3 +176,131 @@ def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
     if fill:
         flush(fill)
     return written, total, docs[0]
+
+
+def prepare(c, progress, note):
+    """prepare's work for c (a PrepareConfig); progress(length, label) a progress bar (a
+    context manager; its update(n) counts), note(line) a line for stderr. Returns the lines
+    to print (what was written)."""
+    check_inputs(c.inputs)
+    c = replace(c, name=os.path.splitext(os.path.basename(c.inputs[0]))[0]
+                if c.name is None else c.name)
+    if not c.name or c.name in (".", "..") or "/" in c.name or os.sep in c.name:
+        raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
+                           "directory in --out", "name", repr(c.name))
+    if c.hellaswag:  # (before the corpus mode, which takes a .jsonl too)
+        if len(c.inputs) != 1:
+            raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
+                               f"not {len(c.inputs)}")
+        return prepare_hellaswag(c.inputs[0], os.path.join(c.out, f"{c.name}.bin"),
+                                 c.tokenizer, c.force)
+    if (c.shard_size is not None or len(c.inputs) > 1
+            or c.inputs[0].endswith((".jsonl", ".parquet"))):
+        return prepare_corpus(replace(c, shard_size=SHARD_SIZE if c.shard_size is None
+                                      else c.shard_size), progress, note)
+    text, out = c.inputs[0], c.out
+    paths = {split: os.path.join(out, f"{c.name}_{split}.bin") for split in ("val", "train")}
+    # through a link too (a clone's ./data is the package's): resolved paths are compared
+    check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, c.tokenizer])
+    claim_out(out, existing_of(*paths.values()), c.force)
+    body = text_of(text)
+    tok = Tokenizer(c.tokenizer)
+    with progress(body.count("\n\n") + 1, "tokenizing") as bar:
+        try:
+            train_tokens, val_tokens = tokenize_tinyshakespeare(body, tok, progress=bar.update)
+        except CupyGPTError as e:
+            raise CupyGPTError(f"{text}: {e}") from None
+    # both written before either is renamed: a failure leaves neither
+    with atomic_write(paths["val"]) as fv, atomic_write(paths["train"]) as ft:
+        write_shard(paths["val"], val_tokens, fv)
+        write_shard(paths["train"], train_tokens, ft)
+    return [f"wrote {len(toks):,} tokens to {paths[split]}"
+            for split, toks in (("val", val_tokens), ("train", train_tokens))]
+
+
+def claim_out(out, replaced, force):
+    """prepare's --out made and claimed (one command writing there at a time); then what
+    it would replace there (replaced(): the paths, looked at once claimed) only with
+    --overwrite. Returns those paths."""
+    make_dir("out", out)
+    claim("out", out)
+    there = replaced()
+    if there and not force:
+        raise CupyGPTError(f"{there[0]} exists; add --overwrite to replace "
+                           f"{'it' if len(there) == 1 else 'them'}, or another --out or "
+                           f"--name", "out", out)
+    return there
+
+
+def existing_of(*paths):
+    return lambda: [p for p in paths if os.path.exists(p)]
+
+
+def text_of(path, kind="text"):
+    """A text input, decoded (a compressed file named as such)."""
+    data = read_bounded(path, kind, TEXT_CAP)
+    not_compressed(path, data)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CupyGPTError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def prepare_hellaswag(jsonl, path, tokenizer, force):
+    """prepare --hellaswag: the jsonl's examples to llm.c's eval file at path."""
+    check_outputs([("out", path)], [jsonl, tokenizer])
+    claim_out(os.path.dirname(path) or ".", existing_of(path), force)
+    examples = from_jsonl(text_of(jsonl, "jsonl"), Tokenizer(tokenizer).encode, jsonl)
+    with atomic_write(path) as f:
+        write_eval(f, examples)
+    return [f"wrote {len(examples):,} examples to {path}"]
+
+
+def prepare_corpus(c, progress, note):
+    """The corpus mode, for c (its name and shard size given)."""
+    inputs, out, name, shard_size = c.inputs, c.out, c.name, c.shard_size
+    if shard_size < 1:
+        raise CupyGPTError(f"must be a positive number of tokens per shard (llm.c's FineWeb "
+                           f"script: {SHARD_SIZE})", "shard_size", shard_size)
+    cores = len(os.sched_getaffinity(0))
+    if c.workers is not None and c.workers < 1:
+        raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
+                           c.workers)
+    if c.workers is not None and c.workers > cores:  # more processes than cores only contend
+        note(f"note: --workers {c.workers}: this process may run on {cores} core(s); "
+             f"using {cores}")
+    workers = cores if c.workers is None else min(c.workers, cores)
+    free = host_memory.available()
+    if 2 * shard_size > free:  # the shard filling, uint16 tokens (numpy would raise later)
+        raise CupyGPTError(f"a shard is held in memory as it fills (2 bytes a token: "
+                           f"{2 * shard_size / 2**30:,.1f} GiB), more than the "
+                           f"{free / 2**30:,.1f} GiB free; give a smaller one (llm.c's "
+                           f"FineWeb script: {SHARD_SIZE})", "shard_size", shard_size)
+    check_outputs([("out", out)], [*inputs, c.tokenizer])
+    Tokenizer(c.tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
+    before = claim_out(out, lambda: sorted(
+        glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
+        + glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_train_*.bin"))),
+        c.force)
+    t0 = time.perf_counter()
+    try:
+        with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
+            paths, total, docs = write_shards(inputs, out, name, shard_size, c.tokenizer,
+                                              bar.update, workers)
+        if total == docs:  # (each document's EOT alone: no text at all)
+            for p in paths:
+                os.unlink(p)
+            raise CupyGPTError(f"{inputs[0]}{' ...' if len(inputs) > 1 else ''}: no "
+                               f"text in the input(s) (empty documents only); nothing "
+                               f"written: give a non-empty corpus")
+    except Stopped:
+        note("interrupted: the shards written so far are whole; no shard is half written")
+        raise
+    for stale in sorted(set(before) - set(paths)):  # --force: an earlier, longer set's rest
+        os.unlink(stale)
+    dt = time.perf_counter() - t0
+    return [f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to {out} "
+            f"in {dt:.1f} s ({total / dt:,.0f} tokens/s, {workers} worker(s) on {cores} "
+            f"cores)"] + ([f"no train shard: the corpus fits in one --shard-size "
+                          f"({shard_size:,} tokens); give a smaller one for train's -i"]
+                         if len(paths) == 1 else [])

@@ -6,13 +6,16 @@ from dataclasses import MISSING, field
 
 
 def flag(*decls, default=MISSING, help=None, choices=None, shown=None, metavar=None,
-         argument=False, required=False):
+         argument=False, required=False, nargs=None, multiple=False, path=False):
     """A field that is also a command-line parameter: decls are click's spellings
-    ("-b", "--graphs/--no-graphs"; none for an argument), shown the [default: ...] text
-    where the default is worked out later (None until validate resolves it)."""
+    ("-b", "--graphs/--no-graphs", aliases "--overwrite", "--force"; none for an argument),
+    shown the [default: ...] text where the default is worked out later (None until
+    validate resolves it); nargs=-1 an argument taking every word left, multiple an option
+    given again for each value (both a tuple), path a file path (click checks one that
+    exists is readable)."""
     return field(default=default, metadata=dict(
         decls=decls, help=help, choices=choices, shown=shown, metavar=metavar,
-        argument=argument, required=required))
+        argument=argument, required=required, nargs=nargs, multiple=multiple, path=path))
 
 
 def section(cls, flags=True):

@@ -26,6 +26,7 @@ from .parts import benches, pipeline, readme, run_tests, sanitize, verify
 from .peers import PeersBuild, peers
 from .report import SECTIONS, ratios
 from .runs import Budget, BudgetSpent, Skip
+from ...config.tools import GPUCHECK_PARTS
 from ...paths import json_object
 
 REPORT = "report gpucheck wrote"
@@ -49,9 +50,9 @@ PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8,
                    "need": {"verify": 10, "readme": 10, "tests": 15, "bench": 6, "peers": 5,
                             "pipeline": 10, "sanitizer": 3}}}
 
-# In the order they run: the most valuable first, so that a short budget drops the least.
-PARTS = {"verify": verify, "readme": readme, "tests": run_tests, "bench": benches,
-         "peers": peers, "pipeline": pipeline, "sanitizer": sanitize}
+# What each part runs, in the order they run (named in config/tools.py, --part's choices)
+PARTS = dict(zip(GPUCHECK_PARTS, (verify, readme, run_tests, benches, peers, pipeline,
+                                  sanitize)))
 
 
 def versions():

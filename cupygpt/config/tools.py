@@ -1,0 +1,92 @@
+"""The configs of the commands beside training (prepare, convert, schedule, gpucheck, plot,
+timeline), one frozen dataclass each: every field declares its flag as configs.py's do, so
+each option and its default are written here once and cli/tools.py makes them from the
+fields. Their checks stay with the commands' work (nothing here depends on a device)."""
+from dataclasses import dataclass
+from typing import Optional
+
+from . import fields
+from .fields import flag
+from .sections import RUN_DTYPES
+from ..parallel.pipeline.schedule import SCHEDULES
+from ..paths import TOKENIZER
+
+# gpucheck's parts in the order they run, the most valuable first so that a short budget
+# drops the least (commands/gpucheck/check.py maps each name to what it runs)
+GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sanitizer")
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    inputs: tuple[str, ...] = flag(argument=True, nargs=-1, required=True)
+    out: str = flag("--out", default="data", help="output directory")
+    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    name: Optional[str] = flag("--name", default=None, help=(
+        "shard name prefix  [default: the first input's file name without its extension]"))
+    shard_size: Optional[int] = flag("--shard-size", default=None, help=(
+        "tokens per shard: the corpus mode, llm.c's FineWeb script (its default with several "
+        "inputs or jsonl/parquet: 100,000,000)"))  # None: commands/prepare.py's SHARD_SIZE
+    force: bool = flag("--overwrite", "--force", default=False,
+                       help="replace shards already there (--force: its older name)")
+    workers: Optional[int] = flag("--workers", default=None, help=(
+        "tokenizing processes in the corpus mode  [default: one per core]"))
+    hellaswag: bool = flag("--hellaswag", default=False, help=(
+        "the one input is HellaSwag's jsonl (ctx, endings, label): write llm.c's eval file "
+        "OUT/NAME.bin for `eval` and train's -h 1, tokenized as llm.c's script"))
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    src: str = flag(argument=True, required=True)
+    dst: str = flag(argument=True, required=True)
+    dtype: str = fields.dtype(RUN_DTYPES, default="fp32", help="the llm.c file's")
+    tokenizer: str = flag("--tokenizer", default=TOKENIZER,
+                          help="its vocab.json, merges.txt go beside a model with its vocab")
+    force: bool = flag("--overwrite", "--force", default=False, help=(
+        "replace an existing llm.c model file DST (--force: its older name)"))
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    stages: int = flag("--stages", "-p", default=4)
+    micro_batches: int = flag("--micro-batches", "-m", default=8)
+    schedule: str = flag("--schedule", default="1f1b", choices=tuple(SCHEDULES))
+    virtual_stages: Optional[int] = flag("--virtual-stages", "-v", default=None, help=(
+        "model chunks per rank (interleaved; zbv holds 2)  [default: 2 with interleaved, "
+        "else 1]"))  # None: the schedule's own (chunks_per_rank)
+    backward_cost: float = flag("--backward-cost", default=2.0, help=(
+        "time of a backward relative to a forward (split: half B, half W)"))
+
+
+@dataclass(frozen=True)
+class GpucheckConfig:
+    out: str = flag("--out", default="gpu_report", help="report directory")
+    budget: float = flag("--budget", default=420.0, help=(
+        "seconds the whole check may take: each run gets what is left, and a part that "
+        "cannot fit is skipped, the report saying why"))
+    peers_dir: Optional[str] = flag("--peers", default=None, help=(
+        "a copy of shared/peers: llm.c's build starts at once, in the background, and the "
+        "peers (llm.c, PyTorch) run after bench at its B and T, for ratios measured side by "
+        "side"))
+    quick: bool = flag("--quick", default=False,
+                       help="benchmark the tiny preset at short T (minutes)")
+    parts: tuple[str, ...] = flag("--part", default=(), multiple=True, choices=GPUCHECK_PARTS,
+                                  help="run only these parts, merged into the report in "
+                                       "--out (default: all)")
+
+
+@dataclass(frozen=True)
+class PlotConfig:
+    log: str = flag(argument=True, required=True, path=True)
+    out: str = flag("--out", default="loss.png", help="PNG to write")
+    overwrite: bool = fields.overwrite()
+
+
+@dataclass(frozen=True)
+class TimelineConfig:
+    trace: str = flag(argument=True, required=True, path=True)
+    out: str = flag("--out", default="timeline.png", help="PNG to write")
+    schedule: Optional[str] = flag("--schedule", default=None, choices=tuple(SCHEDULES),
+                                   help="the run's schedule, for the prediction  [default: "
+                                        "the trace's]")
+    overwrite: bool = fields.overwrite()
