@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import cli, device_env, gpu_available, requires_sim
+from cupygpt.paths import DATA, PACKAGE
 
 
 # The dry run proves the check's plumbing; the GPU tests themselves already run on cudasim
@@ -237,7 +238,7 @@ def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
         [sys.executable, "-c", "import os, cupygpt; print(os.getcwd(), cupygpt.__file__)"],
         60, str(tmp_path / "log"), str(tmp_path), gpucheck_runs.Budget(60))
     assert rc == 0 and text.split() == [
-        str(tmp_path), os.path.join(gpucheck_runs.PKG, "__init__.py")], text
+        str(tmp_path), os.path.join(PACKAGE, "__init__.py")], text
 
 
 def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
@@ -431,7 +432,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     out = tmp_path / "report"
     report, md = gpucheck.gpucheck(str(out), "quick", ("bench", "peers"), budget=120,
                                    peers_dir=str(peers_dir))
-    assert stamps[0] == [str(peers_dir), "4", "32", gpucheck_parts.DATA], "built from the start"
+    assert stamps[0] == [str(peers_dir), "4", "32", DATA], "built from the start"
     h200 = {"device": "NVIDIA H200", "B": 4, "T": 32}
     assert report["peers"] == {
         "llm.c train_gpt2_fp32.cu": {**h200, "ms_per_step": 54.4, "tok_s": 2353, "dtype": "fp32"},
