@@ -8,12 +8,20 @@ row-parallel outputs forward, the column-parallel inputs' gradients backward), m
 `comm` (a transport; with one shard they are no-ops), and the vocab-parallel embedding and
 cross-entropy. Activations live in `slots` copies of one micro-batch's layout, so a
 pipeline stage keeps the micro-batches that are in flight.
+
+The LM head is the last stage's: logits = lnf wte^T a chunk of positions at a time
+(layout's LOGIT_CHUNK bounds a chunk), and the vocab-parallel softmax cross-entropy on each
+chunk. In training the head's backward runs in forward too, while a chunk's dlogits exist,
+so no (B, T, Vp) tensor is ever kept: what a stage keeps of the head is lnf, and after a
+training forward lnf's gradient in its place; backward starts from there.
+
+One module, a stage's forward and backward read in one place (llm.c's gpt2_forward and
+gpt2_backward, the head's included), so it runs past the size a file is otherwise held to.
 """
 import numpy as np
 
 from .. import CupyGPTError
 from ..comm.local import Local
-from .head import lm_head
 from ..precision import dtype_name, wide
 from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
@@ -109,7 +117,7 @@ class Stage:
 
     def forward(self, slot=0, tokens=None, targets=None, dloss=None, on_logits=None):
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
-        also runs its own backward (head.lm_head) and leaves lnf's gradient in place of lnf.
+        also runs its own backward (_lm_head) and leaves lnf's gradient in place of lnf.
         on_logits(first, logits): the head's logits of positions [first, first + n) of
         the micro-batch (flattened (B*T, vocab rows)), a chunk at a time."""
         be, a, NH = self.be, self.acts[slot], self.NH
@@ -123,9 +131,9 @@ class Stage:
             be.attention_forward(out, a["att_lse"][l], a["qkv"][l], NH)
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
-            self._head(whole, x)
-            lm_head(self, a["lnf"].reshape(-1, self.cfg.C), a["losses"].reshape(-1),
-                    None if targets is None else targets.reshape(-1), dloss, on_logits)
+            self._final_layernorm(whole, x)
+            self._lm_head(a["lnf"].reshape(-1, self.cfg.C), a["losses"].reshape(-1),
+                          None if targets is None else targets.reshape(-1), dloss, on_logits)
 
     def _embed(self, out, tokens, wpe):
         """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
@@ -151,8 +159,8 @@ class Stage:
             self._embed(row("encoded"), tokens, self.p["wpe"][t:])
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
-            self._head(row, x)
-            lm_head(self, row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
+            self._final_layernorm(row, x)
+            self._lm_head(row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
 
     RECOMPUTE_INTO = {"fch_gelu": "gelu_re", "ln1": "ln_re", "ln2": "ln_re"}
 
@@ -221,11 +229,47 @@ class Stage:
                                       act(name + "_rstd", k), w, b)
         return res
 
-    def _head(self, act, x):
+    def _final_layernorm(self, act, x):
         """The final layernorm, where no residual add ran it (a stage of no layers)."""
         if not self.nl:
             self.be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x,
                                       self.p["lnfw"], self.p["lnfb"])
+
+    def _lm_head(self, lnf, losses, targets, dloss, on_logits, first=0):
+        """The head over lnf's positions (N, C), a chunk of the scratch's logit rows at a
+        time: with targets the losses (dlogits in place of the logits with dloss); with
+        dloss also wte's gradient += dlogits^T lnf, then lnf's rows := dlogits wte (a
+        partial sum over the vocab shards: backward sums it over the group). In bf16 each
+        chunk's addition to wte's gradient is rounded, as each micro-batch's is.
+        on_logits(first + r0, logits): chunk r0's logits, as the GEMM made them."""
+        if targets is None and on_logits is None:
+            return  # nobody reads them
+        be, p, N = self.be, self.p, lnf.shape[0]
+        R, Vr = self.s["logits"].shape
+        for r0 in range(0, N, R):
+            n, rows = min(R, N - r0), slice(r0, r0 + R)
+            logits = self.s["logits"].reshape(-1)[:n * Vr].reshape(n, Vr)
+            be.matmul_forward(logits, lnf[rows], p["wte"])
+            if on_logits is not None:
+                on_logits(first + r0, logits)
+            if targets is None:
+                continue
+            self._cross_entropy(logits, losses[rows], targets[rows], dloss)
+            if dloss is not None:
+                be.matmul_backward_weight(self.g["wte"], None, logits, lnf[rows])
+                be.matmul_backward_input(lnf[rows], logits, p["wte"])
+
+    def _cross_entropy(self, logits, losses, targets, dloss):
+        """Vocab-parallel softmax cross-entropy of one chunk: each shard's (max, sum of
+        exponentials, target logit) per position are gathered, every shard combines them in
+        shard order, and the logits are never gathered. With one shard, one fused op."""
+        be, tp, shard = self.be, self.part.tp, self.part.shard
+        if tp == 1:
+            return be.cross_entropy(logits, losses, targets, self.valid, dloss)
+        stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
+        be.classifier_stats(stats[shard], logits, targets, self.v0, self.valid)
+        self.comm.all_gather(stats[shard], stats, "tp")
+        be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
     def backward(self, slot=0, tokens=None, layer_done=None):
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
@@ -280,7 +324,7 @@ class Stage:
             if not weights:
                 (a[keep] if l is None else a[keep][l])[...] = dout
             return dout
-        if self.head:  # the head's products ran in forward (head.lm_head): lnf is its gradient
+        if self.head:  # the head's products ran in forward (_lm_head): lnf is its gradient
             dres.fill(0)
             self.tp_sum(a["lnf"])
             be.layernorm_backward(dres, g["lnfw"], g["lnfb"], a["lnf"], self.output(slot),
