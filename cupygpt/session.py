@@ -66,7 +66,7 @@ class Session:
         kind, self.attention = attention_path(asked, self.be, settings.dtype, shape)
 
         def make(kind):
-            return Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
+            return Runner(shape=shape, be=self.be, transport=self.tr, mesh=self.mesh,
                           settings=replace(settings, attention=kind))
         try:
             run = make(kind)

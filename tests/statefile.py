@@ -28,7 +28,7 @@ def make_state64(model, d, B, T, seed=3):
     from cupygpt.parallel.runner import Runner
     from cupygpt.parallel.settings import StepSettings
     cfg, params = read_model(model)
-    run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(),
+    run = Runner(shape=cfg, be=be, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=B, seq=T, dtype=np.float64,
                                        adamw=AdamWConfig(lr=1e-4, weight_decay=0.01)))
     run.load_state_dict(params)

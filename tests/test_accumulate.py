@@ -45,7 +45,7 @@ def test_four_micro_steps_give_the_gradient_of_four_times_the_batch():
     xy = np.random.default_rng(0).integers(0, shape.V, (8, 33)).astype(np.int32)
     out = {}
     for rows in (2, 8):
-        run = Runner(shape=shape, backend=numpy_backend, transport=Local(), mesh=Mesh(),
+        run = Runner(shape=shape, be=numpy_backend, transport=Local(), mesh=Mesh(),
                      settings=StepSettings(batch=rows, seq=32))
         run.load_state_dict(init_params(shape, 1))
         loss = run.gradients(xy[:, :-1], xy[:, 1:])

@@ -62,7 +62,7 @@ D12_SHAPED = GPT2Config(maxT=64, V=500, Vp=512, L=2, NH=12, C=768)  # d12's widt
 
 def runner(dtype, shape=None):
     shape = shape or preset("tiny")
-    run = Runner(shape=shape, backend=npb, transport=Local(), mesh=Mesh(),
+    run = Runner(shape=shape, be=npb, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=2, seq=32, dtype=dtype,
                                        adamw=AdamWConfig(lr=1e-3, grad_clip=1.0)))
     run.load_state_dict(init_params(shape, 1))

@@ -19,7 +19,7 @@ from cupygpt.model.shape import preset
 
 def one_process(clip):
     shape = preset("tiny")
-    run = Runner(shape=shape, backend=numpy_backend, transport=Local(), mesh=Mesh(),
+    run = Runner(shape=shape, be=numpy_backend, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=2, seq=32,
                                        adamw=AdamWConfig(lr=1e-3, grad_clip=clip)))
     run.load_state_dict(init_params(shape, 1))

@@ -254,7 +254,7 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     from cupygpt.model.shape import preset
     cp, cu, att = sim_cudnn
     lib, shape = att["cudnn"], preset("tiny")
-    run = Runner(shape=shape, backend=cu, transport=Local(), mesh=Mesh(),
+    run = Runner(shape=shape, be=cu, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=2, seq=16, dtype=BF16, graphs=graphs,
                                        adamw=AdamWConfig(lr=1e-4) if trains else None,
                                        attention="cudnn"))

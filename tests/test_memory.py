@@ -36,7 +36,7 @@ class SmallDevice:
 
 def test_refused_before_allocating_with_numbers():
     with pytest.raises(CupyGPTError) as e:
-        Runner(shape=preset("d12"), backend=SmallDevice(), transport=Local(), mesh=Mesh(),
+        Runner(shape=preset("d12"), be=SmallDevice(), transport=Local(), mesh=Mesh(),
                settings=StepSettings(batch=8, seq=1024, adamw=AdamWConfig()))
     msg = str(e.value)
     # (19.75 GiB with the (T, T) attention tensors, 20.3 with attproj and fcproj kept too,
@@ -69,7 +69,7 @@ GRIDS = [(1, 1, 1, 0, "1f1b", 1), (2, 1, 1, 0, "1f1b", 4), (2, 2, 1, 1, "1f1b", 
 def test_estimate_is_what_is_allocated_on_every_grid(pp, dp, tp, zero, schedule, m):
     shape = GPT2Config(maxT=16, V=301, Vp=320, L=6, NH=6, C=48)
     for rank in range(pp * dp * tp):
-        run = Runner(shape=shape, backend=numpy_backend, transport=Local(),
+        run = Runner(shape=shape, be=numpy_backend, transport=Local(),
                      mesh=Mesh(rank, pp=pp, dp=dp, tp=tp),
                      settings=StepSettings(batch=dp * m, seq=16, micro_batches=m,
                                            schedule=schedule, adamw=AdamWConfig(),

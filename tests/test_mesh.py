@@ -71,7 +71,7 @@ def test_a_ranks_gpu_is_its_index_on_its_host():
 
 def test_runner_refuses_an_unknown_action():
     cfg = GPT2Config(maxT=8, V=16, Vp=16, L=1, NH=2, C=8)
-    run = Runner(shape=cfg, backend=numpy_backend, transport=Local(), mesh=Mesh(),
+    run = Runner(shape=cfg, be=numpy_backend, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=2, seq=4))
     x = np.zeros((2, 4), np.int32)
     run.eval_loss(x, x)  # the real actions run

@@ -16,7 +16,7 @@ from cupygpt.parallel.settings import StepSettings
 cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size
 mesh = Mesh(MPI.COMM_WORLD.rank, tp=world)
-run = Runner(shape=cfg, backend=be, transport=Mpi(be, mesh, 60.0), mesh=mesh,
+run = Runner(shape=cfg, be=be, transport=Mpi(be, mesh, 60.0), mesh=mesh,
              settings=StepSettings(batch=2, seq=8))
 run.load_state_dict(params)
 x = np.random.default_rng(0).integers(0, cfg.V, (2, 9)).astype(np.int32)
@@ -31,7 +31,7 @@ for n in whole:
 mem = run.memory
 one = Mpi(be, Mesh(0), 60.0)
 one.comm = MPI.COMM_SELF  # (a one-rank world: its collectives are this rank's alone)
-alone = Runner(shape=cfg, backend=be, transport=one, mesh=Mesh(0),
+alone = Runner(shape=cfg, be=be, transport=one, mesh=Mesh(0),
                settings=StepSettings(batch=2, seq=8)).memory
 assert mem["params"] < 1.1 * alone["params"] / world, (mem, alone)
 assert mem["activations"] < alone["activations"], (mem, alone)

@@ -18,7 +18,7 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   asynchronous: calls return before the device is done (so host launch time means something);
 - configure(tf32, device_of, ranks_here), device_memory() (free bytes where it allocates:
   the GPU's, or the host's), memory_domain() (ranks with equal answers share that memory;
-  its name in memory_name), workspace_bytes(cfg, batch, seq, part, dtype) (the most its
+  its name in memory_name), workspace_bytes(shape, batch, seq, part, dtype) (the most its
   kept workspaces reach for such a stage),
   memory_in_use(), numerics() (verify's tolerance row in fp32), peak_flops(dtype) (a run
   dtype's dense peak; None: no MFU),

@@ -484,7 +484,7 @@ def device_memory():
 memory_name = "the GPU"
 
 
-def workspace_bytes(cfg, batch, seq, part, dtype):
+def workspace_bytes(shape, batch, seq, part, dtype):
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
     batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
@@ -492,12 +492,13 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS), the
     bias gradients' float scratch (4C, the widest), cuBLASLt's workspace and, where bf16
     attention goes through cuDNN, the workspace its graphs ask."""
-    ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
-    out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C
-               + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
+    ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * shape.C
+    out = 4 * (batch * seq * shape.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * shape.C
+               + 4 * shape.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
     if _attention[0] == "cudnn" and np.dtype(dtype) == BF16:  # (builds the run's graphs)
-        out += _sdpa_plan(batch, cfg.NH // part.tp, seq, cfg.C // cfg.NH, **_attention[1])
+        out += _sdpa_plan(batch, shape.NH // part.tp, seq, shape.C // shape.NH,
+                          **_attention[1])
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
 

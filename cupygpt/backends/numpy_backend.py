@@ -74,12 +74,12 @@ def device_memory():
 memory_name = "this host's memory"
 
 
-def workspace_bytes(cfg, batch, seq, part, dtype):
+def workspace_bytes(shape, batch, seq, part, dtype):
     """The most the kept scratch arrays (_ws) reach for a stage holding part, micro-batches
     of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (a chunk of
     the head's logits) and AdamW's three chunks (two, and the clipped gradient's)."""
-    n = 2 * batch * seq * 4 * cfg.C // part.tp if part.l1 > part.l0 else 0
-    vr = part.vocab(cfg)[1]
+    n = 2 * batch * seq * 4 * shape.C // part.tp if part.l1 > part.l0 else 0
+    vr = part.vocab(shape)[1]
     n += logit_rows(batch * seq, vr) * vr if part.head else 0
     return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 

@@ -9,9 +9,9 @@ from .base import poll
 STREAM_NAP_S = 5e-5
 
 
-def wait_stream(stream, tr, what):
-    """Returns once stream's work has run, or raises after tr's peer timeout."""
-    poll(lambda: stream.done, tr.timeout, tr.rank, what, STREAM_NAP_S)
+def wait_stream(stream, transport, what):
+    """Returns once stream's work has run, or raises after transport's peer timeout."""
+    poll(lambda: stream.done, transport.timeout, transport.rank, what, STREAM_NAP_S)
 
 
 class SideHandle:

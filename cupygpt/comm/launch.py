@@ -154,14 +154,14 @@ class Interrupt:
             stop_at_once(signum, _)
         self.hit = signum
 
-    def stopping(self, tr):
+    def stopping(self, transport):
         """Collective: whether any rank has been signalled."""
-        return tr.any(self.hit is not None)
+        return transport.any(self.hit is not None)
 
-    def code(self, tr):
+    def code(self, transport):
         """Collective: 128 + the signal the lowest signalled rank got, on every rank."""
-        hits = tr.gather(self.hit)
-        return tr.bcast(128 + next(h for h in hits if h) if hits else None)
+        hits = transport.gather(self.hit)
+        return transport.bcast(128 + next(h for h in hits if h) if hits else None)
 
     def restore(self):
         for s, handler in self.old.items():

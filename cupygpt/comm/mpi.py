@@ -181,8 +181,8 @@ class _Overlapped:
     """An all-reduce in flight: the all-to-all, then (once it has landed, at a progress()
     or the wait) the member-order sum and the all-gather; wait() writes the arrays back."""
 
-    def __init__(self, tr, comm, axis, arrs, req, bufs):
-        self.tr, self.comm, self.axis, self.arrs = tr, comm, axis, arrs
+    def __init__(self, transport, comm, axis, arrs, req, bufs):
+        self.transport, self.comm, self.axis, self.arrs = transport, comm, axis, arrs
         self.req, self.bufs, self.gathered = req, bufs, None  # bufs: alive while in flight
 
     def progress(self):
@@ -193,15 +193,15 @@ class _Overlapped:
         if self.gathered is None and self.req.Test():
             mine = _member_sum(self.bufs[1])
             self.gathered = np.empty(self.comm.size * mine.size, mine.dtype)
-            comm = self.tr.gather_groups[self.axis]
+            comm = self.transport.gather_groups[self.axis]
             self.req, self.bufs = comm.Iallgather(_raw(mine), _raw(self.gathered)), (mine,)
         return self.gathered is not None
 
     def wait(self):
         what = f"the {self.axis} group's overlapped gradient sum"
-        poll(self.progress, self.tr.timeout, self.tr.rank, what)
-        self.tr.wait(self.req, what)
+        poll(self.progress, self.transport.timeout, self.transport.rank, what)
+        self.transport.wait(self.req, what)
         off = 0
         for a in self.arrs:
-            self.tr.be.upload(a, self.gathered[off:off + a.size].reshape(a.shape))
+            self.transport.be.upload(a, self.gathered[off:off + a.size].reshape(a.shape))
             off += a.size

@@ -38,8 +38,8 @@ class Ledger:
     (an ack for a put); settle() waits for all owed and takes the counts back off. Each
     word is written by one peer, named with it (a wait that times out names the peer)."""
 
-    def __init__(self, tr):
-        self.tr, self.taken, self.owed, self.peer = tr, {}, {}, {}
+    def __init__(self, transport):
+        self.transport, self.taken, self.owed, self.peer = transport, {}, {}, {}
 
     def owe(self, addr, peer):
         self.owed[addr] = self.owed.get(addr, 0) + 1
@@ -52,13 +52,13 @@ class Ledger:
         n = self.taken[addr] = self.taken.get(addr, 0) + 1
         self.owed[addr] = max(self.owed.get(addr, 0), n)
         self.peer[addr] = peer
-        self.tr.wait_value(addr, n, peer)
+        self.transport.wait_value(addr, n, peer)
 
     def settle(self):
         for addr, n in self.owed.items():
             if self.taken.get(addr, 0) < n:
-                self.tr.wait_value(addr, n, self.peer[addr])
-            self.tr.signal(addr, -n, self.tr.rank)
+                self.transport.wait_value(addr, n, self.peer[addr])
+            self.transport.signal(addr, -n, self.transport.rank)
         self.taken, self.owed = {}, {}
 
 
@@ -68,17 +68,18 @@ class Window:
     counted by a ledger of its own and settled at the end of each collective (so a captured
     step holds whole collectives)."""
 
-    def __init__(self, tr, members, axis):
-        self.tr, self.members, self.me = tr, members, members.index(tr.rank)
+    def __init__(self, transport, members, axis):
+        self.transport, self.members, self.me = transport, members, members.index(transport.rank)
         self.size = WINDOW[axis]
         # read only where a peer or this member wrote in the same phase: no zeroing
-        self.inbox, self.gather = (tr.nv.array((self.size,), dtype="uint8") for _ in range(2))
+        self.inbox, self.gather = (transport.nv.array((self.size,), dtype="uint8")
+                                   for _ in range(2))
         # a bf16 sum is added in float (rounded once, as the other transports): this many
         # floats hold a round of this member's chunk
-        self.acc = tr.cp.empty(self.size // 4, tr.cp.float32)
-        self.sig = tr.nv.buffer(8 * 4 * len(members))
-        tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
-        self.ledger = Ledger(tr)
+        self.acc = transport.cp.empty(self.size // 4, transport.cp.float32)
+        self.sig = transport.nv.buffer(8 * 4 * len(members))
+        transport.cp.from_dlpack(self.sig, copy=False).view(transport.cp.uint64).fill(0)
+        self.ledger = Ledger(transport)
 
     def word(self, what, q):
         return self.sig.handle + 8 * (what * len(self.members) + q)
@@ -105,7 +106,7 @@ class Window:
                     if q == 0:
                         acc[...] = part
                     else:
-                        self.tr.cp.add(acc, part, out=acc)
+                        self.transport.cp.add(acc, part, out=acc)
                 if acc is not slot:
                     slot[...] = acc
                 self.read(RED)
@@ -130,12 +131,12 @@ class Window:
     def phase(self, what, area, parts, w, item):
         """Puts parts[q] into member q's area (this member's slot of it), once q has read
         what the phase before left there, then waits for every member's put here."""
-        tr, led = self.tr, self.ledger
+        transport, led = self.transport, self.ledger
         for q in self.others():
             if led.pending(self.word(what + 1, q)):
                 led.wait(self.word(what + 1, q), self.members[q])
-            tr.put_at(area.data.ptr + self.me * w * item, parts[q], self.word(what, self.me),
-                      self.members[q])
+            transport.put_at(area.data.ptr + self.me * w * item, parts[q],
+                             self.word(what, self.me), self.members[q])
             led.owe(self.word(what + 1, q), self.members[q])
         for q in self.others():
             led.wait(self.word(what, q), self.members[q])
@@ -143,4 +144,4 @@ class Window:
     def read(self, what):
         """This member has read the phase's area: the others may put there again."""
         for q in self.others():
-            self.tr.signal(self.word(what + 1, self.me), 1, self.members[q])
+            self.transport.signal(self.word(what + 1, self.me), 1, self.members[q])

@@ -19,11 +19,11 @@ class Layout:
     @staticmethod
     def of(entries):
         names, shapes, offsets, off = [], [], [], 0
-        for name, shape in entries:
+        for name, dims in entries:
             names.append(name)
-            shapes.append(tuple(shape))
+            shapes.append(tuple(dims))
             offsets.append(off)
-            off += int(np.prod(shape))
+            off += int(np.prod(dims))
         return Layout(tuple(names), tuple(shapes), tuple(offsets), off)
 
     def views(self, buf, base=0):
@@ -74,16 +74,16 @@ class Part:
     shard: int = 0
 
     @staticmethod
-    def whole(cfg):
-        return Part(0, cfg.L)
+    def whole(shape):
+        return Part(0, shape.L)
 
-    def vocab(self, cfg):
+    def vocab(self, shape):
         """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp (split as
         evenly as possible) and how many of them are real tokens (< V), not padding."""
-        base, extra = divmod(cfg.Vp, self.tp)
+        base, extra = divmod(shape.Vp, self.tp)
         v0 = self.shard * base + min(self.shard, extra)
         rows = base + (self.shard < extra)
-        return v0, rows, max(0, min(rows, cfg.V - v0))
+        return v0, rows, max(0, min(rows, shape.V - v0))
 
 
 def owns(name, part):
@@ -97,28 +97,28 @@ def owns(name, part):
     return True
 
 
-def param_shapes(cfg, part):
+def param_shapes(shape, part):
     """The 16 llm.c parameter tensors as `part` holds them. Megatron's split: qkvw/qkvb by
     heads (NH/tp whole heads of each of q, k, v), fcw/fcb by output rows, attprojw and
     fcprojw by input columns (row-parallel), wte by vocab rows; the rest replicated."""
-    C, nl, t = cfg.C, part.l1 - part.l0, part.tp
-    return {"wte": (part.vocab(cfg)[1], C), "wpe": (cfg.maxT, C), "ln1w": (nl, C),
+    C, nl, t = shape.C, part.l1 - part.l0, part.tp
+    return {"wte": (part.vocab(shape)[1], C), "wpe": (shape.maxT, C), "ln1w": (nl, C),
             "ln1b": (nl, C), "qkvw": (nl, 3 * C // t, C), "qkvb": (nl, 3 * C // t),
             "attprojw": (nl, C, C // t), "attprojb": (nl, C), "ln2w": (nl, C),
             "ln2b": (nl, C), "fcw": (nl, 4 * C // t, C), "fcb": (nl, 4 * C // t),
             "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
-def replicated(cfg, part):
+def replicated(shape, part):
     """The tensors part holds whole whatever its tensor-parallel shard (those param_shapes
     does not divide): the same, with the same gradients, on every shard."""
-    whole = param_shapes(cfg, replace(part, tp=1, shard=0))
-    return {n for n, s in param_shapes(cfg, part).items() if s == whole[n]}
+    whole = param_shapes(shape, replace(part, tp=1, shard=0))
+    return {n for n, s in param_shapes(shape, part).items() if s == whole[n]}
 
 
-def param_layout(cfg, part=None):
-    part = part or Part.whole(cfg)
-    shapes = param_shapes(cfg, part)
+def param_layout(shape, part=None):
+    part = part or Part.whole(shape)
+    shapes = param_shapes(shape, part)
     return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
 
 
@@ -142,7 +142,7 @@ def logit_rows(N, vocab_rows):
     return -(-N // chunks)
 
 
-def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recompute=0):
+def activation_layout(shape, B, T, nl, head, tp=1, split=False, embed=False, recompute=0):
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
     columns); per-layer tensors are what backward reads.
 
@@ -157,7 +157,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recom
     per layer (and the embedding's, with embed), kept from bwd_input to bwd_weight.
     recompute: RECOMPUTED[recompute] are left out (scratch_layout holds one layer's).
     """
-    C, NH = cfg.C, cfg.NH // tp
+    C, NH = shape.C, shape.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
          ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C // tp)), ("atty", (nl, B, T, C // tp)),
          ("att_lse", (nl, B, NH, T)),
@@ -171,10 +171,10 @@ def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recom
         e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
               ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
         e += [("dencoded", (B, T, C))] if embed else []
-    return Mixed.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
+    return Mixed.of((n, dims) for n, dims in e if n not in RECOMPUTED[recompute])
 
 
-def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
+def scratch_layout(shape, B, T, tp=1, recompute=0, vocab_rows=None):
     """Temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
@@ -185,7 +185,7 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
     tensor-parallel group). With recompute, one layer's GELU output (gelu_re) and, at 2,
     one layernorm output (ln_re: ln1's and ln2's in turn).
     """
-    C = cfg.C
+    C = shape.C
     e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
          ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
          ("proj", (B, T, C))]
@@ -197,17 +197,17 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
     return Mixed.of(e)
 
 
-def held(cfg, name, whole, part):
+def held(shape, name, whole, part):
     """The view of a whole-model tensor (whole: all L layers) that part holds: its layers,
     then its shard, shaped as param_shapes says or as a view that reshapes to it."""
     x = whole if name in WHOLE else whole[part.l0:part.l1]
-    t, s, C = part.tp, part.shard, cfg.C
+    t, s, C = part.tp, part.shard, shape.C
     if name == "wte":
-        v0, rows, _ = part.vocab(cfg)
+        v0, rows, _ = part.vocab(shape)
         return x[v0:v0 + rows]
     if name in ("qkvw", "qkvb"):  # (nl, 3, NH, HS[, C]): this shard's heads of q, k and v
-        h = cfg.NH // t
-        return x.reshape(x.shape[0], 3, cfg.NH, -1)[:, :, s * h:(s + 1) * h]
+        h = shape.NH // t
+        return x.reshape(x.shape[0], 3, shape.NH, -1)[:, :, s * h:(s + 1) * h]
     if name in ("fcw", "fcb"):
         return x[:, s * 4 * C // t:(s + 1) * 4 * C // t]
     if name == "attprojw":
@@ -217,22 +217,22 @@ def held(cfg, name, whole, part):
     return x
 
 
-def copy_part(dst, part, src, cfg):
+def copy_part(dst, part, src, shape):
     """dst (part's layout) = the tensors part holds of src (a whole model's host buffer)."""
-    sv, dv = param_layout(cfg).views(src), param_layout(cfg, part).views(dst)
+    sv, dv = param_layout(shape).views(src), param_layout(shape, part).views(dst)
     for name, d in dv.items():
-        d[...] = held(cfg, name, sv[name], part).reshape(d.shape)
+        d[...] = held(shape, name, sv[name], part).reshape(d.shape)
     return dst
 
 
-def assemble(cfg, parts):
+def assemble(shape, parts):
     """The whole model's parameters from (part, host params) pairs that cover it."""
-    if len(parts) == 1 and parts[0][0] == Part.whole(cfg):
+    if len(parts) == 1 and parts[0][0] == Part.whole(shape):
         return parts[0][1]  # one rank holds it all: no copy
-    full = np.zeros(param_layout(cfg).size, parts[0][1].dtype)
-    fv = param_layout(cfg).views(full)
+    full = np.zeros(param_layout(shape).size, parts[0][1].dtype)
+    fv = param_layout(shape).views(full)
     for part, params in parts:
-        for name, p in param_layout(cfg, part).views(params).items():
-            view = held(cfg, name, fv[name], part)
+        for name, p in param_layout(shape, part).views(params).items():
+            view = held(shape, name, fv[name], part)
             view[...] = p.reshape(view.shape)
     return full

@@ -38,7 +38,7 @@ class AdamW:
     grad_clip / norm when the norm is above grad_clip."""
 
     def __init__(self, stages, hp, transport=None, slices=None):
-        self.hp, self.t, self.tr = hp, 0, transport
+        self.hp, self.t, self.transport = hp, 0, transport
         self.stages, self.slices = stages, slices or [None] * len(stages)
         # per stage {"m", "v"[, "summed": ZeRO-1's gradient slice][, "master": bf16's]}
         self.state = [{k: st.be.zeros(n, dt) for k, (n, dt) in
@@ -94,7 +94,7 @@ class AdamW:
                             hp.eps, hp.weight_decay, self.norm_sq, hp.grad_clip,
                             state.get("master"), rounding_salt(st.part), a)
             if piece is not None:
-                self.tr.all_gather(params, st.params, "dp")
+                self.transport.all_gather(params, st.params, "dp")
         return True
 
     def _summed(self, st, piece, state, summed):
@@ -104,7 +104,7 @@ class AdamW:
             return st.grads
         if summed:
             return st.grads[piece[0]:piece[1]]
-        self.tr.reduce_scatter(st.grads, state["summed"], "dp")
+        self.transport.reduce_scatter(st.grads, state["summed"], "dp")
         return state["summed"]
 
     def _global_norm(self, grads):
@@ -116,7 +116,7 @@ class AdamW:
             for a, b in ranges:
                 st.be.sum_squares(acc, g[a - a0:b - a0], a)
         for axis in ("tp", "pp") + (("dp",) if self.slices[0] is not None else ()):
-            self.tr.all_reduce(acc, axis)
+            self.transport.all_reduce(acc, axis)
 
     def grad_norm(self):
         """The last step's global gradient norm (before clipping), on the host."""
@@ -134,7 +134,7 @@ class AdamW:
                 x = state[k]
                 if piece is not None:
                     whole = st.be.zeros(st.params.size, x.dtype)
-                    self.tr.all_gather(x, whole, "dp")
+                    self.transport.all_gather(x, whole, "dp")
                     x = whole
                 kept[k] = np.array(st.be.to_host(x), np.float32)
             out.append(kept)
@@ -170,7 +170,7 @@ def norm_ranges(st, piece=None):
     tensor-parallel shard holds whole on shard 0 only, with ZeRO-1 this replica's slice
     piece only (without it each replica counts its whole, equal, gradient alone)."""
     lo, hi = piece or (0, st.layout.size)
-    skip = replicated(st.cfg, st.part) if st.part.shard else set()
+    skip = replicated(st.shape, st.part) if st.part.shard else set()
     out = []
     for name, shape, off in zip(st.layout.names, st.layout.shapes, st.layout.offsets):
         if (name == "wte" and not st.embed) or name in skip:

@@ -60,13 +60,13 @@ def preset(name):
     return PRESETS[name]
 
 
-def flops_per_token(cfg, T):
+def flops_per_token(shape, T):
     """llm.c's estimate: 6N for the weights plus 6*L*C*T for attention."""
-    return 6 * cfg.num_parameters() + 6 * cfg.L * cfg.C * T
+    return 6 * shape.num_parameters() + 6 * shape.L * shape.C * T
 
 
-def mfu(be, cfg, T, dtype, tokens, seconds, devices=1):
+def mfu(be, shape, T, dtype, tokens, seconds, devices=1):
     """The fraction of the devices' peak (the dtype's: TF32 or bf16) that tokens trained in
     seconds are; None where the backend knows no peak (the CPU)."""
     peak = be.peak_flops(dtype)
-    return flops_per_token(cfg, T) * tokens / seconds / (peak * devices) if peak else None
+    return flops_per_token(shape, T) * tokens / seconds / (peak * devices) if peak else None

@@ -5,7 +5,7 @@ The single process is the stage [0, L) with both, unsharded. The model calls onl
 backend interface, so NumPy and CUDA run the same code; it never knows whether it is
 pipelined. Tensor parallelism adds four sums over the shard's group per layer and pass (the
 row-parallel outputs forward, the column-parallel inputs' gradients backward), made through
-`comm` (a transport; with one shard they are no-ops), and the vocab-parallel embedding and
+`transport` (with one shard they are no-ops), and the vocab-parallel embedding and
 cross-entropy. Activations live in `slots` copies of one micro-batch's layout, so a
 pipeline stage keeps the micro-batches that are in flight.
 
@@ -28,11 +28,11 @@ from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layou
 
 
 class Stage:
-    def __init__(self, cfg, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
-                 comm=None, split=False, recompute=0):
-        """cfg: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
+    def __init__(self, shape, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
+                 transport=None, split=False, recompute=0):
+        """shape: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
-        activations it keeps at once; comm: the transport of its tensor-parallel sums (None:
+        activations it keeps at once; transport: the one of its tensor-parallel sums (None:
         one shard); split: it keeps what a split backward's weight pass reads; recompute:
         llm.c's -r (layout.RECOMPUTED: what backward makes again instead of keeping)."""
         B, T = batch, seq
@@ -40,15 +40,15 @@ class Stage:
             raise CupyGPTError(f"the {be.name} backend supports "
                                f"{', '.join(dtype_name(d) for d in be.DTYPES)}", "dtype",
                                dtype_name(dtype))
-        part = part or Part.whole(cfg)
-        self.cfg, self.be, self.B, self.T = cfg, be, B, T
+        part = part or Part.whole(shape)
+        self.shape, self.be, self.B, self.T = shape, be, B, T
         self.dtype, self.wide = np.dtype(dtype), wide(dtype)
-        self.part, self.comm = part, comm or Local()
+        self.part, self.transport = part, transport or Local()
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
-        self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
-        self.v0, _, self.valid = part.vocab(cfg)
+        self.nl, self.NH = self.l1 - self.l0, shape.NH // part.tp  # this shard's heads
+        self.v0, _, self.valid = part.vocab(shape)
         self.recomputed = RECOMPUTED[recompute]
-        self.layout, alay, slay = self.layouts(cfg, B, T, part, split, recompute)
+        self.layout, alay, slay = self.layouts(shape, B, T, part, split, recompute)
         self.params = be.zeros(self.layout.size, dtype)
         self.grads = be.zeros(self.layout.size, dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
@@ -60,23 +60,23 @@ class Stage:
         self.s = slay.views(*self.scratch_bufs)
         # attention output's gradient (C/tp wide) lives in dbt_c's memory: it is read once,
         # by attention_backward, before dbt_c is written
-        self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
-            B, T, cfg.C // part.tp)
+        self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * shape.C // part.tp].reshape(
+            B, T, shape.C // part.tp)
 
     @staticmethod
-    def layouts(cfg, B, T, part, split, recompute=0):
+    def layouts(shape, B, T, part, split, recompute=0):
         """(parameters, one slot's activations, scratch) of a stage holding part."""
-        return (param_layout(cfg, part),
-                activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp, split,
+        return (param_layout(shape, part),
+                activation_layout(shape, B, T, part.l1 - part.l0, part.head, part.tp, split,
                                   part.embed, recompute),
-                scratch_layout(cfg, B, T, part.tp, recompute,
-                               part.vocab(cfg)[1] if part.head else None))
+                scratch_layout(shape, B, T, part.tp, recompute,
+                               part.vocab(shape)[1] if part.head else None))
 
     @classmethod
-    def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
+    def sizes(cls, shape, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
         """Bytes of each kind of buffer a stage allocates (the constructor allocates these;
         the memory estimate reads them before anything is allocated)."""
-        params, acts, scratch = cls.layouts(cfg, batch, seq, part, split, recompute)
+        params, acts, scratch = cls.layouts(shape, batch, seq, part, split, recompute)
         n, w = np.dtype(dtype).itemsize, wide(dtype).itemsize
         return {"params": params.size * n, "grads": params.size * n,
                 "activations": (acts.narrow.size * n + acts.wide.size * w) * slots,
@@ -84,16 +84,16 @@ class Stage:
 
     def tp_sum(self, arr):
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
-        self.comm.all_reduce(arr, "tp")
+        self.transport.all_reduce(arr, "tp")
 
     def load(self, full_params):
         """This stage's part of a whole model's host parameters (array or memmap), in one
         upload; the whole model goes straight from the file into the flat buffer."""
-        if self.part == Part.whole(self.cfg):
+        if self.part == Part.whole(self.shape):
             host = full_params
         else:
             host = copy_part(np.empty(self.layout.size, full_params.dtype), self.part,
-                             full_params, self.cfg)
+                             full_params, self.shape)
         self.be.upload(self.params, host)
 
     def export(self):
@@ -132,7 +132,7 @@ class Stage:
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
             self._final_layernorm(whole, x)
-            self._lm_head(a["lnf"].reshape(-1, self.cfg.C), a["losses"].reshape(-1),
+            self._lm_head(a["lnf"].reshape(-1, self.shape.C), a["losses"].reshape(-1),
                           None if targets is None else targets.reshape(-1), dloss, on_logits)
 
     def _embed(self, out, tokens, wpe):
@@ -268,7 +268,7 @@ class Stage:
             return be.cross_entropy(logits, losses, targets, self.valid, dloss)
         stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
         be.classifier_stats(stats[shard], logits, targets, self.v0, self.valid)
-        self.comm.all_gather(stats[shard], stats, "tp")
+        self.transport.all_gather(stats[shard], stats, "tp")
         be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
     def backward(self, slot=0, tokens=None, layer_done=None):

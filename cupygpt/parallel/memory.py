@@ -30,12 +30,13 @@ def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=
     return out
 
 
-def check_memory(memory, be, tr, mesh, fix=None):
+def check_memory(memory, be, transport, mesh, fix=None):
     """Collective. Refuses, on every rank alike, when the ranks sharing a memory (a GPU, or
     the host's RAM for the CPU) need more than it has free: one line with both figures and
     what to lower (fix: what the command can lower; default: a training step's)."""
     need = sum(memory.values())
-    every = tr.bcast(tr.gather((be.memory_domain(), be.device_memory(), need, mesh.rank)))
+    every = transport.bcast(transport.gather((be.memory_domain(), be.device_memory(), need,
+                                              mesh.rank)))
     totals = {}
     for domain, free, n, rank in every:
         total, _, ranks = totals.get(domain, (0, free, []))

@@ -42,12 +42,12 @@ from .settings import StepSettings
 
 
 class Runner:
-    def __init__(self, *, shape: GPT2Config, backend: ModuleType, transport: Transport,
+    def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport,
                  mesh: Mesh, settings: StepSettings):
         """settings: what every step is (settings.py); the attention it names is told the
         backend before the memory plan, with whether the run trains and replays a
         captured step."""
-        self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
+        self.shape, self.be, self.transport, self.mesh = shape, be, transport, mesh
         self.settings = s = settings
         self.plan = plan = plan_step(shape, mesh, batch=s.batch, seq=s.seq,
                                      micro_batches=s.micro_batches, schedule=s.schedule,
@@ -57,22 +57,22 @@ class Runner:
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
-        self.graphs = s.graphable and backend.supports_graphs and (
+        self.graphs = s.graphable and be.supports_graphs and (
             mesh.size == 1 or (transport.graphable and not (s.overlap and mesh.dp > 1)))
         if s.attention is not None:
-            backend.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
-        self.memory = memory_plan(shape, plan, backend, s.dtype, s.adamw is not None,
+            be.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
+        self.memory = memory_plan(shape, plan, be, s.dtype, s.adamw is not None,
                                   zero_slices, s.recompute)
-        check_memory(self.memory, backend, transport, mesh)
-        self.stages = [Stage(shape, backend, batch=plan.mb_rows, seq=s.seq, part=pt, slots=n,
-                             dtype=s.dtype, comm=transport, split=plan.split_backward,
+        check_memory(self.memory, be, transport, mesh)
+        self.stages = [Stage(shape, be, batch=plan.mb_rows, seq=s.seq, part=pt, slots=n,
+                             dtype=s.dtype, transport=transport, split=plan.split_backward,
                              recompute=s.recompute)
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
                              zero=s.zero, overlap=s.overlap)
         self.opt = AdamW(self.stages, s.adamw, transport, zero_slices) if s.adamw else None
-        self.exec = Executor(plan, self.stages, backend, transport, self.sync)
+        self.exec = Executor(plan, self.stages, be, transport, self.sync)
         self.exec.trace = [] if s.trace else None
         self.graph, self.steps_done = None, 0
         io = (plan.mb_rows, s.seq, shape.C)

@@ -15,7 +15,7 @@ def name(a):
         f"{a.op.value} {a.mb}{f'.{a.chunk}' if a.chunk else ''}"
 
 
-def write(path, records, be, tr, mesh, pipeline):
+def write(path, records, be, transport, mesh, pipeline):
     """Collective over the ranks: rank 0 writes every rank's records ((action, start mark,
     end mark), the executor's), in microseconds from the first action of any rank, with
     pipeline (the schedule's name and sizes). Marks are the backend's stamps, turned into
@@ -23,7 +23,7 @@ def write(path, records, be, tr, mesh, pipeline):
     secs = be.stamp_seconds([m for _, a, b in records for m in (a, b)])
     mine = [(name(a), a.op.value, a.mb, a.chunk, secs[2 * i], secs[2 * i + 1])
             for i, (a, _, _) in enumerate(records)]
-    every = tr.gather((mesh.rank, mesh.stage, mesh.replica, mesh.shard, mine))
+    every = transport.gather((mesh.rank, mesh.stage, mesh.replica, mesh.shard, mine))
     if every is None:
         return
     t0 = min((e[4] for *_, ev in every for e in ev), default=0.0)
