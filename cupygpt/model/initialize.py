@@ -1,10 +1,13 @@
 """A fresh model: llm.c's initialisation of GPT-2's parameters."""
+from __future__ import annotations
+
 import numpy as np
 
 from .layout import param_layout
+from .shape import GPT2Config
 
 
-def init_params(shape, seed):
+def init_params(shape: GPT2Config, seed: int) -> np.ndarray:
     """A fresh GPT-2 (host, fp32, whole model), deterministic in seed, llm.c's scheme:
     N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), layernorm 1/0, biases 0."""
     lay = param_layout(shape)

@@ -4,7 +4,11 @@ A layout covers a Part: a layer range [l0, l1), with or without the embedding an
 (what one pipeline stage owns), and one tensor-parallel shard of those tensors. The whole
 model is the range [0, L) with both, unsharded.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +21,7 @@ class Layout:
     size: int
 
     @staticmethod
-    def of(entries):
+    def of(entries: Iterable) -> Layout:
         names, shapes, offsets, off = [], [], [], 0
         for name, dims in entries:
             names.append(name)
@@ -26,7 +30,7 @@ class Layout:
             off += int(np.prod(dims))
         return Layout(tuple(names), tuple(shapes), tuple(offsets), off)
 
-    def views(self, buf, base=0):
+    def views(self, buf: Any, base: int = 0) -> dict:
         """Named views into buf (NumPy or CuPy) starting at element base."""
         return {n: buf[base + o: base + o + int(np.prod(s))].reshape(s)
                 for n, s, o in zip(self.names, self.shapes, self.offsets)}
@@ -47,12 +51,12 @@ class Mixed:
     wide: Layout
 
     @staticmethod
-    def of(entries):
+    def of(entries: Iterable) -> Mixed:
         entries = list(entries)
         return Mixed(Layout.of(e for e in entries if e[0] not in WIDE),
                      Layout.of(e for e in entries if e[0] in WIDE))
 
-    def views(self, narrow_buf, wide_buf, slot=0):
+    def views(self, narrow_buf: Any, wide_buf: Any, slot: int = 0) -> dict:
         return {**self.narrow.views(narrow_buf, slot * self.narrow.size),
                 **self.wide.views(wide_buf, slot * self.wide.size)}
 
@@ -74,10 +78,10 @@ class Part:
     shard: int = 0
 
     @staticmethod
-    def whole(shape):
+    def whole(shape) -> Part:
         return Part(0, shape.L)
 
-    def vocab(self, shape):
+    def vocab(self, shape) -> tuple[int, int, int]:
         """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp (split as
         evenly as possible) and how many of them are real tokens (< V), not padding."""
         base, extra = divmod(shape.Vp, self.tp)
@@ -86,7 +90,7 @@ class Part:
         return v0, rows, max(0, min(rows, shape.V - v0))
 
 
-def owns(name, part):
+def owns(name: str, part: Part) -> bool:
     """Which tensors a stage holds: wte is tied, so both the embedding and the head hold it."""
     if name == "wte":
         return part.embed or part.head
@@ -97,7 +101,7 @@ def owns(name, part):
     return True
 
 
-def param_shapes(shape, part):
+def param_shapes(shape, part: Part) -> dict[str, tuple]:
     """The 16 llm.c parameter tensors as `part` holds them. Megatron's split: qkvw/qkvb by
     heads (NH/tp whole heads of each of q, k, v), fcw/fcb by output rows, attprojw and
     fcprojw by input columns (row-parallel), wte by vocab rows; the rest replicated."""
@@ -109,14 +113,14 @@ def param_shapes(shape, part):
             "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
-def replicated(shape, part):
+def replicated(shape, part: Part) -> set[str]:
     """The tensors part holds whole whatever its tensor-parallel shard (those param_shapes
     does not divide): the same, with the same gradients, on every shard."""
     whole = param_shapes(shape, replace(part, tp=1, shard=0))
     return {n for n, s in param_shapes(shape, part).items() if s == whole[n]}
 
 
-def param_layout(shape, part=None):
+def param_layout(shape, part: Part | None = None) -> Layout:
     part = part or Part.whole(shape)
     shapes = param_shapes(shape, part)
     return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
@@ -136,13 +140,14 @@ RECOMPUTED = {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}
 LOGIT_CHUNK, LOGIT_CHUNKS = 1 << 26, 8
 
 
-def logit_rows(N, vocab_rows):
+def logit_rows(N: int, vocab_rows: int | None) -> int:
     """Positions per chunk of the head's N positions (even chunks, the last maybe shorter)."""
     chunks = max(1, min(LOGIT_CHUNKS, -(-N * vocab_rows // LOGIT_CHUNK)))
     return -(-N // chunks)
 
 
-def activation_layout(shape, B, T, nl, head, tp=1, split=False, embed=False, recompute=0):
+def activation_layout(shape, B: int, T: int, nl: int, head: bool, tp: int = 1, split: bool = False,
+                      embed: bool = False, recompute: int = 0) -> Mixed:
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
     columns); per-layer tensors are what backward reads.
 
@@ -174,7 +179,8 @@ def activation_layout(shape, B, T, nl, head, tp=1, split=False, embed=False, rec
     return Mixed.of((n, dims) for n, dims in e if n not in RECOMPUTED[recompute])
 
 
-def scratch_layout(shape, B, T, tp=1, recompute=0, vocab_rows=None):
+def scratch_layout(shape, B: int, T: int, tp: int = 1, recompute: int = 0,
+                   vocab_rows: int | None = None) -> Mixed:
     """Temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
@@ -197,7 +203,7 @@ def scratch_layout(shape, B, T, tp=1, recompute=0, vocab_rows=None):
     return Mixed.of(e)
 
 
-def held(shape, name, whole, part):
+def held(shape, name: str, whole: np.ndarray, part: Part) -> np.ndarray:
     """The view of a whole-model tensor (whole: all L layers) that part holds: its layers,
     then its shard, shaped as param_shapes says or as a view that reshapes to it."""
     x = whole if name in WHOLE else whole[part.l0:part.l1]
@@ -217,7 +223,7 @@ def held(shape, name, whole, part):
     return x
 
 
-def copy_part(dst, part, src, shape):
+def copy_part(dst: np.ndarray, part: Part, src: np.ndarray, shape) -> np.ndarray:
     """dst (part's layout) = the tensors part holds of src (a whole model's host buffer)."""
     sv, dv = param_layout(shape).views(src), param_layout(shape, part).views(dst)
     for name, d in dv.items():
@@ -225,7 +231,7 @@ def copy_part(dst, part, src, shape):
     return dst
 
 
-def assemble(shape, parts):
+def assemble(shape, parts: list) -> np.ndarray:
     """The whole model's parameters from (part, host params) pairs that cover it."""
     if len(parts) == 1 and parts[0][0] == Part.whole(shape):
         return parts[0][1]  # one rank holds it all: no copy

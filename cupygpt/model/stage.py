@@ -18,18 +18,28 @@ training forward lnf's gradient in its place; backward starts from there.
 One module, a stage's forward and backward read in one place (llm.c's gpt2_forward and
 gpt2_backward, the head's included), so it runs past the size a file is otherwise held to.
 """
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..comm.local import Local
 from ..precision import dtype_name, wide
-from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
+from .layout import (RECOMPUTED, Layout, Mixed, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
+from ..comm.base import Transport
+from .shape import GPT2Config
 
 
 class Stage:
-    def __init__(self, shape, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
-                 transport=None, split=False, recompute=0):
+    def __init__(self, shape: GPT2Config, be: ModuleType, *, batch: int, seq: int,
+                 part: Part | None = None, slots: int = 1, dtype: DTypeLike = np.float32,
+                 transport: Transport | None = None, split: bool = False,
+                 recompute: int = 0) -> None:
         """shape: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
         activations it keeps at once; transport: the one of its tensor-parallel sums (None:
@@ -64,7 +74,8 @@ class Stage:
             B, T, shape.C // part.tp)
 
     @staticmethod
-    def layouts(shape, B, T, part, split, recompute=0):
+    def layouts(shape: GPT2Config, B: int, T: int, part: Part, split: bool,
+                recompute: int = 0) -> tuple[Layout, Mixed, Mixed]:
         """(parameters, one slot's activations, scratch) of a stage holding part."""
         return (param_layout(shape, part),
                 activation_layout(shape, B, T, part.l1 - part.l0, part.head, part.tp, split,
@@ -73,7 +84,8 @@ class Stage:
                                part.vocab(shape)[1] if part.head else None))
 
     @classmethod
-    def sizes(cls, shape, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
+    def sizes(cls, shape: GPT2Config, *, batch: int, seq: int, part: Part, slots: int, split: bool,
+              recompute: int = 0, dtype: DTypeLike = np.float32) -> dict[str, int]:
         """Bytes of each kind of buffer a stage allocates (the constructor allocates these;
         the memory estimate reads them before anything is allocated)."""
         params, acts, scratch = cls.layouts(shape, batch, seq, part, split, recompute)
@@ -82,11 +94,11 @@ class Stage:
                 "activations": (acts.narrow.size * n + acts.wide.size * w) * slots,
                 "scratch": scratch.narrow.size * n + scratch.wide.size * w}
 
-    def tp_sum(self, arr):
+    def tp_sum(self, arr) -> None:
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
         self.transport.all_reduce(arr, "tp")
 
-    def load(self, full_params):
+    def load(self, full_params: np.ndarray) -> None:
         """This stage's part of a whole model's host parameters (array or memmap), in one
         upload; the whole model goes straight from the file into the flat buffer."""
         if self.part == Part.whole(self.shape):
@@ -96,26 +108,27 @@ class Stage:
                              full_params, self.shape)
         self.be.upload(self.params, host)
 
-    def export(self):
+    def export(self) -> np.ndarray:
         """This stage's parameters, on the host (the buffer itself on the CPU when fp32:
         a copy of a d12 is half a GiB at the run's end)."""
         return self.be.to_host(self.params).astype(np.float32, copy=False)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.grads.fill(0)
 
-    def input(self, slot=0):
+    def input(self, slot: int = 0):
         """The stage input: written by the embedding, or by the previous stage."""
         return self.acts[slot]["encoded"]
 
-    def output(self, slot=0):
+    def output(self, slot: int = 0):
         return self.acts[slot]["residual3"][self.nl - 1]
 
     def grad_io(self):
         """The residual-stream gradient: arrives here from the next stage, leaves from here."""
         return self.s["dresidual"]
 
-    def forward(self, slot=0, tokens=None, targets=None, dloss=None, on_logits=None):
+    def forward(self, slot: int = 0, tokens=None, targets=None, dloss: float | None = None,
+                on_logits: Callable | None = None) -> None:
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
         also runs its own backward (_lm_head) and leaves lnf's gradient in place of lnf.
         on_logits(first, logits): the head's logits of positions [first, first + n) of
@@ -143,7 +156,7 @@ class Stage:
                                 self.v0)
         self.tp_sum(out)
 
-    def decode(self, slot, t, tokens=None, on_logits=None):
+    def decode(self, slot: int, t: int, tokens=None, on_logits: Callable | None = None) -> None:
         """Generation's forward of one position: row 0 at position t only. Every earlier
         position's q, k, v are still in this slot's qkv activations from the passes before
         (the KV cache), so each layer computes one row and attends over t + 1 keys. tokens
@@ -271,7 +284,7 @@ class Stage:
         self.transport.all_gather(stats[shard], stats, "tp")
         be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
 
-    def backward(self, slot=0, tokens=None, layer_done=None):
+    def backward(self, slot: int = 0, tokens=None, layer_done: Callable | None = None) -> None:
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
         gradient of output(slot). Leaves the gradient of input(slot) in grad_io(). The
         input gradients of the column-parallel products (the head's, qkv's, fc's) are
@@ -279,13 +292,14 @@ class Stage:
         layer_done(l), when given, is called as soon as layer l's gradients are added."""
         self._backward(slot, layer_done, weights=True, tokens=tokens)
 
-    def backward_input(self, slot=0):
+    def backward_input(self, slot: int = 0) -> None:
         """Zero-bubble's B: backward's input gradient (grad_io() as backward leaves it) and
         the layernorms' gradients; the matmuls' output gradients are kept in the slot
         (a split stage's activations) for backward_weight."""
         self._backward(slot, None, weights=False)
 
-    def backward_weight(self, slot=0, tokens=None, layer_done=None):
+    def backward_weight(self, slot: int = 0, tokens=None,
+                        layer_done: Callable | None = None) -> None:
         """Zero-bubble's W: the matmuls' (and the embedding's) weight gradients of a slot
         whose backward_input ran, in backward's order, so B then W adds exactly what the
         fused backward adds."""

@@ -20,15 +20,14 @@ One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ran
 A step is a replayed CUDA graph (the same four parts) or eager, decided here once. The
 single process is the pipeline of one stage: one code path for every world size.
 """
-from __future__ import annotations
-
 from types import ModuleType
+from collections.abc import Callable
 
 import numpy as np
 
 from .. import CupyGPTError
 from ..comm.base import Transport, chunks
-from ..model.layout import assemble, copy_part, param_layout
+from ..model.layout import Part, assemble, copy_part, param_layout
 from ..model.stage import Stage
 from ..model.optim import AdamW
 from ..model.shape import GPT2Config
@@ -42,11 +41,10 @@ from .settings import StepSettings
 
 
 class Runner:
-    def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport,
-                 mesh: Mesh, settings: StepSettings):
-        """settings: what every step is (settings.py); the attention it names is told the
-        backend before the memory plan, with whether the run trains and replays a
-        captured step."""
+    def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport, mesh: Mesh,
+                 settings: StepSettings) -> None:
+        """settings: what every step is (settings.py); its attention is told the backend
+        before the memory plan, with whether the run trains and replays a captured step."""
         self.shape, self.be, self.transport, self.mesh = shape, be, transport, mesh
         self.settings = s = settings
         self.plan = plan = plan_step(shape, mesh, batch=s.batch, seq=s.seq,
@@ -83,7 +81,8 @@ class Runner:
 
     # --- training ----------------------------------------------------------------------
 
-    def step(self, x, y, lr=None, keep=None, wait=True):
+    def step(self, x: np.ndarray, y: np.ndarray, lr: float | None = None,
+             keep: Callable | None = None, wait: bool = True) -> float | None:
         """One training step on the host batch x, y (B, T; several batches: see gradients);
         returns the mean loss on every rank (wait=False: None for a replayed CUDA graph,
         not waiting for the device). keep(loss, norm), when given, decides whether the
@@ -95,7 +94,7 @@ class Runner:
         self.update(lr, keep and (lambda norm: keep(loss, norm)))
         return loss
 
-    def gradients(self, x, y):
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> float:
         """Forward and backward over x, y (n B, T): n batches of the plan's B rows, each a
         pass adding into the gradients (llm.c's gradient accumulation), synced after the
         last; returns the mean loss on every rank."""
@@ -111,7 +110,7 @@ class Runner:
             total += self.loss()
         return total / n
 
-    def forward_backward(self, micro_steps=1, last=True):
+    def forward_backward(self, micro_steps: int = 1, last: bool = True) -> None:
         """The schedule's forwards, backwards and transfers over the fed batch, one of
         micro_steps (scaled to the step's mean); the last pass's last backwards start the
         replicas' sums when they overlap."""
@@ -119,12 +118,12 @@ class Runner:
             dloss=1.0 / (micro_steps * self.plan.batch * self.plan.seq), targets=True,
             sync=last))
 
-    def sync_gradients(self, last=True):
+    def sync_gradients(self, last: bool = True) -> None:
         """The schedule's closing STEP action: after a step's last pass, the gradient sums
         (the tied wte's, the replicas'; ZeRO-1 without overlap: the update's)."""
         self.exec.close(self.sync.finish if last else None)
 
-    def update(self, lr=None, keep=None):
+    def update(self, lr: float | None = None, keep: Callable | None = None) -> bool:
         """AdamW on the synced gradients (model/optim.py). keep: as AdamW.apply's."""
         return self.opt.step(lr, self.sync.summed, keep)
 
@@ -145,7 +144,7 @@ class Runner:
         self.sync_gradients()
         self.opt.apply(sched, self.sync.summed)
 
-    def loss(self):
+    def loss(self) -> float:
         """The last pass's mean loss on every rank, once its sends are taken: the replicas'
         loss sums added on the head's ranks."""
         self.transport.finish_sends()
@@ -156,32 +155,31 @@ class Runner:
         return self.transport.bcast(total / (self.plan.batch * self.plan.seq),
                                     root=self.plan.loss_rank)
 
-    def recompute_saves(self):
-        """Bytes of activations and scratch this rank keeps fewer than it would without
-        recomputation (-r)."""
+    def recompute_saves(self) -> int:
+        """Bytes of activations and scratch this rank keeps fewer for recomputing (-r)."""
         kept = memory_plan(self.shape, self.plan, self.be, self.settings.dtype, False)
         return sum(kept[k] - self.memory[k] for k in ("activations", "scratch"))
 
-    def grad_norm(self):
+    def grad_norm(self) -> float:
         """The last step's global gradient norm, before clipping (the same on every rank)."""
         return self.opt.grad_norm()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         for st in self.stages:
             st.zero_grad()
 
     @property
-    def overlap(self):
+    def overlap(self) -> bool:
         """Whether the replicas' gradient sum overlaps the backward."""
         return self.sync.overlap
 
-    def set_overlap(self, on):
+    def set_overlap(self, on: bool) -> None:
         """Whether the replicas' sum overlaps the backward (bench times both)."""
         self.sync.overlap = on and self.mesh.dp > 1
 
     # --- forward only ------------------------------------------------------------------
 
-    def eval_loss(self, x, y, on_logits=None):
+    def eval_loss(self, x: np.ndarray, y: np.ndarray, on_logits: Callable | None = None) -> float:
         """The mean loss of x, y on every rank. on_logits(rows, v0, logits): this rank's
         rows of the batch (a slice), its first vocabulary column and those logits (host,
         (rows, T, its real vocabulary columns)), per micro-batch, on the head's ranks."""
@@ -197,7 +195,7 @@ class Runner:
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
 
-    def position_losses(self, x, y):
+    def position_losses(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Collective: the loss at every position of x, y (host, (B, T)) as float64 host
         (B, T), the same on every rank: each replica's head (its first tensor-parallel
         shard: the others hold the same losses) sends its rows to rank 0, which shares
@@ -217,7 +215,7 @@ class Runner:
                 out[r] = losses
         return self.transport.bcast(out, root=0)
 
-    def next_token(self, tokens, t, choose, cached=True):
+    def next_token(self, tokens: np.ndarray, t: int, choose: Callable, cached: bool = True) -> int:
         """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns
         choose(the logits at t over the whole vocabulary), the same on every rank. cached:
         position t alone through every stage, on the activations the passes before left
@@ -249,7 +247,7 @@ class Runner:
 
     # --- state -------------------------------------------------------------------------
 
-    def state_dict(self, optimizer=True):
+    def state_dict(self, optimizer: bool = True) -> dict | None:
         """Collective: {"params"} and, when there is an optimizer and it is asked for,
         AdamW's "m", "v" (and a bf16 run's fp32 "master" weights) and "adam_t": whole-model
         host arrays on rank 0 (None elsewhere)."""
@@ -264,7 +262,9 @@ class Runner:
         out = dict(zip(names, whole))
         return {**out, "adam_t": self.opt.t} if optimizer else out
 
-    def load_state_dict(self, params, m=None, v=None, adam_t=None, master=None):
+    def load_state_dict(self, params: np.ndarray, m: np.ndarray | None = None,
+                        v: np.ndarray | None = None, adam_t: int | None = None,
+                        master: np.ndarray | None = None) -> None:
         """params (and AdamW's m, v, a bf16 run's master weights): the whole model's host
         arrays; this rank takes its parts. adam_t: AdamW's step count. A bf16 run given no
         master takes params, unrounded, as its master weights."""
@@ -294,23 +294,23 @@ class Runner:
             return [None] * len(host)
         return [assemble(self.shape, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
-    def grads_by_part(self):
+    def grads_by_part(self) -> list[tuple[Part, dict[str, np.ndarray]]]:
         """Collective over the replicas: per stage, (its Part, {name: host gradient summed
         over the replicas})."""
         return [(st.part, {n: self.be.to_host(g) for n, g in self.sync.summed_grads(st).items()})
                 for st in self.stages]
 
-    def params_finite(self):
+    def params_finite(self) -> bool:
         return all(self.be.all_finite(st.params) for st in self.stages)
 
     # --- what the run table and --trace show ----------------------------------------------
 
-    def layers(self):
+    def layers(self) -> str:
         """This rank's model chunks, e.g. "0..2 +embedding and 9..11 +head"."""
         return " and ".join(f"{st.l0}..{st.l1 - 1}{' +embedding' if st.embed else ''}"
                             f"{' +head' if st.head else ''}" for st in self.stages)
 
-    def write_trace(self, path):
+    def write_trace(self, path: str) -> None:
         """Collective: rank 0 writes every rank's actions recorded since the first
         (settings.trace); recording stops."""
         trace.write(path, self.exec.trace, self.be, self.transport, self.mesh,

@@ -3,12 +3,20 @@ hand-offs between chunks of this rank, and the --trace record. Everything it tou
 pass comes in a Pass; nothing climbs back up to the runner. A pass is feed, run (the
 schedule's forwards, backwards and transfers), close (the schedule's closing STEP action,
 where the runner's gradient sync runs, then the transport's end of the step)."""
+from __future__ import annotations
+
 from collections import namedtuple
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import numpy as np
 
 from ... import CupyGPTError
-from .schedule import Op, slot_plan
+from .schedule import Action, Op, slot_plan
+from ...comm.base import Transport
+from ...model.stage import Stage
+from ..grad_sync import GradSync
+from .plan import StepPlan
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 
@@ -27,7 +35,8 @@ class Executor:
     """plan: the rank's StepPlan; stages: a Stage per held chunk; sync: the GradSync its
     backwards report layers to."""
 
-    def __init__(self, plan, stages, be, transport, sync):
+    def __init__(self, plan: StepPlan, stages: list[Stage], be: ModuleType, transport: Transport,
+                 sync: GradSync) -> None:
         self.plan, self.stages, self.be, self.sync = plan, stages, be, sync
         self.transport = transport
         rows, T = plan.rows, plan.seq
@@ -56,7 +65,7 @@ class Executor:
             Op.RECV_GRAD: lambda a, slot, ps: self._recv("grad", sts[a.chunk].grad_io(),
                                                          plan.next[a.chunk], a)}
 
-    def feed(self, x, y):
+    def feed(self, x: np.ndarray, y: np.ndarray | None) -> None:
         """This replica's rows of the host batch x, y (B, T) to the device (y: None when no
         loss is computed)."""
         rows = self.plan.replica_rows()
@@ -65,7 +74,7 @@ class Executor:
         if self.y_dev is not None and y is not None:
             self.be.upload(self.y_dev, y[rows])
 
-    def run(self, actions, ps):
+    def run(self, actions: Sequence[Action], ps: Pass) -> None:
         """The device side of a pass up to the schedule's closing STEP action (a training
         list's last; close runs it): no host transfers but the transport's, so a step can
         be captured as a CUDA graph. The loss sum over this replica's rows is left in
@@ -89,7 +98,7 @@ class Executor:
                 k = release[i]
                 free[k[1]].append(slot_of.pop(k))
 
-    def close(self, sync=None):
+    def close(self, sync: Callable | None = None) -> None:
         """The end of the pass that ran: its STEP action (a training pass's), which calls
         sync (the step's gradient sums; None in a gradient accumulation's passes before
         the last), then the transport's end of the step; both on the stream, so a captured
