@@ -33,7 +33,10 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   run it),
   fallbacks() (what it ran a slower way than planned, and why: one line each).
 """
+from __future__ import annotations
+
 import importlib
+from types import ModuleType
 
 from .. import CupyGPTError
 
@@ -44,7 +47,7 @@ class FusedAttentionUnsupported(CupyGPTError):
     --attention cudnn refuses (session.Session.runner)."""
 
 
-def gpu_available():
+def gpu_available() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
@@ -52,7 +55,7 @@ def gpu_available():
         return False
 
 
-def get_backend(name):
+def get_backend(name: str) -> tuple[ModuleType, str]:
     """name: numpy | cuda | auto. Returns (module, sentence saying what was chosen and why)."""
     if name == "auto":
         name = "cuda" if gpu_available() else "numpy"
