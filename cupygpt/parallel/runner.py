@@ -3,7 +3,9 @@ next_token, state_dict, load_state_dict, ...) and nothing deeper.
 
 One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ranks):
 
-  parallel/runner.py             Runner.step: feed, forward_backward, sync_gradients, update
+  parallel/runner.py             Runner.step: per batch feed, forward_backward and
+                                 sync_gradients (gradients), then update; eager, or from the
+                                 second step the four replayed as one CUDA graph
   parallel/pipeline/executor.py  feed: this replica's rows to the device; run: the
                                  schedule's actions (plan.train, made once by plan.py and
                                  schedule.py) in order; close: its closing STEP action
@@ -17,11 +19,10 @@ One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ran
                                  (started layer by layer in the backward when overlapped)
   model/optim.py                 update: the global gradient norm, clipping, AdamW
 
-A step is a replayed CUDA graph (the same four parts) or eager, decided here once. The
-single process is the pipeline of one stage: one code path for every world size.
+The single process is the pipeline of one stage: one code path for every world size.
 """
-from types import ModuleType
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
@@ -295,8 +296,7 @@ class Runner:
         return [assemble(self.shape, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
     def grads_by_part(self) -> list[tuple[Part, dict[str, np.ndarray]]]:
-        """Collective over the replicas: per stage, (its Part, {name: host gradient summed
-        over the replicas})."""
+        """Collective: per stage, (its Part, {name: host gradient summed over replicas})."""
         return [(st.part, {n: self.be.to_host(g) for n, g in self.sync.summed_grads(st).items()})
                 for st in self.stages]
 
