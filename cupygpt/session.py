@@ -2,8 +2,7 @@
 against it (before anything is allocated), this rank's place in the grid, the transport,
 the device; then the runner and the run's table."""
 import os
-
-import numpy as np
+from dataclasses import replace
 
 from . import CupyGPTError
 from .backends import FusedAttentionUnsupported, get_backend
@@ -15,6 +14,8 @@ from .log import Log
 from .model.initialize import init_params
 from .parallel.mesh import Mesh
 from .parallel.runner import Runner
+from .parallel.settings import StepSettings
+from .precision import DTYPES
 from .model.shape import preset
 
 
@@ -43,24 +44,30 @@ class Session:
                           device_of=self.mesh.device, ranks_here=self.mesh.local_size)
         self.log = Log(self.mesh.rank, self.mesh.size)
 
-    def runner(self, shape, params, *, batch, seq, dtype=np.float32, adamw=None,
-               graphs=False, recompute=0, attention=None):
-        """This rank's Runner over the command's pipeline and grid; params: the whole
-        model's host parameters (None: a resume fills the stages); attention: --attention's
-        choice (None: the command's), taken before the memory plan (it builds cuDNN's graphs
-        and counts their workspace) and said in `attention` (the run table's words). A shape
+    def step_settings(self, *, batch, seq, dtype=None, adamw=None, graphs=False, recompute=0,
+                      trace=False, micro_steps=1, gated=False):
+        """The StepSettings of a runner of this command: the given ones, dtype (a --dtype
+        name; None: the command's) as its NumPy type, the pipeline and grid the config's."""
+        p, g = self.config.pipeline, self.config.grid
+        return StepSettings(batch=batch, seq=seq, dtype=DTYPES[dtype or self.config.dtype],
+                            adamw=adamw, recompute=recompute, micro_batches=p.micro_batches,
+                            schedule=p.schedule, virtual=p.virtual_stages, counts=p.counts,
+                            zero=bool(g.zero), overlap=g.overlap, graphs=graphs,
+                            trace=trace, micro_steps=micro_steps, gated=gated)
+
+    def runner(self, shape, params, settings, attention=None):
+        """This rank's Runner of settings (step_settings'); params: the whole model's host
+        parameters (None: a resume fills the stages); attention: --attention's choice
+        (None: the command's), taken before the memory plan (it builds cuDNN's graphs and
+        counts their workspace) and said in `attention` (the run table's words). A shape
         cuDNN's own checks refuse (met there, before anything big is allocated) sends auto
         to the own kernels, saying why, and is --attention cudnn's one-line refusal."""
-        p, g = self.config.pipeline, self.config.grid
         asked = attention or self.config.device.attention
-        kind, self.attention = attention_path(asked, self.be, dtype, shape)
+        kind, self.attention = attention_path(asked, self.be, settings.dtype, shape)
 
         def make(kind):
-            return Runner(shape=shape, backend=self.be, transport=self.tr, mesh=self.mesh,
-                          batch=batch, seq=seq, micro_batches=p.micro_batches,
-                          schedule=p.schedule, virtual=p.virtual_stages, counts=p.counts,
-                          dtype=dtype, adamw=adamw, graphs=graphs, zero=bool(g.zero),
-                          overlap=g.overlap, recompute=recompute, attention=kind)
+            return Runner(shape=shape, be=self.be, transport=self.tr, mesh=self.mesh,
+                          settings=replace(settings, attention=kind))
         try:
             run = make(kind)
         except FusedAttentionUnsupported as e:

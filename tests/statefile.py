@@ -26,9 +26,11 @@ def make_state64(model, d, B, T, seed=3):
     from cupygpt.model.optim import AdamWConfig
     from cupygpt.parallel.mesh import Mesh
     from cupygpt.parallel.runner import Runner
+    from cupygpt.parallel.settings import StepSettings
     cfg, params = read_model(model)
-    run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=B, seq=T,
-                 dtype=np.float64, adamw=AdamWConfig(lr=1e-4, weight_decay=0.01))
+    run = Runner(shape=cfg, be=be, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=B, seq=T, dtype=np.float64,
+                                       adamw=AdamWConfig(lr=1e-4, weight_decay=0.01)))
     run.load_state_dict(params)
     xy = np.random.default_rng(seed).integers(0, cfg.V, (B, T + 1)).astype(np.int32)
     x, y = xy[:, :-1], xy[:, 1:]
@@ -36,7 +38,7 @@ def make_state64(model, d, B, T, seed=3):
     run.eval_loss(x, y, lambda rows, v0, lg: logits.append(lg.copy()))
     losses = [run.gradients(x, y)]
     write_state(d / "state.bin", x, y, logits[0], losses[0], run.stages[0].grads)
-    run.optimizer_step()
+    run.update()
     losses += [run.step(x, y) for _ in range(9)]
     (d / "expected.json").write_text(json.dumps({"losses": losses}))
     return model, d / "state.bin", d / "expected.json"

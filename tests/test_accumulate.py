@@ -11,6 +11,7 @@ from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import LR_SCHEDULES, lr_at
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 from cupygpt.model.shape import preset
 
 
@@ -44,8 +45,8 @@ def test_four_micro_steps_give_the_gradient_of_four_times_the_batch():
     xy = np.random.default_rng(0).integers(0, shape.V, (8, 33)).astype(np.int32)
     out = {}
     for rows in (2, 8):
-        run = Runner(shape=shape, backend=numpy_backend, transport=Local(), mesh=Mesh(),
-                     batch=rows, seq=32)
+        run = Runner(shape=shape, be=numpy_backend, transport=Local(), mesh=Mesh(),
+                     settings=StepSettings(batch=rows, seq=32))
         run.load_state_dict(init_params(shape, 1))
         loss = run.gradients(xy[:, :-1], xy[:, 1:])
         out[rows] = loss, run.stages[0].grads.copy()

@@ -18,6 +18,7 @@ from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 from cupygpt.precision import BF16, stochastic_round
 from cupygpt.model.shape import GPT2Config, preset
 
@@ -61,8 +62,9 @@ D12_SHAPED = GPT2Config(maxT=64, V=500, Vp=512, L=2, NH=12, C=768)  # d12's widt
 
 def runner(dtype, shape=None):
     shape = shape or preset("tiny")
-    run = Runner(shape=shape, backend=npb, transport=Local(), mesh=Mesh(), batch=2, seq=32,
-                 dtype=dtype, adamw=AdamWConfig(lr=1e-3, grad_clip=1.0))
+    run = Runner(shape=shape, be=npb, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=2, seq=32, dtype=dtype,
+                                       adamw=AdamWConfig(lr=1e-3, grad_clip=1.0)))
     run.load_state_dict(init_params(shape, 1))
     return run
 

@@ -13,13 +13,15 @@ from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 from cupygpt.model.shape import preset
 
 
 def one_process(clip):
     shape = preset("tiny")
-    run = Runner(shape=shape, backend=numpy_backend, transport=Local(), mesh=Mesh(),
-                 batch=2, seq=32, adamw=AdamWConfig(lr=1e-3, grad_clip=clip))
+    run = Runner(shape=shape, be=numpy_backend, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=2, seq=32,
+                                       adamw=AdamWConfig(lr=1e-3, grad_clip=clip)))
     run.load_state_dict(init_params(shape, 1))
     return run
 
@@ -30,12 +32,12 @@ def test_the_clipped_step_is_adamw_on_the_numpy_clipped_gradient():
     clipped, by_hand = one_process(0.1), one_process(0.0)
     for step in range(3):  # the moments mix steps clipped by different factors
         clipped.gradients(x, y)
-        clipped.optimizer_step()
+        clipped.update()
         by_hand.gradients(x, y)
         g = by_hand.stages[0].grads
         norm = float(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
         g *= np.float32(0.1) / np.float32(norm)
-        by_hand.optimizer_step()
+        by_hand.update()
         assert clipped.grad_norm() == pytest.approx(norm, rel=1e-6), step
         assert norm > 0.1  # (clipping is on)
     p, q = clipped.stages[0].params, by_hand.stages[0].params

@@ -249,13 +249,15 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     from cupygpt.model.optim import AdamWConfig
     from cupygpt.parallel.mesh import Mesh
     from cupygpt.parallel.runner import Runner
+    from cupygpt.parallel.settings import StepSettings
     from cupygpt.precision import BF16
     from cupygpt.model.shape import preset
     cp, cu, att = sim_cudnn
     lib, shape = att["cudnn"], preset("tiny")
-    run = Runner(shape=shape, backend=cu, transport=Local(), mesh=Mesh(), batch=2, seq=16,
-                 dtype=BF16, adamw=AdamWConfig(lr=1e-4) if trains else None, graphs=graphs,
-                 attention="cudnn")
+    run = Runner(shape=shape, be=cu, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=2, seq=16, dtype=BF16, graphs=graphs,
+                                       adamw=AdamWConfig(lr=1e-4) if trains else None,
+                                       attention="cudnn"))
     built = {k[0]: g for k, (g, _, _) in att["_graphs"].items() if k[1:] == (2, 4, 16, 32)}
     assert set(built) == ({"forward", "backward"} if trains else {"forward"})
     for g in built.values():

@@ -12,6 +12,7 @@ from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.memory import memory_plan
 from cupygpt.parallel.pipeline.plan import plan_step
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 from cupygpt.model.shape import GPT2Config, preset
 from conftest import cli
 
@@ -35,8 +36,8 @@ class SmallDevice:
 
 def test_refused_before_allocating_with_numbers():
     with pytest.raises(CupyGPTError) as e:
-        Runner(shape=preset("d12"), backend=SmallDevice(), transport=Local(), mesh=Mesh(),
-               batch=8, seq=1024, adamw=AdamWConfig())
+        Runner(shape=preset("d12"), be=SmallDevice(), transport=Local(), mesh=Mesh(),
+               settings=StepSettings(batch=8, seq=1024, adamw=AdamWConfig()))
     msg = str(e.value)
     # (19.75 GiB with the (T, T) attention tensors, 20.3 with attproj and fcproj kept too,
     # 10.01 with the (B, T, Vp) logits kept and their exponentials in a workspace)
@@ -68,9 +69,11 @@ GRIDS = [(1, 1, 1, 0, "1f1b", 1), (2, 1, 1, 0, "1f1b", 4), (2, 2, 1, 1, "1f1b", 
 def test_estimate_is_what_is_allocated_on_every_grid(pp, dp, tp, zero, schedule, m):
     shape = GPT2Config(maxT=16, V=301, Vp=320, L=6, NH=6, C=48)
     for rank in range(pp * dp * tp):
-        run = Runner(shape=shape, backend=numpy_backend, transport=Local(),
-                     mesh=Mesh(rank, pp=pp, dp=dp, tp=tp), batch=dp * m, seq=16,
-                     micro_batches=m, schedule=schedule, adamw=AdamWConfig(), zero=bool(zero))
+        run = Runner(shape=shape, be=numpy_backend, transport=Local(),
+                     mesh=Mesh(rank, pp=pp, dp=dp, tp=tp),
+                     settings=StepSettings(batch=dp * m, seq=16, micro_batches=m,
+                                           schedule=schedule, adamw=AdamWConfig(),
+                                           zero=bool(zero)))
         assert run.memory == allocated(run), (rank, run.memory)
         # ZeRO-1 keeps m, v and the summed gradient slice: 3 of a replica's 1/dp share
         n = run.memory["params"] // 4

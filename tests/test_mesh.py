@@ -10,6 +10,7 @@ from cupygpt.model.shape import GPT2Config
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.executor import Pass
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 from cupygpt.parallel.pipeline.schedule import Action, Op
 
 
@@ -70,8 +71,8 @@ def test_a_ranks_gpu_is_its_index_on_its_host():
 
 def test_runner_refuses_an_unknown_action():
     cfg = GPT2Config(maxT=8, V=16, Vp=16, L=1, NH=2, C=8)
-    run = Runner(shape=cfg, backend=numpy_backend, transport=Local(), mesh=Mesh(), batch=2,
-                 seq=4)
+    run = Runner(shape=cfg, be=numpy_backend, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=2, seq=4))
     x = np.zeros((2, 4), np.int32)
     run.eval_loss(x, x)  # the real actions run
     with pytest.raises(CupyGPTError, match="rank 0: unknown pipeline action 'fwd_typo'"):

@@ -89,9 +89,11 @@ def test_decoding_on_the_kv_cache_matches_whole_passes():
     from cupygpt.comm.local import Local
     from cupygpt.parallel.mesh import Mesh
     from cupygpt.parallel.runner import Runner
+    from cupygpt.parallel.settings import StepSettings
     from cupygpt.train.sample import generate
     cfg = GPT2Config(maxT=24, V=50, Vp=64, L=2, NH=4, C=32)
-    run = Runner(shape=cfg, backend=be, transport=Local(), mesh=Mesh(), batch=2, seq=24)
+    run = Runner(shape=cfg, be=be, transport=Local(), mesh=Mesh(),
+                 settings=StepSettings(batch=2, seq=24))
     run.load_state_dict(init_params(cfg, 5))  # two rows: decoding reads row 0 only
     x = np.random.default_rng(0).integers(0, cfg.V, (2, 24)).astype(np.int32)
 
@@ -202,7 +204,7 @@ def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
 
     def member(k):
         st = Stage(CFG, be, batch=B, seq=T, part=Part(0, CFG.L, tp=2, shard=k),
-                   dtype=np.float64, comm=group.member(k))
+                   dtype=np.float64, transport=group.member(k))
         st.load(full)
         assert st.s["logits"].shape == (3, CFG.Vp // 2)  # 3, 3, 3 and 1 positions
         return st, step(st, x, y)

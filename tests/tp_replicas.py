@@ -11,11 +11,13 @@ from cupygpt.comm.mpi import Mpi
 from cupygpt.formats.llmc import read_model
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
+from cupygpt.parallel.settings import StepSettings
 
 cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size
 mesh = Mesh(MPI.COMM_WORLD.rank, tp=world)
-run = Runner(shape=cfg, backend=be, transport=Mpi(be, mesh, 60.0), mesh=mesh, batch=2, seq=8)
+run = Runner(shape=cfg, be=be, transport=Mpi(be, mesh, 60.0), mesh=mesh,
+             settings=StepSettings(batch=2, seq=8))
 run.load_state_dict(params)
 x = np.random.default_rng(0).integers(0, cfg.V, (2, 9)).astype(np.int32)
 run.gradients(x[:, :-1], x[:, 1:])
@@ -29,7 +31,8 @@ for n in whole:
 mem = run.memory
 one = Mpi(be, Mesh(0), 60.0)
 one.comm = MPI.COMM_SELF  # (a one-rank world: its collectives are this rank's alone)
-alone = Runner(shape=cfg, backend=be, transport=one, mesh=Mesh(0), batch=2, seq=8).memory
+alone = Runner(shape=cfg, be=be, transport=one, mesh=Mesh(0),
+               settings=StepSettings(batch=2, seq=8)).memory
 assert mem["params"] < 1.1 * alone["params"] / world, (mem, alone)
 assert mem["activations"] < alone["activations"], (mem, alone)
 if mesh.rank == 0:

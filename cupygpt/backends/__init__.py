@@ -18,7 +18,7 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   asynchronous: calls return before the device is done (so host launch time means something);
 - configure(tf32, device_of, ranks_here), device_memory() (free bytes where it allocates:
   the GPU's, or the host's), memory_domain() (ranks with equal answers share that memory;
-  its name in memory_name), workspace_bytes(cfg, batch, seq, part, dtype) (the most its
+  its name in memory_name), workspace_bytes(shape, batch, seq, part, dtype) (the most its
   kept workspaces reach for such a stage),
   memory_in_use(), numerics() (verify's tolerance row in fp32), peak_flops(dtype) (a run
   dtype's dense peak; None: no MFU),
@@ -33,7 +33,10 @@ Nothing outside this package asks which backend runs; it asks a capability inste
   run it),
   fallbacks() (what it ran a slower way than planned, and why: one line each).
 """
+from __future__ import annotations
+
 import importlib
+from types import ModuleType
 
 from .. import CupyGPTError
 
@@ -44,7 +47,7 @@ class FusedAttentionUnsupported(CupyGPTError):
     --attention cudnn refuses (session.Session.runner)."""
 
 
-def gpu_available():
+def gpu_available() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
@@ -52,7 +55,7 @@ def gpu_available():
         return False
 
 
-def get_backend(name):
+def get_backend(name: str) -> tuple[ModuleType, str]:
     """name: numpy | cuda | auto. Returns (module, sentence saying what was chosen and why)."""
     if name == "auto":
         name = "cuda" if gpu_available() else "numpy"

@@ -20,14 +20,18 @@ One module, as each backend is: its public functions are the interface, and cuda
 loads this file whole against its stand-in CuPy (conftest.load_cudasim); modules imported
 beside it would keep whichever CuPy they were first imported with.
 """
+from __future__ import annotations
+
 import functools
 import math
 import socket
 import time
+from collections.abc import Callable
 
 import cupy as cp
 import numpy as np
 from nvmath.bindings import cublasLt as lt
+from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 # (names, not the module: cudasim's conftest puts its own build of it in sys.modules)
@@ -36,6 +40,8 @@ from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
                               refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)
 from .kernels import (FLASH_HEAD_SIZES, GEOMETRY, flash_fp32_doubled, flash_smem_bytes,
                       kernels_in, options, sources)
+from ..model.layout import Part
+from ..model.shape import GPT2Config
 from ..precision import BF16, dtype_name
 
 name = "cuda"
@@ -65,12 +71,12 @@ _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 _attention = ["own", {"backward": True, "replay": False}]
 
 
-def device_name():
+def device_name() -> str:
     """The run table's name of the GPU this rank computes on."""
     return f"GPU {cp.cuda.Device().id} ({cp.cuda.Device().pci_bus_id})"
 
 
-def configure(tf32=False, device_of=None, ranks_here=1):
+def configure(tf32: bool = False, device_of: Callable | None = None, ranks_here: int = 1) -> None:
     """Uses GPU device_of(visible GPUs) (None: GPU 0); TF32 tensor-core matmuls on
     (training) or off (verify); all work goes to one non-blocking stream (the legacy
     default stream cannot be captured into a CUDA graph)."""
@@ -152,7 +158,7 @@ def _op(fn):
     return op
 
 
-def kernel_profile(step, steps):
+def kernel_profile(step: Callable, steps: int) -> tuple[list, list] | None:
     """Where the GPU time of `steps` calls of step() goes (eager steps only: the events
     would be captured into a graph): per op and per kernel within each op, each cuBLAS call
     named "sgemm_{op flags} MxNxK[xbatch]". Returns (per_op, per_kernel) rows."""
@@ -388,7 +394,7 @@ def _i(x):
 
 # --- memory ------------------------------------------------------------------------------
 
-def zeros(n, dtype=np.float32):
+def zeros(n: int, dtype: DTypeLike = np.float32):
     try:
         return cp.zeros(n, dtype)
     except cp.cuda.memory.OutOfMemoryError:
@@ -401,7 +407,7 @@ def zeros(n, dtype=np.float32):
 # Copies name the stream: before CuPy 14 a copy without one went through the legacy
 # default stream, which does not wait for work on our non-blocking stream.
 
-def upload(dst, host):
+def upload(dst, host: np.ndarray) -> None:
     """Copies a host array into an existing device array (no allocation), in stream order."""
     dst.set(np.ascontiguousarray(host, dtype=dst.dtype), stream=cp.cuda.get_current_stream())
 
@@ -412,13 +418,13 @@ def upload(dst, host):
 _host_wait = [lambda stream: stream.synchronize()]
 
 
-def bound_host_waits(wait):
+def bound_host_waits(wait: Callable) -> None:
     """wait(stream): returns once the stream's work has run, or raises; every host wait of
     this backend goes through it from now on."""
     _host_wait[0] = wait
 
 
-def to_host(a):
+def to_host(a) -> np.ndarray:
     """A host copy of a, once the work queued before it has finished: the stream is waited
     for first, so the copy itself has nothing left to wait on."""
     stream = cp.cuda.get_current_stream()
@@ -428,7 +434,7 @@ def to_host(a):
     return out
 
 
-def synchronize():
+def synchronize() -> None:
     _host_wait[0](cp.cuda.get_current_stream())
 
 
@@ -448,14 +454,14 @@ def stamp():
     return e
 
 
-def stamp_seconds(marks):
+def stamp_seconds(marks: list) -> list[float]:
     """Host-clock seconds of recorded events: the origin's host time plus GPU elapsed."""
     synchronize()
     e0, h0 = _origin[0]
     return [h0 + cp.cuda.get_elapsed_time(e0, m) / 1e3 for m in marks]
 
 
-def capture(fn):
+def capture(fn: Callable):
     """Records fn's launches on the current stream as a CUDA graph (nothing runs yet).
     Every matmul in fn must have run eagerly once (its cuBLASLt plan is made then; the
     workspace is our own, allocated with the first); a step is captured only once."""
@@ -468,15 +474,15 @@ def capture(fn):
     return graph
 
 
-def replay(graph):
+def replay(graph) -> None:
     graph.launch(cp.cuda.get_current_stream())
 
 
-def memory_in_use():
+def memory_in_use() -> int:
     return cp.get_default_memory_pool().total_bytes()
 
 
-def device_memory():
+def device_memory() -> int | None:
     """Free device memory, bytes (the driver's free plus what CuPy's pool holds unused)."""
     return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
 
@@ -484,7 +490,7 @@ def device_memory():
 memory_name = "the GPU"
 
 
-def workspace_bytes(cfg, batch, seq, part, dtype):
+def workspace_bytes(shape: GPT2Config, batch: int, seq: int, part: Part, dtype: DTypeLike) -> int:
     """The most the kept workspaces (_ws) reach for a stage holding part, micro-batches of
     batch x seq: attention backward's float D (B, NH/tp, T), layernorm backward's float
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
@@ -492,23 +498,24 @@ def workspace_bytes(cfg, batch, seq, part, dtype):
     backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS), the
     bias gradients' float scratch (4C, the widest), cuBLASLt's workspace and, where bf16
     attention goes through cuDNN, the workspace its graphs ask."""
-    ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * cfg.C
-    out = 4 * (batch * seq * cfg.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * cfg.C
-               + 4 * cfg.C) + LT_WORKSPACE + LT_ALIGN
+    ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * shape.C
+    out = 4 * (batch * seq * shape.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * shape.C
+               + 4 * shape.C) + LT_WORKSPACE + LT_ALIGN
     keys = -(-batch * seq // GEOMETRY["SORT_KEYS"]) * GEOMETRY["SORT_KEYS"]
     if _attention[0] == "cudnn" and np.dtype(dtype) == BF16:  # (builds the run's graphs)
-        out += _sdpa_plan(batch, cfg.NH // part.tp, seq, cfg.C // cfg.NH, **_attention[1])
+        out += _sdpa_plan(batch, shape.NH // part.tp, seq, shape.C // shape.NH,
+                          **_attention[1])
     return out + 8 * NORM_BLOCKS + (12 * batch * seq + 8 * keys if part.embed else 0)
 
 
-def fallbacks():
+def fallbacks() -> list:
     """Each bias epilogue a matmul ran without (its term added by a kernel after the GEMM):
     which, why, and how many calls."""
     return [f"{epilogue} epilogue: {why}; a kernel added its term instead ({n} calls)"
             for (epilogue, why), n in sorted(epilogue_fallbacks.items())]
 
 
-def attention_refuses(head_size, dtype=None):
+def attention_refuses(head_size: int, dtype: DTypeLike | None = None) -> str | None:
     """Why the flash kernels cannot run heads of head_size (in dtype, when given), or None:
     they are built for FLASH_HEAD_SIZES and run any multiple of 8 up to the largest, whose
     shared memory (one buffer per walked tile where two do not fit) fits the device's."""
@@ -529,13 +536,13 @@ def attention_refuses(head_size, dtype=None):
     return None
 
 
-def fused_attention_refuses(dtype, head_size):
+def fused_attention_refuses(dtype: DTypeLike, head_size: int) -> str | None:
     """Why cuDNN's fused attention cannot run a run of dtype with heads of head_size
     here, or None."""
     return _sdpa_refuses(np.dtype(dtype) == BF16, head_size)
 
 
-def use_attention(kind, backward=True, replay=False):
+def use_attention(kind: str, backward: bool = True, replay: bool = False) -> None:
     """Which attention the bf16 runs' attention_forward/backward take from now on:
     "cudnn" (cuDNN's fused sdpa) or "own" (the flash kernels; fp32 runs always do). The
     config has checked the run's dtype and head size (fused_attention_refuses). backward,
@@ -562,25 +569,25 @@ def _fused(kind, NH, qkv, **arrays):
         _traced(f"cudnn_sdpa_{kind}", _sdpa_execute, kind, NH, qkv, arrays, ws)
 
 
-def memory_domain():
+def memory_domain() -> str:
     """What ranks with the same answer allocate from: this rank's GPU, by its PCI bus id
     (a device index counts only the GPUs this process is shown)."""
     return socket.gethostname(), cp.cuda.Device().pci_bus_id
 
 
-def numerics():
+def numerics() -> str:
     """Which arithmetic this is, for verify's tolerances."""
     return "cuda-tf32" if tf32 else "cuda"
 
 
-def device_info():
+def device_info() -> dict:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     return {"device": props["name"].decode(), "backend": name, "cupy": cp.__version__,
             "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
             "driver": cp.cuda.runtime.driverGetVersion()}
 
 
-def peak_flops(dtype="fp32"):
+def peak_flops(dtype: str = "fp32") -> float | None:
     """This GPU's dense TF32 (or bf16) peak FLOP/s (MFU's yardstick), None if not in the
     table."""
     dev = device_info()["device"]
@@ -588,7 +595,7 @@ def peak_flops(dtype="fp32"):
     return next((v * 1e12 for key, v in table.items() if key in dev), None)
 
 
-def all_finite(a):
+def all_finite(a) -> bool:
     if a.dtype == BF16:  # a bf16 is finite when its exponent bits are not all ones
         return bool(to_host(((a.view(cp.uint16) & 0x7F80) != 0x7F80).all()))
     return bool(to_host(cp.isfinite(a).all()))
@@ -597,7 +604,7 @@ def all_finite(a):
 # --- forward -----------------------------------------------------------------------------
 
 @_op
-def encoder_forward(out, inp, wte, wpe, v0=0):
+def encoder_forward(out, inp, wte, wpe, v0: int = 0) -> None:
     B, T = inp.shape
     rows, C = wte.shape
     _ew("encoder_forward", _row_packs(B * T, C, out.dtype), out, inp, wte,
@@ -605,7 +612,7 @@ def encoder_forward(out, inp, wte, wpe, v0=0):
 
 
 @_op
-def layernorm_forward(out, mean, rstd, inp, w, b):
+def layernorm_forward(out, mean, rstd, inp, w, b) -> None:
     C = inp.shape[-1]
     N = inp.size // C
     _rows(_whole_packs("layernorm_forward", C, out, inp, w, b), N, out, mean, rstd, inp, w, b,
@@ -613,7 +620,7 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op
-def matmul_forward(out, inp, w, bias=None):
+def matmul_forward(out, inp, w, bias=None) -> None:
     OC, C = w.shape
     if _gemm(N_, T_, inp.size // C, OC, C, inp, C, w, C, out, OC, bias=bias):
         _ew("bias_forward", out.size, out, bias, np.int64(out.size), _i(OC),
@@ -653,7 +660,7 @@ def _flash(kind, qkv, NH, *args):
 
 
 @_op
-def attention_forward(out, lse, qkv, NH):
+def attention_forward(out, lse, qkv, NH: int) -> None:
     if _attention[0] == "cudnn" and qkv.dtype == BF16:
         _fused("forward", NH, qkv, o=out, stats=lse)
     else:
@@ -661,7 +668,7 @@ def attention_forward(out, lse, qkv, NH):
 
 
 @_op
-def attention_decode(out, qkv, NH):
+def attention_decode(out, qkv, NH: int) -> None:
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
     _, n, C, HS, q, k, v = _qkv_split(qkv, NH)
@@ -675,17 +682,17 @@ def attention_decode(out, qkv, NH):
 
 
 @_op
-def gelu_forward(out, inp):
+def gelu_forward(out, inp) -> None:
     _packed("gelu_forward", out, inp)
 
 
 @_op
-def residual_forward(out, a, b):
+def residual_forward(out, a, b) -> None:
     _packed("residual_forward", out, a, b)
 
 
 @_op
-def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
+def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb) -> None:
     C = res.shape[-1]
     N = res.size // C
     _rows(_whole_packs("residual_layernorm_forward", C, res, a, b, out, w, lnb), N, res, a, b,
@@ -693,14 +700,15 @@ def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
 
 
 @_op
-def classifier_stats(stats, logits, targets, v0, valid):
+def classifier_stats(stats, logits, targets, v0: int, valid: int) -> None:
     Vs = logits.shape[-1]
     _launch(_whole_packs("classifier_stats", Vs, logits), (logits.size // Vs,),
             (GEOMETRY["CLS_THREADS"],), stats, logits, targets, _i(v0), _i(valid), _i(Vs))
 
 
 @_op
-def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
+def classifier(logits, losses, stats, targets, v0: int, valid: int,
+               dloss: float | None = None) -> None:
     Vs = logits.shape[-1]
     N = logits.size // Vs
     _launch(_whole_packs("classifier", Vs, logits), (N,), (GEOMETRY["CLS_THREADS"],), logits,
@@ -709,7 +717,7 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
 
 
 @_op
-def cross_entropy(logits, losses, targets, valid, dloss=None):
+def cross_entropy(logits, losses, targets, valid: int, dloss: float | None = None) -> None:
     Vs = logits.shape[-1]
     _launch(_whole_packs("cross_entropy", Vs, logits), (logits.size // Vs,),
             (GEOMETRY["CLS_THREADS"],), logits, losses, targets, np.float32(dloss or 0.0),
@@ -717,7 +725,7 @@ def cross_entropy(logits, losses, targets, valid, dloss=None):
 
 
 @_op
-def loss_accumulate(acc, losses):
+def loss_accumulate(acc, losses) -> None:
     """acc (1,) float64 += sum of losses, on the device (no sync; graph-safe)."""
     _launch("loss_accumulate", (1,), (GEOMETRY["CLS_THREADS"],), acc, losses, _i(losses.size))
 
@@ -745,7 +753,7 @@ def _column_sum(out, inp, N, OC, out_b=None, split=None):
 
 
 @_op
-def encoder_backward(dwte, dwpe, dout, inp, v0=0):
+def encoder_backward(dwte, dwpe, dout, inp, v0: int = 0) -> None:
     B, T = inp.shape
     rows, C = dwte.shape
     n, warp, runs = B * T, GEOMETRY["WARP"], -(-B * T // GEOMETRY["SORT_KEYS"])
@@ -759,7 +767,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
 
 
 @_op
-def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
+def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd) -> None:
     C = inp.shape[-1]
     N = inp.size // C
     R = -(-N // GEOMETRY["ROW_WARPS"])
@@ -770,13 +778,13 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
 
 
 @_op
-def matmul_backward_input(dinp, dout, w):
+def matmul_backward_input(dinp, dout, w) -> None:
     OC, C = w.shape
     _gemm(N_, N_, dinp.size // C, C, OC, dout, OC, w, C, dinp, C)
 
 
 @_op
-def matmul_backward_weight(dw, db, dout, inp):
+def matmul_backward_weight(dw, db, dout, inp) -> None:
     """dw += dout^T inp; db += dout's column sums, from the GEMM's BGRADB epilogue (it
     writes them: a float scratch, added into db once, as the column sums would add), or
     the column sums' kernel where the epilogue cannot run."""
@@ -790,7 +798,7 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op
-def attention_backward(dqkv, dout, qkv, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, out, lse, NH: int) -> None:
     if _attention[0] == "cudnn" and qkv.dtype == BF16:
         return _fused("backward", NH, qkv, dqkv=dqkv, do=dout, o=out, stats=lse)
     D = _ws("flash_D", lse.size)  # rowsum(dout * out): flash_dq writes it, flash_dkdv reads
@@ -799,13 +807,13 @@ def attention_backward(dqkv, dout, qkv, out, lse, NH):
 
 
 @_op
-def gelu_backward(dinp, inp, dout):
+def gelu_backward(dinp, inp, dout) -> None:
     _packed("gelu_backward", dinp, inp, dout)
 
 
 # --- optimizer ---------------------------------------------------------------------------
 
-def adamw_schedule(sched):
+def adamw_schedule(sched: tuple) -> None:
     """Uploads sched = (lr, 1 - beta1^t, 1 - beta2^t, t) to the device, where the adamw
     kernel reads it: a captured step reads the new values on each replay (t, the rounding
     seed's, is exact in float up to 2^24 steps)."""
@@ -816,7 +824,7 @@ NORM_BLOCKS = 528  # sum_squares' most blocks: 4 per SM of an H100 (132 SMs)
 
 
 @_op
-def sum_squares(acc, x, offset=0):
+def sum_squares(acc, x, offset: int = 0) -> None:
     """acc (1,) float64 += the sum of x's squares (x[0]: element `offset` of its stage's
     flat buffer), float within each 16-byte group of that buffer and float64 across them
     (reduce.cu says why), in an order fixed by x.size, so a step's norm and its clipping
@@ -832,8 +840,9 @@ def sum_squares(acc, x, offset=0):
 
 
 @_op
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip,
-          master=None, salt=0, offset=0):
+def adamw(params, grads, m, v, sched: tuple, beta1: float, beta2: float, eps: float,
+          weight_decay: float, norm_sq, clip: float, master=None, salt: int = 0,
+          offset: int = 0) -> None:
     if not cp.cuda.get_current_stream().is_capturing():
         adamw_schedule(sched)
     _ew("adamw", params.size, params, params if master is None else master, grads, m, v,

@@ -15,6 +15,8 @@ is an Unsupported from plan, which --attention turns into auto's fallback or a r
 
 Imported by cuda_backend (cudasim loads both against its stand-ins: conftest.load_cudasim).
 """
+from __future__ import annotations
+
 import math
 from collections import OrderedDict
 
@@ -40,7 +42,7 @@ _graphs, _captured, CACHED = OrderedDict(), set(), 8
 _sizes = {}    # (B, NH, T, HS) -> the workspace its built graphs ask, the most of them
 
 
-def missing():
+def missing() -> str | None:
     """What of cuDNN is not installed here (its frontend, or the library it loads), or
     None."""
     if not FRONTEND:
@@ -53,7 +55,7 @@ def missing():
     return None
 
 
-def refuses(bf16, head_size):
+def refuses(bf16: bool, head_size: int) -> str | None:
     """Why cuDNN's fused attention cannot run a run of this type and head size here, or
     None: cuDNN missing, fp32 (cuDNN's sdpa is bf16 and fp16 only; fp32 runs keep the own
     kernels), or a head size its sdpa does not run."""
@@ -116,7 +118,7 @@ def _build(kind, B, NH, T, HS, replay):
     return g, t, g.get_workspace_size()
 
 
-def graph(kind, B, NH, T, HS, replay=False):
+def graph(kind: str, B: int, NH: int, T: int, HS: int, replay: bool = False):
     """The built graph of kind ("forward" | "backward") for this shape, its tensors and the
     workspace it asks: built on first use (replay: the hint it is built with), which a
     capturing stream refuses."""
@@ -137,7 +139,7 @@ def graph(kind, B, NH, T, HS, replay=False):
     return built
 
 
-def plan(B, NH, T, HS, backward, replay):
+def plan(B: int, NH: int, T: int, HS: int, backward: bool, replay: bool) -> int:
     """Builds the graphs a run of this shape needs (the forward; the backward where it
     trains), before any capture, and returns the workspace the shape's graphs ask (one
     buffer serves both: they run one after the other on one stream). Raises
@@ -153,13 +155,13 @@ def plan(B, NH, T, HS, backward, replay):
     return _sizes[B, NH, T, HS]
 
 
-def workspace_bytes(B, NH, T, HS):
+def workspace_bytes(B: int, NH: int, T: int, HS: int) -> int:
     """The workspace kept for this shape's graphs: the most any of them built so far asks
     (after plan, what the memory plan counted)."""
     return _sizes[B, NH, T, HS]
 
 
-def execute(kind, NH, qkv, arrays, workspace):
+def execute(kind: str, NH: int, qkv, arrays, workspace) -> None:
     """Runs kind's graph on the current stream: q, k, v at their offsets into qkv (and dq,
     dk, dv into arrays["dqkv"]), the other tensors from arrays by name."""
     B, T, C3 = qkv.shape

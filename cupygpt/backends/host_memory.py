@@ -2,6 +2,8 @@
 to what this process's own memory cgroup and each cgroup above it have left (a container's
 or a job's limit; v1 and v2), and to what RLIMIT_AS (`ulimit -v`) leaves of the address
 space."""
+from __future__ import annotations
+
 import os
 import resource
 
@@ -52,7 +54,7 @@ def _left(d, files):
     return max(0, int(limit) - (int(usage) - cache))
 
 
-def cgroup_left(proc="/proc/self"):
+def cgroup_left(proc: str = "/proc/self") -> int | None:
     """The tightest of this process's memory cgroup and those above it, from
     /proc/self/cgroup's path under the mounted hierarchy (v1's memory controller, else
     v2's unified one); None without a limit."""
@@ -76,7 +78,7 @@ def cgroup_left(proc="/proc/self"):
     return min(figures) if figures else None
 
 
-def address_space_left(proc="/proc/self"):
+def address_space_left(proc: str = "/proc/self") -> int | None:
     """What RLIMIT_AS (`ulimit -v`) leaves of the address space beyond what is mapped
     now; None when unlimited."""
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
@@ -86,7 +88,7 @@ def address_space_left(proc="/proc/self"):
     return max(0, soft - (size or 0) * 1024)
 
 
-def available():
+def available() -> int | None:
     """Free host memory, bytes (None when the kernel does not say)."""
     meminfo = _field(_read("/proc/meminfo"), "MemAvailable")
     figures = [x for x in (meminfo and meminfo * 1024, cgroup_left(), address_space_left())

@@ -12,6 +12,8 @@ Options, chosen deliberately:
 CuPy caches each compiled module on disk (~/.cupy/kernel_cache), so a process compiles
 a module once and later processes load it from the cache.
 """
+from __future__ import annotations
+
 import glob
 import os
 import re
@@ -37,7 +39,7 @@ GEOMETRY = {
 FLASH_HEAD_SIZES = (16, 32, 64, 96, 128)
 
 
-def flash_cols(head_size, itemsize):
+def flash_cols(head_size: int, itemsize: int) -> int:
     """Columns per walked tile of flash_*_{head_size} (flash_attention.cu's cols()):
     FLASH_COLS for bf16 heads up to 64, half that above (the accumulators of 128 dimensions
     leave no registers for 64-wide tiles) and in fp32 (shared memory)."""
@@ -51,13 +53,14 @@ def flash_cols(head_size, itemsize):
 FLASH_FP32_DOUBLED = 96
 
 
-def flash_stages(head_size, itemsize, doubled=FLASH_FP32_DOUBLED):
+def flash_stages(head_size: int, itemsize: int, doubled: int = FLASH_FP32_DOUBLED) -> int:
     """Buffers per walked tile (flash_attention.cu's stages()): 2, the next tile copied while
     this one computes; 1 for fp32 heads above doubled."""
     return 1 if itemsize == 4 and head_size > doubled else 2
 
 
-def flash_smem_bytes(kind, head_size, itemsize, fma, doubled=FLASH_FP32_DOUBLED):
+def flash_smem_bytes(kind: str, head_size: int, itemsize: int, fma: bool,
+                     doubled: int = FLASH_FP32_DOUBLED) -> int:
     """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's smem_need,
     which checks it was given this much): its own tiles of 16 * FLASH_WARPS rows (forward
     1, dq and dkdv 2) and flash_stages buffers of each of its two walked tiles, each row
@@ -71,7 +74,7 @@ def flash_smem_bytes(kind, head_size, itemsize, fma, doubled=FLASH_FP32_DOUBLED)
     return n + (4 * warps * 16 * (cols + 4) if fma else 0)
 
 
-def flash_fp32_doubled(optin):
+def flash_fp32_doubled(optin: int) -> int:
     """The FLASH_FP32_DOUBLED a device with optin bytes of shared memory per block builds
     with: the largest head size, at most the default, whose fp32 kernels (the FMA path, the
     larger) all fit two buffers; the sizes above it take one."""
@@ -84,7 +87,7 @@ OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.
 FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
 
 
-def cuda_headers():
+def cuda_headers() -> tuple[str, ...]:
     """-I of the CUDA headers (common.cuh includes cuda_bf16.h, and NVRTC has no include
     path of its own): the toolkit's, or the nvidia-cuda-runtime wheel's, as cuda.pathfinder
     finds them; none when it finds none (cudasim brings its own)."""
@@ -96,18 +99,18 @@ def cuda_headers():
     return (f"-I{found}",) if found else ()
 
 
-def options(dtype, doubled=FLASH_FP32_DOUBLED):
+def options(dtype: str, doubled: int = FLASH_FP32_DOUBLED) -> tuple[str, ...]:
     """The compile options of the kernels storing dtype ("fp32" or "bf16"), fp32's flash
     heads double-buffered up to doubled (flash_fp32_doubled)."""
     return OPTIONS + cuda_headers() + (f"-DfloatX={FLOATX[dtype]}",
                                        f"-DFLASH_FP32_DOUBLED={doubled}")
 
 
-def sources():
+def sources() -> list[str]:
     return sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu")))
 
 
-def kernels_in(src):
+def kernels_in(src: str) -> dict[str, str]:
     """{name: parameter list as written} for each extern "C" kernel in CUDA C source (its
     __launch_bounds__ or a macro standing for them, if any, skipped), the invocations of a
     macro that declares kernels (flash attention's, per head size) written out first."""
@@ -134,7 +137,7 @@ def expand_kernel_macros(src):
     return re.sub(rf"^({'|'.join(macros)})\(([^)]*)\)", written_out, src, flags=re.M)
 
 
-def nvrtc_compile(path, arch, opts=None, cubin=False):
+def nvrtc_compile(path: str, arch: str, opts: tuple | None = None, cubin: bool = False):
     """Compiles one .cu file with NVRTC for arch (e.g. "compute_90", or "sm_90": through
     ptxas) and opts (default: fp32's options); returns the log (with cubin: the log and the
     cubin's bytes for an sm_ arch, the PTX's for a compute_ one) and raises RuntimeError

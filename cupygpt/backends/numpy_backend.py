@@ -5,18 +5,23 @@ float32, computes there and rounds each output once, where a CUDA kernel stores 
 One module, as each backend is: its public functions are the interface
 (backends/__init__.py), read against cuda_backend.py's function by function.
 """
+from __future__ import annotations
+
 import functools
 import inspect
 import math
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from . import host_memory
-from ..model.layout import logit_rows
+from ..model.layout import Part, logit_rows
 from ..precision import BF16, step_seed, stochastic_round, wide
+from ..model.shape import GPT2Config
 
 name = "numpy"
 # Capabilities (backends/__init__.py lists them)
@@ -35,38 +40,38 @@ LN_EPS = 1e-5
 
 # --- memory ------------------------------------------------------------------------------
 
-def zeros(n, dtype=np.float32):
+def zeros(n: int, dtype: DTypeLike = np.float32):
     return np.zeros(n, dtype=dtype)
 
 
-def to_host(a):
+def to_host(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def upload(dst, host):
+def upload(dst, host: np.ndarray) -> None:
     """Copies host into the existing array dst (casting to its dtype)."""
     dst[...] = host
 
 
-def synchronize():
+def synchronize() -> None:
     pass
 
 
-def bound_host_waits(wait):
+def bound_host_waits(wait: Callable) -> None:
     """The host never waits for a device here."""
 
 
-def memory_in_use():
+def memory_in_use() -> int:
     """Peak resident memory of this process, bytes."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def all_finite(a):
+def all_finite(a) -> bool:
     return bool(np.isfinite(a).all())
 
 
-def device_memory():
+def device_memory() -> int | None:
     """Free memory where this backend allocates (the host's), bytes."""
     return host_memory.available()
 
@@ -74,50 +79,50 @@ def device_memory():
 memory_name = "this host's memory"
 
 
-def workspace_bytes(cfg, batch, seq, part, dtype):
+def workspace_bytes(shape: GPT2Config, batch: int, seq: int, part: Part, dtype: DTypeLike) -> int:
     """The most the kept scratch arrays (_ws) reach for a stage holding part, micro-batches
     of batch x seq: GELU's two (B, T, 4C/tp), the classifier's exponentials (a chunk of
     the head's logits) and AdamW's three chunks (two, and the clipped gradient's)."""
-    n = 2 * batch * seq * 4 * cfg.C // part.tp if part.l1 > part.l0 else 0
-    vr = part.vocab(cfg)[1]
+    n = 2 * batch * seq * 4 * shape.C // part.tp if part.l1 > part.l0 else 0
+    vr = part.vocab(shape)[1]
     n += logit_rows(batch * seq, vr) * vr if part.head else 0
     return (n + 3 * ADAM_CHUNK) * np.dtype(dtype).itemsize
 
 
-def fallbacks():
+def fallbacks() -> list:
     """Nothing here runs a slower way than planned."""
     return []
 
 
-def attention_refuses(head_size, dtype=None):
+def attention_refuses(head_size: int, dtype: DTypeLike | None = None) -> str | None:
     """Why this backend cannot run attention heads of head_size (in dtype), or None: it runs
     any."""
     return None
 
 
-def fused_attention_refuses(dtype, head_size):
+def fused_attention_refuses(dtype: DTypeLike, head_size: int) -> str | None:
     """Why a fused library attention cannot run here: the CPU has none (cuDNN is a GPU's)."""
     return "the numpy backend has no cuDNN (a GPU library): it runs with --backend cuda"
 
 
-def use_attention(kind, backward=True, replay=False):
+def use_attention(kind: str, backward: bool = True, replay: bool = False) -> None:
     """Which attention the model's attention ops take: this backend's own, the only one
     (backward, replay: what the run asks of it; the own ops need nothing prepared)."""
     if kind != "own":
         raise ValueError(f"attention {kind!r}: the numpy backend runs its own only")
 
 
-def memory_domain():
+def memory_domain() -> str:
     """What ranks with the same answer allocate from: this host's memory."""
     return socket.gethostname()
 
 
-def device_name():
+def device_name() -> str:
     """The run table's name of the device this rank computes on."""
     return "the CPU"
 
 
-def configure(tf32=False, device_of=None, ranks_here=1):
+def configure(tf32: bool = False, device_of: Callable | None = None, ranks_here: int = 1) -> None:
     """BLAS threads: this rank's share of the machine's cores (ranks_here processes share
     them), at least one. More threads than cores in total is ruinous: a small matmul on two
     busy cores ran 25x slower with two threads than with one. No TF32 on the CPU."""
@@ -127,17 +132,17 @@ def configure(tf32=False, device_of=None, ranks_here=1):
     threadpool_limits(threads, user_api="blas")
 
 
-def numerics():
+def numerics() -> str:
     """Which arithmetic this is, for verify's tolerances."""
     return "numpy"
 
 
-def peak_flops(dtype="fp32"):
+def peak_flops(dtype: str = "fp32") -> float | None:
     """The device's dense peak FLOP/s for MFU; None: not meaningful for a CPU here."""
     return None
 
 
-def device_info():
+def device_info() -> dict:
     import platform
     return {"device": platform.processor() or platform.machine(), "backend": name,
             "blas_threads": threads}
@@ -148,7 +153,7 @@ def stamp():
     return time.perf_counter()
 
 
-def stamp_seconds(marks):
+def stamp_seconds(marks: list) -> list[float]:
     """Host-clock seconds (time.perf_counter's, the same clock in every process) of marks."""
     return list(marks)
 
@@ -201,7 +206,7 @@ def _stored(x):
         x[...] = x.astype(BF16)
 
 
-def kernel_profile(step, steps):
+def kernel_profile(step: Callable, steps: int) -> tuple[list, list] | None:
     """Where the time of `steps` calls of step() goes: per op (wall time; the CPU computes
     synchronously), and "(rest)" for what is outside every op (Python, the transport,
     slicing). Returns (per_op, per_kernel); the CPU has no kernels, so per_kernel is []."""
@@ -245,7 +250,7 @@ def _held(inp, v0, rows):
 
 
 @_op("out")
-def encoder_forward(out, inp, wte, wpe, v0=0):
+def encoder_forward(out, inp, wte, wpe, v0: int = 0) -> None:
     """out (B,T,C) = wte[inp] + wpe[:T]; inp (B,T) int32. wte holds vocab rows v0.. (a
     tensor-parallel shard): tokens it does not hold get zeros; wpe None: no positions."""
     r, held = _held(inp, v0, wte.shape[0])
@@ -257,7 +262,7 @@ def encoder_forward(out, inp, wte, wpe, v0=0):
 
 
 @_op("out", "mean", "rstd")
-def layernorm_forward(out, mean, rstd, inp, w, b):
+def layernorm_forward(out, mean, rstd, inp, w, b) -> None:
     """out (B,T,C); mean, rstd (B,T) saved for backward."""
     mean[...] = inp.mean(-1)
     xc = inp - mean[..., None]
@@ -267,7 +272,7 @@ def layernorm_forward(out, mean, rstd, inp, w, b):
 
 
 @_op("out")
-def matmul_forward(out, inp, w, bias=None):
+def matmul_forward(out, inp, w, bias=None) -> None:
     """out (B,T,OC) = inp (B,T,C) @ w (OC,C)^T (+ bias (OC)), the sum rounded once to out's
     type (the CUDA backend's GEMM epilogue adds the bias before it stores)."""
     np.matmul(_rows(inp), w.T, out=_rows(out))
@@ -308,7 +313,7 @@ def _probs(q, k, lse, t0, t1, scale):
 
 
 @_op("out", "lse")
-def attention_forward(out, lse, qkv, NH):
+def attention_forward(out, lse, qkv, NH: int) -> None:
     """Causal self-attention. qkv (B,T,3C), its bias in -> out (B,T,C); lse (B,NH,T)
     float: each query row's log of its sum of exp(scores), all backward keeps."""
     B, T, C3 = qkv.shape
@@ -328,7 +333,7 @@ def attention_forward(out, lse, qkv, NH):
 
 
 @_op("out")
-def attention_decode(out, qkv, NH):
+def attention_decode(out, qkv, NH: int) -> None:
     """Generation's step: the attention of the last of n positions over all n. qkv (1,n,3C)
     holds every earlier position's q, k, v (the KV cache) and the new one's; out (1,1,C)."""
     _, n, C3 = qkv.shape
@@ -343,7 +348,7 @@ def attention_decode(out, qkv, NH):
 
 
 @_op("out")
-def gelu_forward(out, inp):
+def gelu_forward(out, inp) -> None:
     """tanh approximation, as GPT-2: 0.5 x (1 + tanh(s (x + 0.044715 x^3))), s = sqrt(2/pi).
     x^3 is x*x*x: NumPy's float32 power is ~250x slower than two multiplies."""
     t = _gelu_tanh(inp)
@@ -364,12 +369,12 @@ def _gelu_tanh(inp):
 
 
 @_op("out")
-def residual_forward(out, a, b):
+def residual_forward(out, a, b) -> None:
     """out = a + b."""
     np.add(a, b, out=out)
 
 
-def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
+def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb) -> None:
     """res = a + b, stored; out, mean, rstd: the layernorm of res as stored. The CUDA
     kernel fuses the two; here they are the two ops (and profile as such)."""
     residual_forward(res, a, b)
@@ -377,7 +382,7 @@ def residual_layernorm_forward(res, a, b, out, mean, rstd, w, lnb):
 
 
 @_op("stats")
-def classifier_stats(stats, logits, targets, v0, valid):
+def classifier_stats(stats, logits, targets, v0: int, valid: int) -> None:
     """Per position, over this vocab shard's first `valid` logits (its real tokens):
     stats (B,T,3) = max, sum of exp(logit - max), and the target's logit when the shard
     holds the target (0 elsewhere)."""
@@ -396,7 +401,8 @@ def classifier_stats(stats, logits, targets, v0, valid):
 
 
 @_op("logits", "losses")
-def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
+def classifier(logits, losses, stats, targets, v0: int, valid: int,
+               dloss: float | None = None) -> None:
     """Softmax + cross-entropy from every vocab shard's stats (tp,B,T,3), combined in shard
     order: max M, sum S = sum of s * exp(m - M), target logit t; losses (B,T) = log S + M - t.
 
@@ -423,7 +429,7 @@ def classifier(logits, losses, stats, targets, v0, valid, dloss=None):
         logits[..., valid:] = 0
 
 
-def cross_entropy(logits, losses, targets, valid, dloss=None):
+def cross_entropy(logits, losses, targets, valid: int, dloss: float | None = None) -> None:
     """classifier_stats and classifier for a head holding the whole vocab (no tensor
     parallelism: nothing to gather between them), which the CUDA kernel fuses; here they
     are the two ops (and profile as such)."""
@@ -433,7 +439,7 @@ def cross_entropy(logits, losses, targets, valid, dloss=None):
 
 
 @_op("acc")
-def loss_accumulate(acc, losses):
+def loss_accumulate(acc, losses) -> None:
     """acc (1,) float64 += sum of losses."""
     acc += losses.sum(dtype=np.float64)
 
@@ -441,7 +447,7 @@ def loss_accumulate(acc, losses):
 # --- backward ----------------------------------------------------------------------------
 
 @_op("dwte", "dwpe")
-def encoder_backward(dwte, dwpe, dout, inp, v0=0):
+def encoder_backward(dwte, dwpe, dout, inp, v0: int = 0) -> None:
     """dwte[inp] += dout (for the tokens this vocab shard holds); dwpe[:T] += dout summed
     over B."""
     r, held = _held(inp, v0, dwte.shape[0])
@@ -450,7 +456,7 @@ def encoder_backward(dwte, dwpe, dout, inp, v0=0):
 
 
 @_op("dinp", "dw", "db")
-def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
+def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd) -> None:
     norm = (inp - mean[..., None]) * rstd[..., None]
     dnorm = dout * w
     dinp += (dnorm - dnorm.mean(-1, keepdims=True)
@@ -460,13 +466,13 @@ def layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd):
 
 
 @_op("dinp")
-def matmul_backward_input(dinp, dout, w):
+def matmul_backward_input(dinp, dout, w) -> None:
     """dinp (B,T,C) = dout (B,T,OC) @ w (OC,C): the input gradient (zero-bubble's B)."""
     np.matmul(_rows(dout), w, out=_rows(dinp))
 
 
 @_op("dw", "db")
-def matmul_backward_weight(dw, db, dout, inp):
+def matmul_backward_weight(dw, db, dout, inp) -> None:
     """dw (OC,C) += dout^T @ inp; db (OC) += sum of dout rows (zero-bubble's W: off the
     critical path, so a schedule may defer it)."""
     d2 = _rows(dout)
@@ -476,7 +482,7 @@ def matmul_backward_weight(dw, db, dout, inp):
 
 
 @_op("dqkv")
-def attention_backward(dqkv, dout, qkv, out, lse, NH):
+def attention_backward(dqkv, dout, qkv, out, lse, NH: int) -> None:
     """dqkv (B,T,3C) from dout (B,T,C), with forward's out and lse: each block's
     probabilities made again, D = rowsum(dout * out) in place of the sum over keys."""
     B, T, C3 = qkv.shape
@@ -501,7 +507,7 @@ def attention_backward(dqkv, dout, qkv, out, lse, NH):
 
 
 @_op("dinp")
-def gelu_backward(dinp, inp, dout):
+def gelu_backward(dinp, inp, dout) -> None:
     """dinp = dout * d/dx gelu(x), with th = tanh(s (x + 0.044715 x^3)):
     0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 * 0.044715 x^2); in place in two scratches."""
     t, a = _gelu_tanh(inp), _ws("gelu_a", inp.shape, inp.dtype)
@@ -523,7 +529,7 @@ def gelu_backward(dinp, inp, dout):
 # --- optimizer ---------------------------------------------------------------------------
 
 @_op(mixed=False)
-def sum_squares(acc, x, offset=0):
+def sum_squares(acc, x, offset: int = 0) -> None:
     """acc (1,) += the sum of x's squares (the global gradient norm's share of x; x[0] is
     element `offset` of its stage's flat buffer), as the CUDA kernel sums them: squares
     added in x's wide type (float for fp32 and bf16) within each group of 16 bytes of that
@@ -553,8 +559,9 @@ def _grad_scale(norm_sq, clip, dtype):
 
 
 @_op(mixed=False)
-def adamw(params, grads, m, v, sched, beta1, beta2, eps, weight_decay, norm_sq, clip,
-          master=None, salt=0, offset=0):
+def adamw(params, grads, m, v, sched: tuple, beta1: float, beta2: float, eps: float,
+          weight_decay: float, norm_sq, clip: float, master=None, salt: int = 0,
+          offset: int = 0) -> None:
     """llm.c's AdamW over a whole flat buffer: bias-corrected moments, decoupled decay;
     sched = (lr, 1 - beta1^t, 1 - beta2^t, t); the gradient clipped at global norm clip
     (norm_sq (1,): the norm squared; clip 0: never). With master (a bf16 run's fp32 master

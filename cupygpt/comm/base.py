@@ -8,7 +8,11 @@ data; the sender may then overwrite its buffer. Every wait on a peer ends in an 
 after the peer timeout, naming what it waited for, so a lost rank never hangs the job.
 Peers are ranks; which rank is which stage is the Mesh's business (parallel/mesh.py).
 """
+from __future__ import annotations
+
 import time
+from collections.abc import Callable
+from typing import Any
 
 from .. import CupyGPTError
 
@@ -16,7 +20,8 @@ from .. import CupyGPTError
 AXES = ("dp", "tp", "pp")  # the groups every transport makes communicators for
 
 
-def poll(done, timeout, rank, what, most=1e-3):
+def poll(done: Callable[[], bool], timeout: float, rank: int, what: str,
+         most: float = 1e-3) -> None:
     """Waits until done() is true, or raises after timeout seconds naming `what`. The naps
     grow to `most` seconds: what it returns late by at most (a host wait for the GPU stream,
     which bench and train time, passes a small one)."""
@@ -29,7 +34,7 @@ def poll(done, timeout, rank, what, most=1e-3):
         nap = min(nap * 2, most)
 
 
-def chunks(n, parts):
+def chunks(n: int, parts: int) -> list[tuple[int, int]]:
     """[start, stop) of each member's part of an n-element flat array: ceil(n / parts)
     each, the last ones shorter (or empty). Reduce-scatter and all-gather cut this way."""
     c = -(-n // parts)
@@ -39,11 +44,11 @@ def chunks(n, parts):
 class Done:
     """A finished collective's handle."""
 
-    def progress(self):
+    def progress(self) -> bool:
         """Advances it without blocking; False while it waits on its first phase."""
         return True
 
-    def wait(self):
+    def wait(self) -> None:
         pass
 
 
@@ -51,17 +56,17 @@ class Transport:
     """What the runner and the commands call. `name`, `rank` and `size` are attributes."""
     name, rank, size = "", 0, 1
 
-    def prepare(self, shapes):
+    def prepare(self, shapes: dict) -> None:
         """Collective, once: {kind: (shape, depth, dtype)} of every channel (dtype: the
         run's, what its messages hold); GPU transports allocate their buffers here."""
 
-    def send(self, kind, arr, peer, mb=None):
+    def send(self, kind: str, arr, peer: int, mb: int | None = None) -> None:
         raise NotImplementedError
 
-    def recv(self, kind, out, peer, mb=None):
+    def recv(self, kind: str, out, peer: int, mb: int | None = None) -> None:
         raise NotImplementedError
 
-    def sum_tied(self, arr, peer):
+    def sum_tied(self, arr, peer: int) -> None:
         """arr becomes (first stage's + last stage's), bit-identical on both ranks."""
         raise NotImplementedError
 
@@ -71,10 +76,10 @@ class Transport:
     # bits and a run repeats exactly (nccl: the same, but in NCCL's own order, so its bits
     # are not mpi's). With one member they are copies (the base class).
 
-    def all_reduce(self, arr, axis):
+    def all_reduce(self, arr, axis: str) -> None:
         """arr (any shape) becomes the sum of the group's arrs, in place."""
 
-    def start_all_reduce(self, arrs, axis):
+    def start_all_reduce(self, arrs: list, axis: str) -> Done:
         """Starts summing the arrays (one message, every member passing the same shapes)
         and returns a handle; handle.wait() finishes it. The sums are all_reduce's bits.
         Here: done at once (one member, or a transport without non-blocking collectives)."""
@@ -82,11 +87,11 @@ class Transport:
             self.all_reduce(a, axis)
         return Done()
 
-    def reduce_scatter(self, arr, out, axis):
+    def reduce_scatter(self, arr, out, axis: str) -> None:
         """out (flat) = the sum over the group of this member's chunk of arr (chunks())."""
         out[...] = arr.reshape(-1)[:out.size]
 
-    def all_gather(self, part, out, axis):
+    def all_gather(self, part, out, axis: str) -> None:
         """out (flat) = every member's part, in group order; part is this member's chunk of
         out (chunks()) and may be a view of it."""
         if part.size:
@@ -96,23 +101,23 @@ class Transport:
     # copies), so the runner may capture a pipelined step as a CUDA graph.
     graphable = False
 
-    def end_step(self):
+    def end_step(self) -> None:
         """The end of a pass's actions, on the stream (a captured step includes it)."""
 
-    def finish_sends(self):
+    def finish_sends(self) -> None:
         """Returns when every send of this step has been taken (or times out); on the host,
         after the pass (or its graph's replay)."""
 
-    def bcast(self, obj, root=0):
+    def bcast(self, obj: Any, root: int = 0) -> Any:
         raise NotImplementedError
 
-    def gather(self, obj):
+    def gather(self, obj: Any) -> list | None:
         """A list of every rank's obj on rank 0, None elsewhere."""
         raise NotImplementedError
 
-    def barrier(self):
+    def barrier(self) -> None:
         raise NotImplementedError
 
-    def any(self, flag):
+    def any(self, flag: bool) -> bool:
         """True on every rank when flag is true on any."""
         raise NotImplementedError

@@ -1,7 +1,11 @@
 """What the GPU transports (nccl, nvshmem) share: the overlapped all-reduce on a side
 stream, so the gradient sum runs while the compute stream goes on with the backward; how
 the host waits for a stream."""
-from .base import poll
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .base import Transport, poll
 
 # A host wait for the stream polls it (CUDA's synchronize never gives up on a stream stuck
 # on a stopped peer) in naps of at most this: a step's time measured across it is this
@@ -9,28 +13,28 @@ from .base import poll
 STREAM_NAP_S = 5e-5
 
 
-def wait_stream(stream, tr, what):
-    """Returns once stream's work has run, or raises after tr's peer timeout."""
-    poll(lambda: stream.done, tr.timeout, tr.rank, what, STREAM_NAP_S)
+def wait_stream(stream, transport: Transport, what: str) -> None:
+    """Returns once stream's work has run, or raises after transport's peer timeout."""
+    poll(lambda: stream.done, transport.timeout, transport.rank, what, STREAM_NAP_S)
 
 
 class SideHandle:
     """An all-reduce enqueued on a side stream; `done` is that stream's event after it."""
 
-    def __init__(self, done):
+    def __init__(self, done: Callable[[], bool]) -> None:
         self.done = done
 
-    def progress(self):
+    def progress(self) -> bool:
         """Everything is enqueued at the start: nothing to advance, only to ask."""
         return self.done.done
 
-    def wait(self):
+    def wait(self) -> None:
         """The compute stream (current) waits for the sum; the host does not."""
         from cupy import cuda
         cuda.get_current_stream().wait_event(self.done)
 
 
-def start_on_side(side, arrs, all_reduce):
+def start_on_side(side, arrs: list, all_reduce: Callable) -> SideHandle:
     """Packs arrs into one flat buffer, sums it with all_reduce(flat) and unpacks, all on
     the side stream after what the compute stream has issued so far. The buffer lives on
     the side stream only, so CuPy's pool never hands it to another stream still in use."""

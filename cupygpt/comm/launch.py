@@ -1,5 +1,7 @@
 """The processes of a job: how many the launcher started, how one of them fails, and how
 a signal stops them all (train's Interrupt)."""
+from __future__ import annotations
+
 import contextlib
 import os
 import select
@@ -7,13 +9,16 @@ import signal
 import socket
 import sys
 import time
+from typing import NoReturn
+
+from .base import Transport
 
 YEAR_S = 365 * 86400  # the most a seconds flag takes (select and thread waits overflow
 #                      near 9.2e9 s; a wait longer than a year is never meant)
 _FAILURES = None  # a duplicate of COMM_WORLD used only by fail(), so nothing else matches
 
 
-def launched_ranks():
+def launched_ranks() -> int:
     """World size from the MPI launcher's environment (1 when not launched by mpiexec)."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
         if os.environ.get(var):
@@ -21,7 +26,7 @@ def launched_ranks():
     return 1
 
 
-def world_rank():
+def world_rank() -> int:
     """This process's rank in the job (0 when not launched by mpiexec)."""
     if launched_ranks() == 1:
         return 0
@@ -29,7 +34,7 @@ def world_rank():
     return MPI.COMM_WORLD.Get_rank()
 
 
-def host_names():
+def host_names() -> tuple[str, ...]:
     """Every rank's host name, rank 0's first (collective under mpiexec): which ranks
     share a host, its GPUs and its memory."""
     here = socket.gethostname()
@@ -39,7 +44,7 @@ def host_names():
     return tuple(MPI.COMM_WORLD.allgather(here))
 
 
-def start_mpi(timeout):
+def start_mpi(timeout: float) -> None:
     """Collective, at the start of every command under mpiexec. MPI's start waits for
     every rank: when one never starts (a host in the hostfile that does not answer), the
     ranks that did give up after timeout seconds, the first of each host saying why."""
@@ -86,7 +91,7 @@ class Stopped(SystemExit):
     written, then stop_job ends the job."""
 
 
-def stop_job(code):
+def stop_job(code: int) -> None:
     """Under mpiexec the other ranks may be waiting on this one: the job is aborted."""
     if _FAILURES is not None:
         sys.stdout.flush()
@@ -94,7 +99,7 @@ def stop_job(code):
     sys.exit(code)
 
 
-def fail(message, window=2.0):
+def fail(message: str, window: float = 2.0) -> NoReturn:
     """Ends this process for an error. Under mpiexec: if every rank fails within `window`
     seconds (bad input, a NaN loss) rank 0 prints the one line and all exit 1; a rank that
     fails alone prints its line, tagged with its rank, and aborts the job (no rank hangs)."""
@@ -118,13 +123,13 @@ def fail(message, window=2.0):
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: the terminal closed
 
 
-def stopping():
+def stopping() -> list[int]:
     """The signals that stop a command: SIGHUP too, unless ignored (nohup: left so)."""
     return [s for s in STOPPING
             if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)]
 
 
-def stop_at_once(signum, _):
+def stop_at_once(signum: int, _) -> NoReturn:
     """Every command's handler of Ctrl-C, SIGTERM and SIGHUP (what SLURM and Kubernetes send before
     a kill) outside train's loop: Stopped unwinds through what is being written
     (atomic_write, checkpoint.save, prepare's --out remove what they half wrote or made)
@@ -132,7 +137,7 @@ def stop_at_once(signum, _):
     raise Stopped(128 + signum)
 
 
-def on_signals():
+def on_signals() -> None:
     for s in stopping():
         signal.signal(s, stop_at_once)
 
@@ -143,26 +148,26 @@ class Interrupt:
     ranks (stopping), so a signal to one rank stops all within a batch, the run's state
     kept. A second signal stops at once (stop_at_once)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.hit = None
         self.old = {s: signal.signal(s, self.handle) for s in stopping()}
 
-    def handle(self, signum, _):
+    def handle(self, signum: int, _) -> None:
         if self.hit:
             os.write(2, f"{signal.Signals(signum).name} again: stopping now; nothing "
                         f"half-written is left\n".encode())
             stop_at_once(signum, _)
         self.hit = signum
 
-    def stopping(self, tr):
+    def stopping(self, transport: Transport) -> bool:
         """Collective: whether any rank has been signalled."""
-        return tr.any(self.hit is not None)
+        return transport.any(self.hit is not None)
 
-    def code(self, tr):
+    def code(self, transport: Transport) -> int | None:
         """Collective: 128 + the signal the lowest signalled rank got, on every rank."""
-        hits = tr.gather(self.hit)
-        return tr.bcast(128 + next(h for h in hits if h) if hits else None)
+        hits = transport.gather(self.hit)
+        return transport.bcast(128 + next(h for h in hits if h) if hits else None)
 
-    def restore(self):
+    def restore(self) -> None:
         for s, handler in self.old.items():
             signal.signal(s, handler)

@@ -1,11 +1,15 @@
 """mpi4py, host-staged: works with any backend, so CI runs real pipelines with it; the
 GPU transports (nccl, nvshmem) also carry their control values over it."""
+from __future__ import annotations
+
 import pickle
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from ..precision import BF16, wide
-from .base import AXES, Transport, chunks, poll
+from .base import AXES, Done, Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 
@@ -13,7 +17,7 @@ TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 class Mpi(Transport):
     name = "mpi"
 
-    def __init__(self, be, mesh, timeout):
+    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
         from mpi4py import MPI
         self.comm, self.be, self.timeout = MPI.COMM_WORLD, be, timeout
         self.rank, self.size = mesh.rank, mesh.size
@@ -31,7 +35,7 @@ class Mpi(Transport):
     # Control values travel pickled, through non-blocking collectives polled against the
     # peer timeout (mpi4py's pickling bcast and gather block for good on a stopped rank).
 
-    def bcast(self, obj, root=0):
+    def bcast(self, obj: Any, root: int = 0) -> Any:
         data = pickle.dumps(obj) if self.rank == root else b""
         n = np.array([len(data)], np.int64)
         what = (f"rank {root}'s broadcast" if self.rank != root else
@@ -42,7 +46,7 @@ class Mpi(Transport):
         self.wait(self.comm.Ibcast(buf, root=root), what)
         return obj if self.rank == root else pickle.loads(buf.tobytes())
 
-    def gather(self, obj):
+    def gather(self, obj: Any) -> list | None:
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         sizes = np.zeros(self.size, np.int64)
         what = ("rank 0 to take this rank's part of a gather" if self.rank else
@@ -57,11 +61,11 @@ class Mpi(Transport):
         ends = np.cumsum(sizes)
         return [pickle.loads(got[e - n:e].tobytes()) for n, e in zip(sizes, ends)]
 
-    def barrier(self):
+    def barrier(self) -> None:
         others = ", ".join(f"rank {q}" for q in range(self.size) if q != self.rank)
         self.wait(self.comm.Ibarrier(), f"the other ranks ({others}) at a barrier")
 
-    def any(self, flag):
+    def any(self, flag: bool) -> bool:
         """Through rank 0, point to point, so a timeout names the rank that went quiet."""
         buf = np.array([int(flag)], np.int32)
         if self.rank == 0:
@@ -78,23 +82,23 @@ class Mpi(Transport):
             self.wait(self.comm.Irecv(buf, source=0, tag=TAGS["ctl"]), "rank 0's verdict")
         return bool(buf[0])
 
-    def wait(self, req, what):
+    def wait(self, req, what: str) -> None:
         """Waits on an MPI request, polling so a lost peer becomes an error, not a hang."""
         poll(req.Test, self.timeout, self.rank, what)
 
-    def send(self, kind, arr, peer, mb=None):
+    def send(self, kind: str, arr, peer: int, mb: int | None = None) -> None:
         host = np.array(self.be.to_host(arr), copy=True)
         self.pending.append((self.comm.Isend(_raw(host), dest=peer, tag=TAGS[kind]), host))
         self.pending = [(r, h) for r, h in self.pending if not r.Test()]
 
-    def recv(self, kind, out, peer, mb=None):
+    def recv(self, kind: str, out, peer: int, mb: int | None = None) -> None:
         host = np.empty(out.shape, out.dtype)
         self.wait(self.comm.Irecv(_raw(host), source=peer, tag=TAGS[kind]),
                   f"{'activation' if kind == 'act' else 'gradient'} of micro-batch {mb} "
                   f"from rank {peer}")
         self.be.upload(out, host)
 
-    def sum_tied(self, arr, peer):
+    def sum_tied(self, arr, peer: int) -> None:
         mine = np.array(self.be.to_host(arr), copy=True)
         theirs = np.empty_like(mine)
         req = self.comm.Isendrecv(_raw(mine), dest=peer, sendtag=TAGS["tied"],
@@ -121,7 +125,7 @@ class Mpi(Transport):
         got = np.empty_like(send).reshape(n, c)
         return comm.Ialltoall(_raw(send), _raw(got)), (send, got)
 
-    def start_all_reduce(self, arrs, axis):
+    def start_all_reduce(self, arrs: list, axis: str) -> Done:
         comm = self.groups[axis]
         if comm.size == 1:
             return super().start_all_reduce(arrs, axis)
@@ -136,19 +140,19 @@ class Mpi(Transport):
         self.wait(comm.Iallgather(_raw(send), _raw(got)), f"the {axis} group's all-gather")
         return got[:n_out]
 
-    def all_reduce(self, arr, axis):
+    def all_reduce(self, arr, axis: str) -> None:
         comm = self.groups[axis]
         if comm.size > 1:
             acc = self._reduce_chunk(arr, comm, axis)
             self.be.upload(arr, self._gather_chunks(acc, comm, axis, arr.size).reshape(arr.shape))
 
-    def reduce_scatter(self, arr, out, axis):
+    def reduce_scatter(self, arr, out, axis: str) -> None:
         comm = self.groups[axis]
         if comm.size == 1:
             return super().reduce_scatter(arr, out, axis)
         self.be.upload(out, self._reduce_chunk(arr, comm, axis)[:out.size])
 
-    def all_gather(self, part, out, axis):
+    def all_gather(self, part, out, axis: str) -> None:
         comm = self.groups[axis]
         if comm.size == 1:
             return super().all_gather(part, out, axis)
@@ -157,7 +161,7 @@ class Mpi(Transport):
         host = np.asarray(self.be.to_host(part)).reshape(-1)
         self.be.upload(out, self._gather_chunks(host, comm, axis, out.size).reshape(out.shape))
 
-    def finish_sends(self):
+    def finish_sends(self) -> None:
         for req, _ in self.pending:
             self.wait(req, "a send to be received")
         self.pending = []
@@ -181,8 +185,8 @@ class _Overlapped:
     """An all-reduce in flight: the all-to-all, then (once it has landed, at a progress()
     or the wait) the member-order sum and the all-gather; wait() writes the arrays back."""
 
-    def __init__(self, tr, comm, axis, arrs, req, bufs):
-        self.tr, self.comm, self.axis, self.arrs = tr, comm, axis, arrs
+    def __init__(self, transport, comm, axis, arrs, req, bufs):
+        self.transport, self.comm, self.axis, self.arrs = transport, comm, axis, arrs
         self.req, self.bufs, self.gathered = req, bufs, None  # bufs: alive while in flight
 
     def progress(self):
@@ -193,15 +197,15 @@ class _Overlapped:
         if self.gathered is None and self.req.Test():
             mine = _member_sum(self.bufs[1])
             self.gathered = np.empty(self.comm.size * mine.size, mine.dtype)
-            comm = self.tr.gather_groups[self.axis]
+            comm = self.transport.gather_groups[self.axis]
             self.req, self.bufs = comm.Iallgather(_raw(mine), _raw(self.gathered)), (mine,)
         return self.gathered is not None
 
     def wait(self):
         what = f"the {self.axis} group's overlapped gradient sum"
-        poll(self.progress, self.tr.timeout, self.tr.rank, what)
-        self.tr.wait(self.req, what)
+        poll(self.progress, self.transport.timeout, self.transport.rank, what)
+        self.transport.wait(self.req, what)
         off = 0
         for a in self.arrs:
-            self.tr.be.upload(a, self.gathered[off:off + a.size].reshape(a.shape))
+            self.transport.be.upload(a, self.gathered[off:off + a.size].reshape(a.shape))
             off += a.size

@@ -16,11 +16,15 @@ transport does: the sums equal mpi's to rounding, not bit for bit. NCCL wants th
 count from every member, and chunks() gives the last members less: an uneven array goes
 through a staging buffer of g * ceil(n / g) elements.
 """
+from __future__ import annotations
+
+from types import ModuleType
+
 import numpy as np
 
 from .. import CupyGPTError
 from ..precision import BF16
-from .base import AXES, chunks, poll
+from .base import AXES, Done, chunks, poll
 from .gpu import start_on_side, wait_stream
 from .mpi import Mpi
 
@@ -28,7 +32,7 @@ from .mpi import Mpi
 class Nccl(Mpi):
     name = "nccl"
 
-    def __init__(self, be, mesh, timeout):
+    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
         super().__init__(be, mesh, timeout)
         import cupy as cp
         ndev = cp.cuda.runtime.getDeviceCount()
@@ -66,7 +70,7 @@ class Nccl(Mpi):
         self.side = cp.cuda.Stream(non_blocking=True)
         self.ring, self.n = {}, {}
 
-    def prepare(self, shapes):
+    def prepare(self, shapes: dict) -> None:
         """Staging rings for the two directions; NCCL itself needs no buffers."""
         cp = self.cp
         for kind in ("act", "grad"):
@@ -74,7 +78,7 @@ class Nccl(Mpi):
             self.ring[kind] = [(cp.empty(shape, dtype), None) for _ in range(depth)]
             self.n[kind] = 0
 
-    def send(self, kind, arr, peer, mb=None):
+    def send(self, kind: str, arr, peer: int, mb: int | None = None) -> None:
         compute = self.cp.cuda.get_current_stream()
         i = self.n[kind] % len(self.ring[kind])
         self.n[kind] += 1
@@ -87,11 +91,11 @@ class Nccl(Mpi):
                                                  1, self.send_stream.ptr)
         self.ring[kind][i] = (buf, self.send_stream.record())
 
-    def recv(self, kind, out, peer, mb=None):
+    def recv(self, kind: str, out, peer: int, mb: int | None = None) -> None:
         self.comms[(peer, self.rank, kind)].recv(out.data.ptr, out.size, self.dtypes[out.dtype],
                                                  0, self.cp.cuda.get_current_stream().ptr)
 
-    def sum_tied(self, arr, peer):
+    def sum_tied(self, arr, peer: int) -> None:
         """A 2-rank allreduce: NCCL gives both ranks the same sum, bit for bit."""
         comm = self.comms[(min(self.rank, peer), max(self.rank, peer), "tied")]
         comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
@@ -111,14 +115,14 @@ class Nccl(Mpi):
         out[:flat.size] = flat
         return out
 
-    def all_reduce(self, arr, axis):
+    def all_reduce(self, arr, axis: str) -> None:
         group, stream = self._group(axis)
         if group is None:
             return super().all_reduce(arr, axis)
         group[0].allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
                            self.nccl.NCCL_SUM, stream)
 
-    def start_all_reduce(self, arrs, axis):
+    def start_all_reduce(self, arrs: list, axis: str) -> Done:
         if (axis, True) not in self.coll:
             return super().start_all_reduce(arrs, axis)
         return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
@@ -143,19 +147,19 @@ class Nccl(Mpi):
         if got is not dst:
             dst[...] = got[:dst.size].reshape(dst.shape)
 
-    def reduce_scatter(self, arr, out, axis):
+    def reduce_scatter(self, arr, out, axis: str) -> None:
         group, stream = self._group(axis)
         if group is None:
             return super().reduce_scatter(arr, out, axis)
         self._even(group, stream, arr.size, arr, out, scatter=True)
 
-    def all_gather(self, part, out, axis):
+    def all_gather(self, part, out, axis: str) -> None:
         group, stream = self._group(axis)
         if group is None:
             return super().all_gather(part, out, axis)
         self._even(group, stream, out.size, part, out, scatter=False)
 
-    def finish_sends(self):
+    def finish_sends(self) -> None:
         streams = (self.send_stream, self.cp.cuda.get_current_stream())
         poll(lambda: all(s.done for s in streams), self.timeout, self.rank,
              "this step's NCCL transfers")

@@ -26,13 +26,16 @@ needed between steps; the eager step runs the same protocol.
 Collectives: built from the same puts, signals and stream waits (symmetric.py says how
 and why).
 """
+from __future__ import annotations
+
 import atexit
 import math
+from types import ModuleType
 
 import numpy as np
 
 from .. import CupyGPTError
-from .base import AXES, chunks
+from .base import AXES, Done, chunks
 from .gpu import start_on_side, wait_stream
 from .launch import fail
 from .mpi import Mpi
@@ -44,7 +47,7 @@ _live = []  # this process's transports: NVSHMEM is initialized once, finalized 
 class Nvshmem(Mpi):
     name = "nvshmem"
 
-    def __init__(self, be, mesh, timeout):
+    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
         super().__init__(be, mesh, timeout)
         import cupy as cp
         import nvshmem.core as nv
@@ -78,7 +81,7 @@ class Nvshmem(Mpi):
         self.barrier()  # every PE's signal words are zero before anyone signals
         atexit.register(self.close)  # before MPI's own exit handler (atexit runs LIFO)
 
-    def prepare(self, shapes):
+    def prepare(self, shapes: dict) -> None:
         """Collective: allocates every channel's symmetric slots and signals on all PEs
         (the same sizes everywhere, as NVSHMEM requires). shapes: {kind: (shape, depth,
         dtype)}. act and grad get a set per direction when a rank has two ring neighbours;
@@ -106,7 +109,7 @@ class Nvshmem(Mpi):
         the ring (stage s to s + 1 mod pp), 1 down; with one set, always 0."""
         return 0 if (kind, 1) not in self.chan or peer == self.mesh.ring(step) else 1
 
-    def wait_value(self, addr, value, peer):
+    def wait_value(self, addr: int, value: int, peer: int) -> None:
         """The current stream waits until the 64-bit word at addr (peer writes it) is >=
         value."""
         d, ptr = self.driver, self.cp.cuda.get_current_stream().ptr
@@ -125,10 +128,10 @@ class Nvshmem(Mpi):
             self.streams[ptr] = self.Stream.from_handle(ptr)
         return self.streams[ptr]
 
-    def buffer(self, ptr, nbytes, owner=None):
+    def buffer(self, ptr: int, nbytes: int, owner=None):
         return self.Buffer.from_handle(ptr, nbytes, owner=owner)
 
-    def put_at(self, dst, src, signal, pe):
+    def put_at(self, dst: int, src, signal: int, pe: int) -> None:
         """dst (a symmetric address) on pe = src (a CuPy array), then 1 added to pe's signal
         word; with nothing to copy, the signal alone."""
         if not src.size:
@@ -137,12 +140,12 @@ class Nvshmem(Mpi):
         frm, stream = self.buffer(src.data.ptr, src.nbytes, src), self.stream()
         self.nv.put_signal(to, frm, sig, 1, self.ADD, remote_pe=pe, stream=stream)
 
-    def signal(self, signal, value, pe):
+    def signal(self, signal: int, value: int, pe: int) -> None:
         """Adds value (negative: taken back, modulo 2^64 as the word wraps) to pe's word."""
         self.nv.signal_op(self.buffer(signal, 8), value % (1 << 64), self.ADD, remote_pe=pe,
                           stream=self.stream())
 
-    def send(self, kind, arr, peer, mb=None):
+    def send(self, kind: str, arr, peer: int, mb: int | None = None) -> None:
         way = self._way(kind, peer, 1)
         slots, data, ack = self.chan[(kind, way)]
         n = self.sent[(kind, way)] = self.sent[(kind, way)] + 1
@@ -152,7 +155,7 @@ class Nvshmem(Mpi):
         self.put_at(slots[i].data.ptr, arr.reshape(-1), data[i].handle, peer)
         self.ledger.owe(ack[i].handle, peer)
 
-    def recv(self, kind, out, peer, mb=None):
+    def recv(self, kind: str, out, peer: int, mb: int | None = None) -> None:
         way = self._way(kind, peer, -1)
         slots, data, ack = self.chan[(kind, way)]
         n = self.got[(kind, way)] = self.got[(kind, way)] + 1
@@ -161,7 +164,7 @@ class Nvshmem(Mpi):
         out[...] = slots[i][:out.nbytes].view(out.dtype).reshape(out.shape)
         self.signal(ack[i].handle, 1, peer)
 
-    def end_step(self):
+    def end_step(self) -> None:
         """Every ack owed, then the counts back to 0 (the module docstring)."""
         self.ledger.settle()
         self.sent = dict.fromkeys(self.sent, 0)
@@ -169,7 +172,7 @@ class Nvshmem(Mpi):
 
     graphable = True  # every wait and transfer above is on the stream
 
-    def sum_tied(self, arr, peer):
+    def sum_tied(self, arr, peer: int) -> None:
         """Both ranks put their wte gradient into the other's slot, then add in the same
         order (first stage's + last stage's), so both copies stay bit-identical."""
         mine, theirs = (b.reshape(-1)[:arr.size].reshape(arr.shape) for b in self.tied)
@@ -181,7 +184,7 @@ class Nvshmem(Mpi):
 
     # --- collectives (the module docstring): one engine, three entry points -------------
 
-    def all_reduce(self, arr, axis):
+    def all_reduce(self, arr, axis: str) -> None:
         on_side = self.cp.cuda.get_current_stream().ptr == self.side.ptr
         w = self.windows.get((axis, on_side))
         if w is None:
@@ -189,7 +192,7 @@ class Nvshmem(Mpi):
         flat = arr.reshape(-1)
         w.run(flat.size, flat.dtype, src=flat, out=flat)
 
-    def start_all_reduce(self, arrs, axis):
+    def start_all_reduce(self, arrs: list, axis: str) -> Done:
         if (axis, True) not in self.windows:
             return super().start_all_reduce(arrs, axis)
         return start_on_side(self.side, arrs, lambda flat: self.all_reduce(flat, axis))
@@ -203,24 +206,24 @@ class Nvshmem(Mpi):
             assert mine.size == b - a, "not this member's chunk of the collective"
         return w
 
-    def reduce_scatter(self, arr, out, axis):
+    def reduce_scatter(self, arr, out, axis: str) -> None:
         w = self._scattered(axis, arr.size, out)
         if w is None:
             return super().reduce_scatter(arr, out, axis)
         flat = arr.reshape(-1)
         w.run(flat.size, flat.dtype, src=flat, mine=out.reshape(-1))
 
-    def all_gather(self, part, out, axis):
+    def all_gather(self, part, out, axis: str) -> None:
         w = self._scattered(axis, out.size, part)
         if w is None:
             return super().all_gather(part, out, axis)
         w.run(out.size, out.dtype, mine=part.reshape(-1), out=out.reshape(-1))
 
-    def finish_sends(self):
+    def finish_sends(self) -> None:
         """Waits for this rank's stream (its puts included) with the peer timeout."""
         self.host_wait(self.cp.cuda.get_current_stream())
 
-    def host_wait(self, stream):
+    def host_wait(self, stream) -> None:
         """Returns once stream's work has run, or raises after the peer timeout naming the
         peers whose signals it waits for (the module docstring)."""
         peers = sorted(self.waits_on.get(stream.ptr, ()))
@@ -228,7 +231,7 @@ class Nvshmem(Mpi):
         wait_stream(stream, self, f"the GPU stream, whose waits are on {named} (their "
                                   f"data, acks or collective parts)")
 
-    def close(self):
+    def close(self) -> None:
         """Collective, at exit: frees the symmetric memory in the same order on every PE
         (NVSHMEM's frees are collective), then finalizes NVSHMEM. Each free waits for every
         PE without a timeout, so every PE is met here first, within the peer timeout; a

@@ -21,10 +21,13 @@ receive then): a fixed window per (axis, stream) whose groups have several membe
 a collective larger than the window runs in rounds, each round a slice of every member's
 chunk. So nothing depends on the runner announcing sizes, and memory stays bounded.
 """
+from __future__ import annotations
+
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..precision import wide
-from .base import chunks
+from .base import Transport, chunks
 
 # bytes of each collective inbox and gather area, per axis and stream: the pipeline's group
 # sums one number (the gradient norm)
@@ -38,27 +41,27 @@ class Ledger:
     (an ack for a put); settle() waits for all owed and takes the counts back off. Each
     word is written by one peer, named with it (a wait that times out names the peer)."""
 
-    def __init__(self, tr):
-        self.tr, self.taken, self.owed, self.peer = tr, {}, {}, {}
+    def __init__(self, transport: Transport) -> None:
+        self.transport, self.taken, self.owed, self.peer = transport, {}, {}, {}
 
-    def owe(self, addr, peer):
+    def owe(self, addr: int, peer: int) -> None:
         self.owed[addr] = self.owed.get(addr, 0) + 1
         self.peer[addr] = peer
 
-    def pending(self, addr):
+    def pending(self, addr: int) -> bool:
         return self.owed.get(addr, 0) > self.taken.get(addr, 0)
 
-    def wait(self, addr, peer):
+    def wait(self, addr: int, peer: int) -> None:
         n = self.taken[addr] = self.taken.get(addr, 0) + 1
         self.owed[addr] = max(self.owed.get(addr, 0), n)
         self.peer[addr] = peer
-        self.tr.wait_value(addr, n, peer)
+        self.transport.wait_value(addr, n, peer)
 
-    def settle(self):
+    def settle(self) -> None:
         for addr, n in self.owed.items():
             if self.taken.get(addr, 0) < n:
-                self.tr.wait_value(addr, n, self.peer[addr])
-            self.tr.signal(addr, -n, self.tr.rank)
+                self.transport.wait_value(addr, n, self.peer[addr])
+            self.transport.signal(addr, -n, self.transport.rank)
         self.taken, self.owed = {}, {}
 
 
@@ -68,22 +71,23 @@ class Window:
     counted by a ledger of its own and settled at the end of each collective (so a captured
     step holds whole collectives)."""
 
-    def __init__(self, tr, members, axis):
-        self.tr, self.members, self.me = tr, members, members.index(tr.rank)
+    def __init__(self, transport: Transport, members: list[int], axis: str) -> None:
+        self.transport, self.members, self.me = transport, members, members.index(transport.rank)
         self.size = WINDOW[axis]
         # read only where a peer or this member wrote in the same phase: no zeroing
-        self.inbox, self.gather = (tr.nv.array((self.size,), dtype="uint8") for _ in range(2))
+        self.inbox, self.gather = (transport.nv.array((self.size,), dtype="uint8")
+                                   for _ in range(2))
         # a bf16 sum is added in float (rounded once, as the other transports): this many
         # floats hold a round of this member's chunk
-        self.acc = tr.cp.empty(self.size // 4, tr.cp.float32)
-        self.sig = tr.nv.buffer(8 * 4 * len(members))
-        tr.cp.from_dlpack(self.sig, copy=False).view(tr.cp.uint64).fill(0)
-        self.ledger = Ledger(tr)
+        self.acc = transport.cp.empty(self.size // 4, transport.cp.float32)
+        self.sig = transport.nv.buffer(8 * 4 * len(members))
+        transport.cp.from_dlpack(self.sig, copy=False).view(transport.cp.uint64).fill(0)
+        self.ledger = Ledger(transport)
 
-    def word(self, what, q):
+    def word(self, what: int, q: int) -> int:
         return self.sig.handle + 8 * (what * len(self.members) + q)
 
-    def run(self, n, dtype, src=None, mine=None, out=None):
+    def run(self, n: int, dtype: DTypeLike, src=None, mine=None, out=None):
         """A collective over n elements of dtype, in rounds that fit the window. src (n,):
         this member's addend, reduced to its chunk (chunks()) in member order; mine: its
         chunk (the reduced one is written there, or, without src, read from there); out (n,):
@@ -105,7 +109,7 @@ class Window:
                     if q == 0:
                         acc[...] = part
                     else:
-                        self.tr.cp.add(acc, part, out=acc)
+                        self.transport.cp.add(acc, part, out=acc)
                 if acc is not slot:
                     slot[...] = acc
                 self.read(RED)
@@ -121,26 +125,26 @@ class Window:
                 self.read(GAT)
         self.ledger.settle()
 
-    def others(self):
+    def others(self) -> list[int]:
         """The other members, starting after this one (so members do not all put to the
         same one first)."""
         g = len(self.members)
         return [(self.me + i) % g for i in range(1, g)]
 
-    def phase(self, what, area, parts, w, item):
+    def phase(self, what: int, area, parts: int, w: int, item: int):
         """Puts parts[q] into member q's area (this member's slot of it), once q has read
         what the phase before left there, then waits for every member's put here."""
-        tr, led = self.tr, self.ledger
+        transport, led = self.transport, self.ledger
         for q in self.others():
             if led.pending(self.word(what + 1, q)):
                 led.wait(self.word(what + 1, q), self.members[q])
-            tr.put_at(area.data.ptr + self.me * w * item, parts[q], self.word(what, self.me),
-                      self.members[q])
+            transport.put_at(area.data.ptr + self.me * w * item, parts[q],
+                             self.word(what, self.me), self.members[q])
             led.owe(self.word(what + 1, q), self.members[q])
         for q in self.others():
             led.wait(self.word(what, q), self.members[q])
 
-    def read(self, what):
+    def read(self, what: int) -> None:
         """This member has read the phase's area: the others may put there again."""
         for q in self.others():
-            self.tr.signal(self.word(what + 1, self.me), 1, self.members[q])
+            self.transport.signal(self.word(what + 1, self.me), 1, self.members[q])

@@ -7,7 +7,7 @@ from ..model.initialize import init_params
 from ..model.shape import flops_per_token, mfu
 from ..model.optim import AdamWConfig
 from ..config.sections import RUN_DTYPES
-from ..precision import DTYPES, numerics
+from ..precision import numerics
 
 
 def bench(sess, on_step=None):
@@ -48,13 +48,11 @@ def side_by_side(r):
 def _bench(sess, dtype, on_step, attention=None):
     c, cfg, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
-    run = sess.runner(cfg, None, batch=B, seq=T, dtype=DTYPES[dtype],
-                      adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
-                      graphs=c.graphs and not c.trace, recompute=c.recompute,
-                      attention=attention)
+    settings = sess.step_settings(batch=B, seq=T, dtype=dtype, recompute=c.recompute,
+                                  adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
+                                  graphs=c.graphs, trace=bool(c.trace))
+    run = sess.runner(cfg, None, settings, attention)
     run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
-    if c.trace:
-        run.start_trace()
     x, y = DataLoader(c.data, B, T, cfg.V).next_batch()
     times, launch = _timed_steps(run, sess.tr, be, x, y, warmup, steps, on_step)
     if c.trace:
@@ -70,7 +68,7 @@ def _bench(sess, dtype, on_step, attention=None):
     peak = be.peak_flops(dtype)
     achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
     out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
-           "numerics": numerics(be, DTYPES[dtype]), "steps": steps, "warmup": warmup,
+           "numerics": numerics(be, settings.dtype), "steps": steps, "warmup": warmup,
            "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
            "peak_tflops": peak / 1e12 if peak else None,  # the dtype's: TF32 or bf16
@@ -87,7 +85,7 @@ def _bench(sess, dtype, on_step, attention=None):
         out.update(host_launch_ms_median=statistics.median(launch) * 1e3,
                    host_launch_fraction=statistics.median(launch) / statistics.median(times))
     if c.profile:  # eager steps: a graph's replay has no per-op events
-        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.optimizer_step()), 3)
+        rows = be.kernel_profile(lambda: (run.gradients(x, y), run.update()), 3)
         if rows:
             out["per_op"], out["per_kernel"] = rows
     return out
@@ -100,7 +98,7 @@ def _timed_steps(run, tr, be, x, y, warmup, steps, on_step):
         be.synchronize()
         tr.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
-        run.launch(x, y)
+        run.step(x, y, wait=False)
         t1 = time.perf_counter()
         be.synchronize()
         t2 = time.perf_counter()

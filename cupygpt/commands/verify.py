@@ -7,7 +7,7 @@ import numpy as np
 from ..formats.llmc import check_finite, read_model, read_state
 from ..model.layout import copy_part, param_layout
 from ..model.optim import AdamWConfig
-from ..precision import DTYPES, numerics
+from ..precision import numerics
 
 # Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
 # A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
@@ -30,16 +30,14 @@ def verify(sess, on_step=None):
     cfg, params = read_model(c.model)
     check_finite(c.model, params)
     state = read_state(c.state, cfg)
-    run = sess.runner(cfg, params, batch=state["B"], seq=state["T"],
-                      dtype=DTYPES[c.dtype],
-                      adamw=AdamWConfig(lr=c.lr, weight_decay=c.weight_decay))
-    if c.trace:
-        run.start_trace()
+    run = sess.runner(cfg, params, sess.step_settings(
+        batch=state["B"], seq=state["T"], trace=bool(c.trace),
+        adamw=AdamWConfig(lr=c.lr, weight_decay=c.weight_decay)))
     fwd_loss, logit_diff = forward_check(run, tr, state)
     loss = run.gradients(state["x"], state["y"])
     grad_diffs = gradient_check(run, tr, state, cfg)
     step_losses = [loss]
-    run.optimizer_step()
+    run.update()
     for _ in range(1, c.steps):
         step_losses.append(run.step(state["x"], state["y"]))
         if on_step:
@@ -48,9 +46,9 @@ def verify(sess, on_step=None):
         run.write_trace(c.trace)
     if tr.rank != 0:
         return True
-    tol = TOLERANCES[numerics(sess.be, DTYPES[c.dtype])]
+    tol = TOLERANCES[numerics(sess.be, run.settings.dtype)]
     report = {
-        "model": c.model, "state": c.state, "backend": numerics(sess.be, DTYPES[c.dtype]),
+        "model": c.model, "state": c.state, "backend": numerics(sess.be, run.settings.dtype),
         "ranks": sess.mesh.size, "attention": sess.attention, "schedule": c.pipeline.schedule,
         "micro_batches": c.pipeline.micro_batches, "B": state["B"], "T": state["T"],
         "logits": {"max_abs_diff": logit_diff, "tol": tol["logits"],

@@ -4,7 +4,11 @@ A layout covers a Part: a layer range [l0, l1), with or without the embedding an
 (what one pipeline stage owns), and one tensor-parallel shard of those tensors. The whole
 model is the range [0, L) with both, unsharded.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -17,16 +21,16 @@ class Layout:
     size: int
 
     @staticmethod
-    def of(entries):
+    def of(entries: Iterable) -> Layout:
         names, shapes, offsets, off = [], [], [], 0
-        for name, shape in entries:
+        for name, dims in entries:
             names.append(name)
-            shapes.append(tuple(shape))
+            shapes.append(tuple(dims))
             offsets.append(off)
-            off += int(np.prod(shape))
+            off += int(np.prod(dims))
         return Layout(tuple(names), tuple(shapes), tuple(offsets), off)
 
-    def views(self, buf, base=0):
+    def views(self, buf: Any, base: int = 0) -> dict:
         """Named views into buf (NumPy or CuPy) starting at element base."""
         return {n: buf[base + o: base + o + int(np.prod(s))].reshape(s)
                 for n, s, o in zip(self.names, self.shapes, self.offsets)}
@@ -47,12 +51,12 @@ class Mixed:
     wide: Layout
 
     @staticmethod
-    def of(entries):
+    def of(entries: Iterable) -> Mixed:
         entries = list(entries)
         return Mixed(Layout.of(e for e in entries if e[0] not in WIDE),
                      Layout.of(e for e in entries if e[0] in WIDE))
 
-    def views(self, narrow_buf, wide_buf, slot=0):
+    def views(self, narrow_buf: Any, wide_buf: Any, slot: int = 0) -> dict:
         return {**self.narrow.views(narrow_buf, slot * self.narrow.size),
                 **self.wide.views(wide_buf, slot * self.wide.size)}
 
@@ -74,19 +78,19 @@ class Part:
     shard: int = 0
 
     @staticmethod
-    def whole(cfg):
-        return Part(0, cfg.L)
+    def whole(shape) -> Part:
+        return Part(0, shape.L)
 
-    def vocab(self, cfg):
+    def vocab(self, shape) -> tuple[int, int, int]:
         """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp (split as
         evenly as possible) and how many of them are real tokens (< V), not padding."""
-        base, extra = divmod(cfg.Vp, self.tp)
+        base, extra = divmod(shape.Vp, self.tp)
         v0 = self.shard * base + min(self.shard, extra)
         rows = base + (self.shard < extra)
-        return v0, rows, max(0, min(rows, cfg.V - v0))
+        return v0, rows, max(0, min(rows, shape.V - v0))
 
 
-def owns(name, part):
+def owns(name: str, part: Part) -> bool:
     """Which tensors a stage holds: wte is tied, so both the embedding and the head hold it."""
     if name == "wte":
         return part.embed or part.head
@@ -97,28 +101,28 @@ def owns(name, part):
     return True
 
 
-def param_shapes(cfg, part):
+def param_shapes(shape, part: Part) -> dict[str, tuple]:
     """The 16 llm.c parameter tensors as `part` holds them. Megatron's split: qkvw/qkvb by
     heads (NH/tp whole heads of each of q, k, v), fcw/fcb by output rows, attprojw and
     fcprojw by input columns (row-parallel), wte by vocab rows; the rest replicated."""
-    C, nl, t = cfg.C, part.l1 - part.l0, part.tp
-    return {"wte": (part.vocab(cfg)[1], C), "wpe": (cfg.maxT, C), "ln1w": (nl, C),
+    C, nl, t = shape.C, part.l1 - part.l0, part.tp
+    return {"wte": (part.vocab(shape)[1], C), "wpe": (shape.maxT, C), "ln1w": (nl, C),
             "ln1b": (nl, C), "qkvw": (nl, 3 * C // t, C), "qkvb": (nl, 3 * C // t),
             "attprojw": (nl, C, C // t), "attprojb": (nl, C), "ln2w": (nl, C),
             "ln2b": (nl, C), "fcw": (nl, 4 * C // t, C), "fcb": (nl, 4 * C // t),
             "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
 
 
-def replicated(cfg, part):
+def replicated(shape, part: Part) -> set[str]:
     """The tensors part holds whole whatever its tensor-parallel shard (those param_shapes
     does not divide): the same, with the same gradients, on every shard."""
-    whole = param_shapes(cfg, replace(part, tp=1, shard=0))
-    return {n for n, s in param_shapes(cfg, part).items() if s == whole[n]}
+    whole = param_shapes(shape, replace(part, tp=1, shard=0))
+    return {n for n, s in param_shapes(shape, part).items() if s == whole[n]}
 
 
-def param_layout(cfg, part=None):
-    part = part or Part.whole(cfg)
-    shapes = param_shapes(cfg, part)
+def param_layout(shape, part: Part | None = None) -> Layout:
+    part = part or Part.whole(shape)
+    shapes = param_shapes(shape, part)
     return Layout.of((n, shapes[n]) for n in PARAM_NAMES if owns(n, part))
 
 
@@ -136,13 +140,14 @@ RECOMPUTED = {0: (), 1: ("fch_gelu",), 2: ("fch_gelu", "ln1", "ln2")}
 LOGIT_CHUNK, LOGIT_CHUNKS = 1 << 26, 8
 
 
-def logit_rows(N, vocab_rows):
+def logit_rows(N: int, vocab_rows: int | None) -> int:
     """Positions per chunk of the head's N positions (even chunks, the last maybe shorter)."""
     chunks = max(1, min(LOGIT_CHUNKS, -(-N * vocab_rows // LOGIT_CHUNK)))
     return -(-N // chunks)
 
 
-def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recompute=0):
+def activation_layout(shape, B: int, T: int, nl: int, head: bool, tp: int = 1, split: bool = False,
+                      embed: bool = False, recompute: int = 0) -> Mixed:
     """One micro-batch's activations for nl layers (a tp shard's: its heads, its 4C/tp
     columns); per-layer tensors are what backward reads.
 
@@ -157,7 +162,7 @@ def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recom
     per layer (and the embedding's, with embed), kept from bwd_input to bwd_weight.
     recompute: RECOMPUTED[recompute] are left out (scratch_layout holds one layer's).
     """
-    C, NH = cfg.C, cfg.NH // tp
+    C, NH = shape.C, shape.NH // tp
     e = [("encoded", (B, T, C)), ("ln1", (nl, B, T, C)), ("ln1_mean", (nl, B, T)),
          ("ln1_rstd", (nl, B, T)), ("qkv", (nl, B, T, 3 * C // tp)), ("atty", (nl, B, T, C // tp)),
          ("att_lse", (nl, B, NH, T)),
@@ -171,10 +176,11 @@ def activation_layout(cfg, B, T, nl, head, tp=1, split=False, embed=False, recom
         e += [("dfcproj", (nl, B, T, C)), ("dfch", (nl, B, T, 4 * C // tp)),
               ("dattproj", (nl, B, T, C)), ("dqkv", (nl, B, T, 3 * C // tp))]
         e += [("dencoded", (B, T, C))] if embed else []
-    return Mixed.of((n, shape) for n, shape in e if n not in RECOMPUTED[recompute])
+    return Mixed.of((n, dims) for n, dims in e if n not in RECOMPUTED[recompute])
 
 
-def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
+def scratch_layout(shape, B: int, T: int, tp: int = 1, recompute: int = 0,
+                   vocab_rows: int | None = None) -> Mixed:
     """Temporaries, reused by every layer and micro-batch.
 
     dresidual is the stage's running gradient: it arrives from the next stage and leaves
@@ -185,7 +191,7 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
     tensor-parallel group). With recompute, one layer's GELU output (gelu_re) and, at 2,
     one layernorm output (ln_re: ln1's and ln2's in turn).
     """
-    C = cfg.C
+    C = shape.C
     e = [("dresidual", (B, T, C)), ("dbt_c", (B, T, C)), ("dbt_3c", (B, T, 3 * C // tp)),
          ("dbt_4c", (B, T, 4 * C // tp)), ("dbt_4c2", (B, T, 4 * C // tp)),
          ("proj", (B, T, C))]
@@ -197,17 +203,17 @@ def scratch_layout(cfg, B, T, tp=1, recompute=0, vocab_rows=None):
     return Mixed.of(e)
 
 
-def held(cfg, name, whole, part):
+def held(shape, name: str, whole: np.ndarray, part: Part) -> np.ndarray:
     """The view of a whole-model tensor (whole: all L layers) that part holds: its layers,
     then its shard, shaped as param_shapes says or as a view that reshapes to it."""
     x = whole if name in WHOLE else whole[part.l0:part.l1]
-    t, s, C = part.tp, part.shard, cfg.C
+    t, s, C = part.tp, part.shard, shape.C
     if name == "wte":
-        v0, rows, _ = part.vocab(cfg)
+        v0, rows, _ = part.vocab(shape)
         return x[v0:v0 + rows]
     if name in ("qkvw", "qkvb"):  # (nl, 3, NH, HS[, C]): this shard's heads of q, k and v
-        h = cfg.NH // t
-        return x.reshape(x.shape[0], 3, cfg.NH, -1)[:, :, s * h:(s + 1) * h]
+        h = shape.NH // t
+        return x.reshape(x.shape[0], 3, shape.NH, -1)[:, :, s * h:(s + 1) * h]
     if name in ("fcw", "fcb"):
         return x[:, s * 4 * C // t:(s + 1) * 4 * C // t]
     if name == "attprojw":
@@ -217,22 +223,22 @@ def held(cfg, name, whole, part):
     return x
 
 
-def copy_part(dst, part, src, cfg):
+def copy_part(dst: np.ndarray, part: Part, src: np.ndarray, shape) -> np.ndarray:
     """dst (part's layout) = the tensors part holds of src (a whole model's host buffer)."""
-    sv, dv = param_layout(cfg).views(src), param_layout(cfg, part).views(dst)
+    sv, dv = param_layout(shape).views(src), param_layout(shape, part).views(dst)
     for name, d in dv.items():
-        d[...] = held(cfg, name, sv[name], part).reshape(d.shape)
+        d[...] = held(shape, name, sv[name], part).reshape(d.shape)
     return dst
 
 
-def assemble(cfg, parts):
+def assemble(shape, parts: list) -> np.ndarray:
     """The whole model's parameters from (part, host params) pairs that cover it."""
-    if len(parts) == 1 and parts[0][0] == Part.whole(cfg):
+    if len(parts) == 1 and parts[0][0] == Part.whole(shape):
         return parts[0][1]  # one rank holds it all: no copy
-    full = np.zeros(param_layout(cfg).size, parts[0][1].dtype)
-    fv = param_layout(cfg).views(full)
+    full = np.zeros(param_layout(shape).size, parts[0][1].dtype)
+    fv = param_layout(shape).views(full)
     for part, params in parts:
-        for name, p in param_layout(cfg, part).views(params).items():
-            view = held(cfg, name, fv[name], part)
+        for name, p in param_layout(shape, part).views(params).items():
+            view = held(shape, name, fv[name], part)
             view[...] = p.reshape(view.shape)
     return full

@@ -1,12 +1,18 @@
 """AdamW state over a stage's flat parameter buffer (m, v in the same layout), the
 gradient's global norm and clipping, and llm.c's learning-rate schedule."""
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from .layout import replicated
+from .layout import Part, replicated
 from ..precision import is_narrow, wide
+from ..comm.base import Transport
+from .stage import Stage
 
 
 @dataclass
@@ -37,8 +43,9 @@ class AdamW:
     ZeRO-1) data groups. With hp.grad_clip the update reads the gradient scaled by
     grad_clip / norm when the norm is above grad_clip."""
 
-    def __init__(self, stages, hp, transport=None, slices=None):
-        self.hp, self.t, self.tr = hp, 0, transport
+    def __init__(self, stages: list[Stage], hp: AdamWConfig | None,
+                 transport: Transport | None = None, slices: list | None = None) -> None:
+        self.hp, self.t, self.transport = hp, 0, transport
         self.stages, self.slices = stages, slices or [None] * len(stages)
         # per stage {"m", "v"[, "summed": ZeRO-1's gradient slice][, "master": bf16's]}
         self.state = [{k: st.be.zeros(n, dt) for k, (n, dt) in
@@ -50,7 +57,8 @@ class AdamW:
         self.norm_sq = stages[0].be.zeros(1, np.float64)
 
     @staticmethod
-    def sizes(n_params, piece=None, dtype=np.float32):
+    def sizes(n_params: int, piece: tuple[int, int] | None = None,
+              dtype: DTypeLike = np.float32) -> dict[str, tuple[int, np.dtype]]:
         """{name: (elements, dtype)} of the state kept for a stage of n_params parameters of
         dtype: m and v in its wide type, with ZeRO-1 (piece: this replica's (a, b)) over
         that slice only, with the summed gradient slice the reduce-scatter fills; for a
@@ -63,17 +71,18 @@ class AdamW:
             out["master"] = (n, w)
         return out
 
-    def advance(self, lr=None):
+    def advance(self, lr: float | None = None) -> tuple:
         """Counts a step; returns its schedule (lr, 1 - beta1^t, 1 - beta2^t, t)."""
         self.t += 1
         hp = self.hp
         return (hp.lr if lr is None else lr, 1.0 - hp.beta1 ** self.t, 1.0 - hp.beta2 ** self.t,
                 self.t)
 
-    def step(self, lr=None, summed=True, keep=None):
+    def step(self, lr: float | None = None, summed: bool = True,
+             keep: Callable | None = None) -> bool:
         return self.apply(self.advance(lr), summed, keep)
 
-    def apply(self, sched, summed=True, keep=None):
+    def apply(self, sched: tuple, summed: bool = True, keep: Callable | None = None) -> bool:
         """The update with schedule sched (inside a CUDA graph capture the backend reads it
         from the device instead, where the runner uploads each step's before replay).
         summed: the gradients are the replicas' sums already. keep(norm), when given (an
@@ -94,7 +103,7 @@ class AdamW:
                             hp.eps, hp.weight_decay, self.norm_sq, hp.grad_clip,
                             state.get("master"), rounding_salt(st.part), a)
             if piece is not None:
-                self.tr.all_gather(params, st.params, "dp")
+                self.transport.all_gather(params, st.params, "dp")
         return True
 
     def _summed(self, st, piece, state, summed):
@@ -104,7 +113,7 @@ class AdamW:
             return st.grads
         if summed:
             return st.grads[piece[0]:piece[1]]
-        self.tr.reduce_scatter(st.grads, state["summed"], "dp")
+        self.transport.reduce_scatter(st.grads, state["summed"], "dp")
         return state["summed"]
 
     def _global_norm(self, grads):
@@ -116,15 +125,15 @@ class AdamW:
             for a, b in ranges:
                 st.be.sum_squares(acc, g[a - a0:b - a0], a)
         for axis in ("tp", "pp") + (("dp",) if self.slices[0] is not None else ()):
-            self.tr.all_reduce(acc, axis)
+            self.transport.all_reduce(acc, axis)
 
-    def grad_norm(self):
+    def grad_norm(self) -> float:
         """The last step's global gradient norm (before clipping), on the host."""
         return math.sqrt(float(self.stages[0].be.to_host(self.norm_sq)[0]))
 
     KEPT = ("m", "v", "master")  # what a checkpoint keeps (master: bf16 runs only)
 
-    def stage_state(self):
+    def stage_state(self) -> list[dict[str, np.ndarray]]:
         """Per stage, {name: host fp32 array over its whole flat buffer} of KEPT (ZeRO-1:
         the replicas' slices all-gathered; collective over the dp group)."""
         out = []
@@ -134,13 +143,13 @@ class AdamW:
                 x = state[k]
                 if piece is not None:
                     whole = st.be.zeros(st.params.size, x.dtype)
-                    self.tr.all_gather(x, whole, "dp")
+                    self.transport.all_gather(x, whole, "dp")
                     x = whole
                 kept[k] = np.array(st.be.to_host(x), np.float32)
             out.append(kept)
         return out
 
-    def load_stage_state(self, states):
+    def load_stage_state(self, states: list[dict]) -> None:
         """states: per stage, {name: host array over its whole flat buffer} of KEPT (without
         "master", a bf16 run's master weights are the stage's parameters as given); this
         rank keeps its slice."""
@@ -150,12 +159,12 @@ class AdamW:
                 if k in theirs:
                     st.be.upload(x, theirs[k][a:b])
 
-    def state_bytes(self):
+    def state_bytes(self) -> int:
         """Bytes of the state on this rank."""
         return sum(x.nbytes for state in self.state for x in state.values())
 
 
-def rounding_salt(part):
+def rounding_salt(part: Part) -> int:
     """Which noise a bf16 update's stochastic rounding draws on a stage: the tensor-parallel
     shard's. Not the layers': the embedding's and the head's copies of the tied wte (both at
     offset 0 of their stages' buffers) must round alike, as must replicas (ZeRO-1 slices
@@ -163,14 +172,14 @@ def rounding_salt(part):
     return part.shard
 
 
-def norm_ranges(st, piece=None):
+def norm_ranges(st: Stage, piece: tuple[int, int] | None = None) -> list[tuple[int, int]]:
     """[a, b) ranges of stage st's flat gradient buffer whose squares this rank adds to the
     global norm, so that over the grid each parameter counts once: the tied wte on the
     embedding's stage only (the head's copy holds the same sum), the tensors every
     tensor-parallel shard holds whole on shard 0 only, with ZeRO-1 this replica's slice
     piece only (without it each replica counts its whole, equal, gradient alone)."""
     lo, hi = piece or (0, st.layout.size)
-    skip = replicated(st.cfg, st.part) if st.part.shard else set()
+    skip = replicated(st.shape, st.part) if st.part.shard else set()
     out = []
     for name, shape, off in zip(st.layout.names, st.layout.shapes, st.layout.offsets):
         if (name == "wte" and not st.embed) or name in skip:
@@ -185,7 +194,8 @@ def norm_ranges(st, piece=None):
     return out
 
 
-def lr_at(step, lr, warmup, steps, final_frac, schedule="cosine"):
+def lr_at(step: int, lr: float, warmup: int, steps: int, final_frac: float,
+          schedule: str = "cosine") -> float:
     """llm.c's schedules at `step` of `steps`: cosine, linear (warm up linearly over `warmup`
     steps, then decay to lr * final_frac along a half cosine or a line), wsd (warm up, hold,
     then over the last 20% of the steps decay as 1 - sqrt of the way to lr * final_frac)

@@ -1,7 +1,10 @@
 """The model's shape: llm.c's GPT2Config and the presets (llm.c's descriptors: GPT-2 by
 depth, d6..d84, GPT-3 by channels, gpt3:c384..gpt3:c12288; and a tiny one that trains in
 seconds on a CPU)."""
+from __future__ import annotations
+
 from dataclasses import asdict, dataclass
+from types import ModuleType
 
 from .. import CupyGPTError
 from .layout import param_layout
@@ -26,14 +29,14 @@ class GPT2Config:
             raise CupyGPTError(f"model config: Vp={self.Vp} is smaller than V={self.V}")
 
     @property
-    def HS(self):
+    def HS(self) -> int:
         return self.C // self.NH
 
-    def num_parameters(self):
+    def num_parameters(self) -> int:
         return param_layout(self).size
 
 
-def padded_vocab(V, multiple=128):
+def padded_vocab(V: int, multiple: int = 128) -> int:
     return (V + multiple - 1) // multiple * multiple
 
 
@@ -53,20 +56,21 @@ PRESETS = {name: GPT2Config(maxT=T, V=GPT2_V, Vp=padded_vocab(GPT2_V), L=L, NH=N
            for name, (L, NH, C, T) in _SHAPES.items()}
 
 
-def preset(name):
+def preset(name: str) -> GPT2Config:
     if name not in PRESETS:
         raise CupyGPTError(f"not a model file and not one of llm.c's descriptors: "
                            f"{', '.join(PRESETS)}", "init", name)
     return PRESETS[name]
 
 
-def flops_per_token(cfg, T):
+def flops_per_token(shape: GPT2Config, T: int) -> int:
     """llm.c's estimate: 6N for the weights plus 6*L*C*T for attention."""
-    return 6 * cfg.num_parameters() + 6 * cfg.L * cfg.C * T
+    return 6 * shape.num_parameters() + 6 * shape.L * shape.C * T
 
 
-def mfu(be, cfg, T, dtype, tokens, seconds, devices=1):
+def mfu(be: ModuleType, shape: GPT2Config, T: int, dtype: str, tokens: int, seconds: float,
+        devices: int = 1) -> float | None:
     """The fraction of the devices' peak (the dtype's: TF32 or bf16) that tokens trained in
     seconds are; None where the backend knows no peak (the CPU)."""
     peak = be.peak_flops(dtype)
-    return flops_per_token(cfg, T) * tokens / seconds / (peak * devices) if peak else None
+    return flops_per_token(shape, T) * tokens / seconds / (peak * devices) if peak else None

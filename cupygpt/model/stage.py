@@ -5,26 +5,44 @@ The single process is the stage [0, L) with both, unsharded. The model calls onl
 backend interface, so NumPy and CUDA run the same code; it never knows whether it is
 pipelined. Tensor parallelism adds four sums over the shard's group per layer and pass (the
 row-parallel outputs forward, the column-parallel inputs' gradients backward), made through
-`comm` (a transport; with one shard they are no-ops), and the vocab-parallel embedding and
+`transport` (with one shard they are no-ops), and the vocab-parallel embedding and
 cross-entropy. Activations live in `slots` copies of one micro-batch's layout, so a
 pipeline stage keeps the micro-batches that are in flight.
+
+The LM head is the last stage's: logits = lnf wte^T a chunk of positions at a time
+(layout's LOGIT_CHUNK bounds a chunk), and the vocab-parallel softmax cross-entropy on each
+chunk. In training the head's backward runs in forward too, while a chunk's dlogits exist,
+so no (B, T, Vp) tensor is ever kept: what a stage keeps of the head is lnf, and after a
+training forward lnf's gradient in its place; backward starts from there.
+
+One module, a stage's forward and backward read in one place (llm.c's gpt2_forward and
+gpt2_backward, the head's included), so it runs past the size a file is otherwise held to.
 """
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..comm.local import Local
-from .head import lm_head
 from ..precision import dtype_name, wide
-from .layout import (RECOMPUTED, Part, activation_layout, copy_part, param_layout,
+from .layout import (RECOMPUTED, Layout, Mixed, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
+from ..comm.base import Transport
+from .shape import GPT2Config
 
 
 class Stage:
-    def __init__(self, cfg, be, *, batch, seq, part=None, slots=1, dtype=np.float32,
-                 comm=None, split=False, recompute=0):
-        """cfg: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
+    def __init__(self, shape: GPT2Config, be: ModuleType, *, batch: int, seq: int,
+                 part: Part | None = None, slots: int = 1, dtype: DTypeLike = np.float32,
+                 transport: Transport | None = None, split: bool = False,
+                 recompute: int = 0) -> None:
+        """shape: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
-        activations it keeps at once; comm: the transport of its tensor-parallel sums (None:
+        activations it keeps at once; transport: the one of its tensor-parallel sums (None:
         one shard); split: it keeps what a split backward's weight pass reads; recompute:
         llm.c's -r (layout.RECOMPUTED: what backward makes again instead of keeping)."""
         B, T = batch, seq
@@ -32,15 +50,15 @@ class Stage:
             raise CupyGPTError(f"the {be.name} backend supports "
                                f"{', '.join(dtype_name(d) for d in be.DTYPES)}", "dtype",
                                dtype_name(dtype))
-        part = part or Part.whole(cfg)
-        self.cfg, self.be, self.B, self.T = cfg, be, B, T
+        part = part or Part.whole(shape)
+        self.shape, self.be, self.B, self.T = shape, be, B, T
         self.dtype, self.wide = np.dtype(dtype), wide(dtype)
-        self.part, self.comm = part, comm or Local()
+        self.part, self.transport = part, transport or Local()
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
-        self.nl, self.NH = self.l1 - self.l0, cfg.NH // part.tp  # this shard's heads
-        self.v0, _, self.valid = part.vocab(cfg)
+        self.nl, self.NH = self.l1 - self.l0, shape.NH // part.tp  # this shard's heads
+        self.v0, _, self.valid = part.vocab(shape)
         self.recomputed = RECOMPUTED[recompute]
-        self.layout, alay, slay = self.layouts(cfg, B, T, part, split, recompute)
+        self.layout, alay, slay = self.layouts(shape, B, T, part, split, recompute)
         self.params = be.zeros(self.layout.size, dtype)
         self.grads = be.zeros(self.layout.size, dtype)
         self.p, self.g = self.layout.views(self.params), self.layout.views(self.grads)
@@ -52,64 +70,67 @@ class Stage:
         self.s = slay.views(*self.scratch_bufs)
         # attention output's gradient (C/tp wide) lives in dbt_c's memory: it is read once,
         # by attention_backward, before dbt_c is written
-        self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * cfg.C // part.tp].reshape(
-            B, T, cfg.C // part.tp)
+        self.s["datty"] = self.s["dbt_c"].reshape(-1)[:B * T * shape.C // part.tp].reshape(
+            B, T, shape.C // part.tp)
 
     @staticmethod
-    def layouts(cfg, B, T, part, split, recompute=0):
+    def layouts(shape: GPT2Config, B: int, T: int, part: Part, split: bool,
+                recompute: int = 0) -> tuple[Layout, Mixed, Mixed]:
         """(parameters, one slot's activations, scratch) of a stage holding part."""
-        return (param_layout(cfg, part),
-                activation_layout(cfg, B, T, part.l1 - part.l0, part.head, part.tp, split,
+        return (param_layout(shape, part),
+                activation_layout(shape, B, T, part.l1 - part.l0, part.head, part.tp, split,
                                   part.embed, recompute),
-                scratch_layout(cfg, B, T, part.tp, recompute,
-                               part.vocab(cfg)[1] if part.head else None))
+                scratch_layout(shape, B, T, part.tp, recompute,
+                               part.vocab(shape)[1] if part.head else None))
 
     @classmethod
-    def sizes(cls, cfg, *, batch, seq, part, slots, split, recompute=0, dtype=np.float32):
+    def sizes(cls, shape: GPT2Config, *, batch: int, seq: int, part: Part, slots: int, split: bool,
+              recompute: int = 0, dtype: DTypeLike = np.float32) -> dict[str, int]:
         """Bytes of each kind of buffer a stage allocates (the constructor allocates these;
         the memory estimate reads them before anything is allocated)."""
-        params, acts, scratch = cls.layouts(cfg, batch, seq, part, split, recompute)
+        params, acts, scratch = cls.layouts(shape, batch, seq, part, split, recompute)
         n, w = np.dtype(dtype).itemsize, wide(dtype).itemsize
         return {"params": params.size * n, "grads": params.size * n,
                 "activations": (acts.narrow.size * n + acts.wide.size * w) * slots,
                 "scratch": scratch.narrow.size * n + scratch.wide.size * w}
 
-    def tp_sum(self, arr):
+    def tp_sum(self, arr) -> None:
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
-        self.comm.all_reduce(arr, "tp")
+        self.transport.all_reduce(arr, "tp")
 
-    def load(self, full_params):
+    def load(self, full_params: np.ndarray) -> None:
         """This stage's part of a whole model's host parameters (array or memmap), in one
         upload; the whole model goes straight from the file into the flat buffer."""
-        if self.part == Part.whole(self.cfg):
+        if self.part == Part.whole(self.shape):
             host = full_params
         else:
             host = copy_part(np.empty(self.layout.size, full_params.dtype), self.part,
-                             full_params, self.cfg)
+                             full_params, self.shape)
         self.be.upload(self.params, host)
 
-    def export(self):
+    def export(self) -> np.ndarray:
         """This stage's parameters, on the host (the buffer itself on the CPU when fp32:
         a copy of a d12 is half a GiB at the run's end)."""
         return self.be.to_host(self.params).astype(np.float32, copy=False)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         self.grads.fill(0)
 
-    def input(self, slot=0):
+    def input(self, slot: int = 0):
         """The stage input: written by the embedding, or by the previous stage."""
         return self.acts[slot]["encoded"]
 
-    def output(self, slot=0):
+    def output(self, slot: int = 0):
         return self.acts[slot]["residual3"][self.nl - 1]
 
     def grad_io(self):
         """The residual-stream gradient: arrives here from the next stage, leaves from here."""
         return self.s["dresidual"]
 
-    def forward(self, slot=0, tokens=None, targets=None, dloss=None, on_logits=None):
+    def forward(self, slot: int = 0, tokens=None, targets=None, dloss: float | None = None,
+                on_logits: Callable | None = None) -> None:
         """tokens (B,T) on the device when embed; targets when head. With dloss the head
-        also runs its own backward (head.lm_head) and leaves lnf's gradient in place of lnf.
+        also runs its own backward (_lm_head) and leaves lnf's gradient in place of lnf.
         on_logits(first, logits): the head's logits of positions [first, first + n) of
         the micro-batch (flattened (B*T, vocab rows)), a chunk at a time."""
         be, a, NH = self.be, self.acts[slot], self.NH
@@ -123,9 +144,9 @@ class Stage:
             be.attention_forward(out, a["att_lse"][l], a["qkv"][l], NH)
         x = self._blocks(whole, attend, a["encoded"])
         if self.head:
-            self._head(whole, x)
-            lm_head(self, a["lnf"].reshape(-1, self.cfg.C), a["losses"].reshape(-1),
-                    None if targets is None else targets.reshape(-1), dloss, on_logits)
+            self._final_layernorm(whole, x)
+            self._lm_head(a["lnf"].reshape(-1, self.shape.C), a["losses"].reshape(-1),
+                          None if targets is None else targets.reshape(-1), dloss, on_logits)
 
     def _embed(self, out, tokens, wpe):
         """Vocab-parallel: each shard writes the rows of the tokens it holds (zeros for the
@@ -135,7 +156,7 @@ class Stage:
                                 self.v0)
         self.tp_sum(out)
 
-    def decode(self, slot, t, tokens=None, on_logits=None):
+    def decode(self, slot: int, t: int, tokens=None, on_logits: Callable | None = None) -> None:
         """Generation's forward of one position: row 0 at position t only. Every earlier
         position's q, k, v are still in this slot's qkv activations from the passes before
         (the KV cache), so each layer computes one row and attends over t + 1 keys. tokens
@@ -151,8 +172,8 @@ class Stage:
             self._embed(row("encoded"), tokens, self.p["wpe"][t:])
         x = self._blocks(row, attend, row("encoded"))
         if self.head:
-            self._head(row, x)
-            lm_head(self, row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
+            self._final_layernorm(row, x)
+            self._lm_head(row("lnf").reshape(1, -1), None, None, None, on_logits, first=t)
 
     RECOMPUTE_INTO = {"fch_gelu": "gelu_re", "ln1": "ln_re", "ln2": "ln_re"}
 
@@ -221,13 +242,49 @@ class Stage:
                                       act(name + "_rstd", k), w, b)
         return res
 
-    def _head(self, act, x):
+    def _final_layernorm(self, act, x):
         """The final layernorm, where no residual add ran it (a stage of no layers)."""
         if not self.nl:
             self.be.layernorm_forward(act("lnf"), act("lnf_mean"), act("lnf_rstd"), x,
                                       self.p["lnfw"], self.p["lnfb"])
 
-    def backward(self, slot=0, tokens=None, layer_done=None):
+    def _lm_head(self, lnf, losses, targets, dloss, on_logits, first=0):
+        """The head over lnf's positions (N, C), a chunk of the scratch's logit rows at a
+        time: with targets the losses (dlogits in place of the logits with dloss); with
+        dloss also wte's gradient += dlogits^T lnf, then lnf's rows := dlogits wte (a
+        partial sum over the vocab shards: backward sums it over the group). In bf16 each
+        chunk's addition to wte's gradient is rounded, as each micro-batch's is.
+        on_logits(first + r0, logits): chunk r0's logits, as the GEMM made them."""
+        if targets is None and on_logits is None:
+            return  # nobody reads them
+        be, p, N = self.be, self.p, lnf.shape[0]
+        R, Vr = self.s["logits"].shape
+        for r0 in range(0, N, R):
+            n, rows = min(R, N - r0), slice(r0, r0 + R)
+            logits = self.s["logits"].reshape(-1)[:n * Vr].reshape(n, Vr)
+            be.matmul_forward(logits, lnf[rows], p["wte"])
+            if on_logits is not None:
+                on_logits(first + r0, logits)
+            if targets is None:
+                continue
+            self._cross_entropy(logits, losses[rows], targets[rows], dloss)
+            if dloss is not None:
+                be.matmul_backward_weight(self.g["wte"], None, logits, lnf[rows])
+                be.matmul_backward_input(lnf[rows], logits, p["wte"])
+
+    def _cross_entropy(self, logits, losses, targets, dloss):
+        """Vocab-parallel softmax cross-entropy of one chunk: each shard's (max, sum of
+        exponentials, target logit) per position are gathered, every shard combines them in
+        shard order, and the logits are never gathered. With one shard, one fused op."""
+        be, tp, shard = self.be, self.part.tp, self.part.shard
+        if tp == 1:
+            return be.cross_entropy(logits, losses, targets, self.valid, dloss)
+        stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
+        be.classifier_stats(stats[shard], logits, targets, self.v0, self.valid)
+        self.transport.all_gather(stats[shard], stats, "tp")
+        be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
+
+    def backward(self, slot: int = 0, tokens=None, layer_done: Callable | None = None) -> None:
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the
         gradient of output(slot). Leaves the gradient of input(slot) in grad_io(). The
         input gradients of the column-parallel products (the head's, qkv's, fc's) are
@@ -235,13 +292,14 @@ class Stage:
         layer_done(l), when given, is called as soon as layer l's gradients are added."""
         self._backward(slot, layer_done, weights=True, tokens=tokens)
 
-    def backward_input(self, slot=0):
+    def backward_input(self, slot: int = 0) -> None:
         """Zero-bubble's B: backward's input gradient (grad_io() as backward leaves it) and
         the layernorms' gradients; the matmuls' output gradients are kept in the slot
         (a split stage's activations) for backward_weight."""
         self._backward(slot, None, weights=False)
 
-    def backward_weight(self, slot=0, tokens=None, layer_done=None):
+    def backward_weight(self, slot: int = 0, tokens=None,
+                        layer_done: Callable | None = None) -> None:
         """Zero-bubble's W: the matmuls' (and the embedding's) weight gradients of a slot
         whose backward_input ran, in backward's order, so B then W adds exactly what the
         fused backward adds."""
@@ -280,7 +338,7 @@ class Stage:
             if not weights:
                 (a[keep] if l is None else a[keep][l])[...] = dout
             return dout
-        if self.head:  # the head's products ran in forward (head.lm_head): lnf is its gradient
+        if self.head:  # the head's products ran in forward (_lm_head): lnf is its gradient
             dres.fill(0)
             self.tp_sum(a["lnf"])
             be.layernorm_backward(dres, g["lnfw"], g["lnfb"], a["lnf"], self.output(slot),

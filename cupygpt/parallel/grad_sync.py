@@ -1,7 +1,13 @@
 """The step's gradient sums, after (or during) its last backward: GPT-2's tied wte (the
 embedding's and the head's ends) and the data-parallel replicas' sum, overlapped with the
 backward or not, handed to ZeRO-1's reduce-scatter or not."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
 from ..model.layout import PARAM_NAMES, WHOLE
+from ..comm.base import Transport
+from ..model.stage import Stage
 
 
 class GradSync:
@@ -11,7 +17,8 @@ class GradSync:
     last backward (with ZeRO-1 each replica then updates its slice of the sums instead of
     reduce-scattering after the backward: twice the bytes, hidden behind the backward)."""
 
-    def __init__(self, stages, transport, *, tied_peer, dp, zero, overlap):
+    def __init__(self, stages: list[Stage], transport: Transport, *, tied_peer: int | None, dp: int,
+                 zero: bool, overlap: bool) -> None:
         self.stages, self.transport, self.tied_peer = stages, transport, tied_peer
         self.zero, self.dp = zero, dp
         self.overlap = overlap and dp > 1
@@ -20,7 +27,7 @@ class GradSync:
         self.embed = next((st for st in stages if st.embed), None)
         self.head = next((st for st in stages if st.head), None)
 
-    def layer_hook(self, stage, last_backward):
+    def layer_hook(self, stage: Stage, last_backward: bool) -> Callable | None:
         """What a backward calls as each layer's gradients become final: in the chunk's last
         backward with overlap, the start of that layer's sum; else nothing (None)."""
         if not (self.overlap and last_backward):
@@ -36,7 +43,7 @@ class GradSync:
         self.in_flight.append(self.transport.start_all_reduce(
             [st.g[n][l] for n in PARAM_NAMES if n in st.g and n not in WHOLE], "dp"))
 
-    def finish(self):
+    def finish(self) -> None:
         """After the step's last backward: the embedding's and the head's wte gradients are
         summed (through the transport when they are on two ranks); then the replicas'
         (with ZeRO-1 and no overlap, the optimizer reduce-scatters them instead)."""
@@ -58,7 +65,7 @@ class GradSync:
             for st in self.stages:
                 self.transport.all_reduce(st.grads, "dp")
 
-    def summed_grads(self, st):
+    def summed_grads(self, st: Stage) -> dict:
         """Stage st's gradient views, summed over the replicas (a copy when ZeRO-1 left the
         sum to the optimizer); collective over the dp group."""
         if self.summed:

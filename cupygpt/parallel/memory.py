@@ -1,16 +1,27 @@
 """What a rank's runner will allocate, from the allocators' own sizes (Stage.sizes,
 AdamW.sizes), and the check against the memory there is, made before anything is
 allocated. The run table shows the same figures."""
+from __future__ import annotations
+
+from types import ModuleType
+
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..model.stage import Stage
 from ..model.optim import AdamW
+from ..comm.base import Transport
+from ..model.shape import GPT2Config
+from .mesh import Mesh
+from .pipeline.plan import StepPlan
 
 GiB = 2 ** 30
 
 
-def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=0):
+def memory_plan(shape: GPT2Config, plan: StepPlan, be: ModuleType, dtype: DTypeLike,
+                with_adamw: bool, zero_slices: list | None = None,
+                recompute: int = 0) -> dict[str, int]:
     """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
     params, grads, activations (every slot), scratch, optimizer; and workspace, the
     backend's kept temporaries (shared by the stages: the largest one's)."""
@@ -30,12 +41,14 @@ def memory_plan(shape, plan, be, dtype, with_adamw, zero_slices=None, recompute=
     return out
 
 
-def check_memory(memory, be, tr, mesh, fix=None):
+def check_memory(memory: dict[str, int], be: ModuleType, transport: Transport, mesh: Mesh,
+                 fix: str | None = None) -> None:
     """Collective. Refuses, on every rank alike, when the ranks sharing a memory (a GPU, or
     the host's RAM for the CPU) need more than it has free: one line with both figures and
     what to lower (fix: what the command can lower; default: a training step's)."""
     need = sum(memory.values())
-    every = tr.bcast(tr.gather((be.memory_domain(), be.device_memory(), need, mesh.rank)))
+    every = transport.bcast(transport.gather((be.memory_domain(), be.device_memory(), need,
+                                              mesh.rank)))
     totals = {}
     for domain, free, n, rank in every:
         total, _, ranks = totals.get(domain, (0, free, []))

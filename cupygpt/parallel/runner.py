@@ -1,24 +1,36 @@
-"""The runner: one rank's part of every step, behind a small facade that train, verify,
-sample, bench and checkpoint use (step, gradients, eval_loss, next_token, state_dict,
-load_state_dict) and nothing deeper.
+"""The runner: one rank's part of every step, the facade the commands use (step, eval_loss,
+next_token, state_dict, load_state_dict, ...) and nothing deeper.
 
-It puts together the pieces, each in its own file: the step plan (plan.py: what this rank
-holds and does, pure data), the memory it needs (memory.py, from the allocators' own
-sizes, checked before anything is allocated), the stages (model.py), the action executor
-(executor.py), the gradient sums (parallel/grad_sync.py) and AdamW (optim.py). Whether a
-step is a replayed CUDA graph or eager is decided here, once. The single process is the
-pipeline of one stage (no sends, no receives): one code path for every world size.
+One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ranks):
+
+  parallel/runner.py             Runner.step: per batch feed, forward_backward and
+                                 sync_gradients (gradients), then update; eager, or from the
+                                 second step the four replayed as one CUDA graph
+  parallel/pipeline/executor.py  feed: this replica's rows to the device; run: the
+                                 schedule's actions (plan.train, made once by plan.py and
+                                 schedule.py) in order; close: its closing STEP action
+  model/stage.py                 Stage.forward: embedding, blocks, the head (logits, loss and
+                                 dlogits a chunk at a time); Stage.backward: blocks,
+                                 embedding (or backward_input then backward_weight)
+  backends/numpy_backend.py      the ops Stage calls (cuda_backend.py the same on a GPU)
+  comm/base.py                   the transport's sends, receives and group sums (the
+                                 pipeline's hand-offs, the tensor-parallel sums)
+  parallel/grad_sync.py          sync_gradients: the tied wte's two ends, the replicas' sum
+                                 (started layer by layer in the backward when overlapped)
+  model/optim.py                 update: the global gradient norm, clipping, AdamW
+
+The single process is the pipeline of one stage: one code path for every world size.
 """
+from collections.abc import Callable
 from types import ModuleType
-from typing import Optional, Sequence
 
 import numpy as np
 
 from .. import CupyGPTError
 from ..comm.base import Transport, chunks
-from ..model.layout import assemble, copy_part, param_layout
+from ..model.layout import Part, assemble, copy_part, param_layout
 from ..model.stage import Stage
-from ..model.optim import AdamW, AdamWConfig
+from ..model.optim import AdamW
 from ..model.shape import GPT2Config
 from .mesh import Mesh
 from .grad_sync import GradSync
@@ -26,142 +38,149 @@ from .pipeline import trace
 from .pipeline.executor import Executor, Pass
 from .memory import check_memory, memory_plan
 from .pipeline.plan import plan_step
+from .settings import StepSettings
 
 
 class Runner:
-    def __init__(self, *, shape: GPT2Config, backend: ModuleType, transport: Transport,
-                 mesh: Mesh, batch: int, seq: int, micro_batches: int = 1,
-                 schedule: str = "1f1b", virtual: Optional[int] = None,
-                 counts: Optional[Sequence[int]] = None, dtype=np.float32,
-                 adamw: Optional[AdamWConfig] = None, graphs: bool = False,
-                 zero: bool = False, overlap: bool = True, recompute: int = 0,
-                 attention: Optional[str] = None):
-        """batch: the step's rows over every replica (each computes batch / dp of them, in
-        micro_batches); counts: layers per model chunk (plan_split's, already checked; None:
-        balanced); virtual: model chunks per rank (None: the schedule's); adamw: an
-        AdamWConfig (None: no optimizer); zero: AdamW's state sharded across the replicas
-        (ZeRO-1); overlap: the replicas' gradient sum during the last backward; graphs: a
-        step as a CUDA graph where the backend and transport allow it; recompute: llm.c's
-        -r (what backward makes again instead of keeping: layout.RECOMPUTED); attention:
-        the backend attention the run takes (use_attention's kind; None: as it is), told
-        before the memory plan whether the run trains and replays a captured step."""
-        self.shape, self.be, self.transport, self.mesh = shape, backend, transport, mesh
-        self.dtype = np.dtype(dtype)
-        self.plan = plan = plan_step(shape, mesh, batch=batch, seq=seq,
-                                     micro_batches=micro_batches, schedule=schedule,
-                                     virtual=virtual, counts=counts)
+    def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport, mesh: Mesh,
+                 settings: StepSettings) -> None:
+        """settings: what every step is (settings.py); its attention is told the backend
+        before the memory plan, with whether the run trains and replays a captured step."""
+        self.shape, self.be, self.transport, self.mesh = shape, be, transport, mesh
+        self.settings = s = settings
+        self.plan = plan = plan_step(shape, mesh, batch=s.batch, seq=s.seq,
+                                     micro_batches=s.micro_batches, schedule=s.schedule,
+                                     virtual=s.virtual, counts=s.counts)
         zero_slices = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
-                      for pt in plan.parts] if zero else None
+                      for pt in plan.parts] if s.zero else None
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
-        self.graphs = graphs and backend.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not (overlap and mesh.dp > 1)))
-        if attention is not None:
-            backend.use_attention(attention, backward=adamw is not None, replay=self.graphs)
-        self.memory = memory_plan(shape, plan, backend, dtype, adamw is not None, zero_slices,
-                                  recompute)
-        check_memory(self.memory, backend, transport, mesh)
-        self.stages = [Stage(shape, backend, batch=plan.mb_rows, seq=seq, part=pt, slots=n,
-                             dtype=dtype, comm=transport, split=plan.split_backward,
-                             recompute=recompute)
+        self.graphs = s.graphable and be.supports_graphs and (
+            mesh.size == 1 or (transport.graphable and not (s.overlap and mesh.dp > 1)))
+        if s.attention is not None:
+            be.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
+        self.memory = memory_plan(shape, plan, be, s.dtype, s.adamw is not None,
+                                  zero_slices, s.recompute)
+        check_memory(self.memory, be, transport, mesh)
+        self.stages = [Stage(shape, be, batch=plan.mb_rows, seq=s.seq, part=pt, slots=n,
+                             dtype=s.dtype, transport=transport, split=plan.split_backward,
+                             recompute=s.recompute)
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
-                             zero=zero, overlap=overlap)
-        self.opt = AdamW(self.stages, adamw, transport, zero_slices) if adamw else None
-        self.exec = Executor(plan, self.stages, backend, transport, self.sync)
+                             zero=s.zero, overlap=s.overlap)
+        self.opt = AdamW(self.stages, s.adamw, transport, zero_slices) if s.adamw else None
+        self.exec = Executor(plan, self.stages, be, transport, self.sync)
+        self.exec.trace = [] if s.trace else None
         self.graph, self.steps_done = None, 0
-        io = (plan.mb_rows, seq, shape.C)
+        io = (plan.mb_rows, s.seq, shape.C)
         # the same shapes on every rank (NVSHMEM allocates symmetrically): the largest wte
         # shard's rows for the tied sum
-        transport.prepare({"act": (io, 2, dtype), "grad": (io, 2, dtype),
-                           "tied": ((-(-shape.Vp // mesh.tp), shape.C), 1, dtype)})
+        transport.prepare({"act": (io, 2, s.dtype), "grad": (io, 2, s.dtype),
+                           "tied": ((-(-shape.Vp // mesh.tp), shape.C), 1, s.dtype)})
 
     # --- training ----------------------------------------------------------------------
 
-    def step(self, x, y, lr=None, keep=None):
-        """One training step on the host batch x, y (B, T); returns the mean loss on every
-        rank. keep(loss, norm), when given, decides whether the update happens (outlier
-        skipping; the step is eager) and must answer alike on every rank."""
-        loss = self.launch(x, y, lr, keep)
-        if loss is None:
-            self.transport.finish_sends()
-            loss = self._mean_loss()
+    def step(self, x: np.ndarray, y: np.ndarray, lr: float | None = None,
+             keep: Callable | None = None, wait: bool = True) -> float | None:
+        """One training step on the host batch x, y (B, T; several batches: see gradients);
+        returns the mean loss on every rank (wait=False: None for a replayed CUDA graph,
+        not waiting for the device). keep(loss, norm), when given, decides whether the
+        update happens (outlier skipping; an eager step), alike on every rank."""
+        self.steps_done += 1
+        if self.graphs and self.steps_done > 1 and len(x) == self.plan.batch and not keep:
+            return self._replay(x, y, lr, wait)
+        loss = self.gradients(x, y)
+        self.update(lr, keep and (lambda norm: keep(loss, norm)))
         return loss
 
-    def launch(self, x, y, lr=None, keep=None):
-        """One training step, returning once launched: an eager step's mean loss, or None
-        for a replayed CUDA graph (captured on the second step: the first allocates the
-        workspaces), which does not wait for the device. x, y may hold several batches
-        (gradient accumulation: see gradients); such a step is eager, as one with keep."""
-        self.steps_done += 1
-        if not self.graphs or self.steps_done == 1 or len(x) > self.plan.batch or keep:
-            loss = self.gradients(x, y)
-            self.optimizer_step(lr, keep and (lambda norm: keep(loss, norm)))
-            return loss
-        self.exec.feed(x, y)
-        sched = self.opt.advance(lr)
-        self.be.adamw_schedule(sched)
-        if self.graph is None:
-            self.graph = self.be.capture(lambda: self._graph_body(sched))
-        self.be.replay(self.graph)
-        return None
-
-    def _graph_body(self, sched):
-        self.zero_grad()
-        self.exec.run(self.plan.train, self._train_pass())
-        self.opt.apply(sched, self.sync.summed)
-
-    def _train_pass(self, micro_steps=1, last=True):
-        """A training pass of one of micro_steps batches; only the last sums the gradients."""
-        return Pass(dloss=1.0 / (micro_steps * self.plan.batch * self.plan.seq), targets=True,
-                    sync=last)
-
-    def gradients(self, x, y):
-        """Forward and backward over the batch (gradients summed, the tied wte synced);
-        returns the mean loss on every rank. x, y (n B, T): n batches of the plan's B rows,
-        each a pass adding into the gradients (llm.c's gradient accumulation), the
-        replicas' sum and the tied sum after the last."""
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Forward and backward over x, y (n B, T): n batches of the plan's B rows, each a
+        pass adding into the gradients (llm.c's gradient accumulation), synced after the
+        last; returns the mean loss on every rank."""
         n, rows = len(x) // self.plan.batch, self.plan.batch
         if n < 1 or len(x) % rows:
             raise CupyGPTError(f"a step takes whole batches of {rows} rows, not {len(x)}")
         self.zero_grad()
-        return sum(self._pass(self.plan.train, x[i * rows:(i + 1) * rows],
-                              y[i * rows:(i + 1) * rows], self._train_pass(n, i == n - 1))
-                   for i in range(n)) / n
+        total = 0.0
+        for i in range(n):
+            self.exec.feed(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
+            self.forward_backward(n, last=i == n - 1)
+            self.sync_gradients(last=i == n - 1)
+            total += self.loss()
+        return total / n
 
-    def optimizer_step(self, lr=None, keep=None):
-        """AdamW after gradients(): with ZeRO-1 it reduce-scatters the gradients first,
-        unless the overlapped sum did. keep: as AdamW.apply's."""
+    def forward_backward(self, micro_steps: int = 1, last: bool = True) -> None:
+        """The schedule's forwards, backwards and transfers over the fed batch, one of
+        micro_steps (scaled to the step's mean); the last pass's last backwards start the
+        replicas' sums when they overlap."""
+        self.exec.run(self.plan.train, Pass(
+            dloss=1.0 / (micro_steps * self.plan.batch * self.plan.seq), targets=True,
+            sync=last))
+
+    def sync_gradients(self, last: bool = True) -> None:
+        """The schedule's closing STEP action: after a step's last pass, the gradient sums
+        (the tied wte's, the replicas'; ZeRO-1 without overlap: the update's)."""
+        self.exec.close(self.sync.finish if last else None)
+
+    def update(self, lr: float | None = None, keep: Callable | None = None) -> bool:
+        """AdamW on the synced gradients (model/optim.py). keep: as AdamW.apply's."""
         return self.opt.step(lr, self.sync.summed, keep)
 
-    def recompute_saves(self):
-        """Bytes of activations and scratch this rank keeps fewer than it would without
-        recomputation (-r)."""
-        kept = memory_plan(self.shape, self.plan, self.be, self.dtype, False)
+    def _replay(self, x, y, lr, wait):
+        """The step as a CUDA graph captured on the second (the first allocated the
+        workspaces), its batch and AdamW's lr and bias corrections uploaded first."""
+        self.exec.feed(x, y)
+        sched = self.opt.advance(lr)
+        self.be.adamw_schedule(sched)
+        if self.graph is None:
+            self.graph = self.be.capture(lambda: self._captured_step(sched))
+        self.be.replay(self.graph)
+        return self.loss() if wait else None
+
+    def _captured_step(self, sched):
+        self.zero_grad()
+        self.forward_backward()
+        self.sync_gradients()
+        self.opt.apply(sched, self.sync.summed)
+
+    def loss(self) -> float:
+        """The last pass's mean loss on every rank, once its sends are taken: the replicas'
+        loss sums added on the head's ranks."""
+        self.transport.finish_sends()
+        total = 0.0
+        if self.head is not None:
+            self.transport.all_reduce(self.exec.loss_acc, "dp")
+            total = float(self.be.to_host(self.exec.loss_acc)[0])
+        return self.transport.bcast(total / (self.plan.batch * self.plan.seq),
+                                    root=self.plan.loss_rank)
+
+    def recompute_saves(self) -> int:
+        """Bytes of activations and scratch this rank keeps fewer for recomputing (-r)."""
+        kept = memory_plan(self.shape, self.plan, self.be, self.settings.dtype, False)
         return sum(kept[k] - self.memory[k] for k in ("activations", "scratch"))
 
-    def grad_norm(self):
+    def grad_norm(self) -> float:
         """The last step's global gradient norm, before clipping (the same on every rank)."""
         return self.opt.grad_norm()
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         for st in self.stages:
             st.zero_grad()
 
     @property
-    def overlap(self):
+    def overlap(self) -> bool:
         """Whether the replicas' gradient sum overlaps the backward."""
         return self.sync.overlap
 
-    def set_overlap(self, on):
+    def set_overlap(self, on: bool) -> None:
         """Whether the replicas' sum overlaps the backward (bench times both)."""
         self.sync.overlap = on and self.mesh.dp > 1
 
     # --- forward only ------------------------------------------------------------------
 
-    def eval_loss(self, x, y, on_logits=None):
+    def eval_loss(self, x: np.ndarray, y: np.ndarray, on_logits: Callable | None = None) -> float:
         """The mean loss of x, y on every rank. on_logits(rows, v0, logits): this rank's
         rows of the batch (a slice), its first vocabulary column and those logits (host,
         (rows, T, its real vocabulary columns)), per micro-batch, on the head's ranks."""
@@ -177,7 +196,7 @@ class Runner:
         return self._pass(self.plan.evaluate, x, y,
                           Pass(targets=True, on_logits=grab if on_logits else None))
 
-    def position_losses(self, x, y):
+    def position_losses(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Collective: the loss at every position of x, y (host, (B, T)) as float64 host
         (B, T), the same on every rank: each replica's head (its first tensor-parallel
         shard: the others hold the same losses) sends its rows to rank 0, which shares
@@ -197,7 +216,7 @@ class Runner:
                 out[r] = losses
         return self.transport.bcast(out, root=0)
 
-    def next_token(self, tokens, t, choose, cached=True):
+    def next_token(self, tokens: np.ndarray, t: int, choose: Callable, cached: bool = True) -> int:
         """Generation: runs row 0 of tokens (host, (rows, T)) up to position t, and returns
         choose(the logits at t over the whole vocabulary), the same on every rank. cached:
         position t alone through every stage, on the activations the passes before left
@@ -210,6 +229,7 @@ class Runner:
                     np.float32)
         self.exec.feed(tokens, None)
         self.exec.run(self.plan.first, Pass(on_logits=grab, decode=t if cached else None))
+        self.exec.close()
         self.transport.finish_sends()
         # chosen on rank 0, whose RNG a checkpoint keeps: the head's row (each
         # tensor-parallel shard's slice of the vocabulary; replicas send the same) goes there
@@ -223,21 +243,12 @@ class Runner:
     def _pass(self, actions, x, y, ps):
         self.exec.feed(x, y)
         self.exec.run(actions, ps)
-        self.transport.finish_sends()
-        return self._mean_loss()
-
-    def _mean_loss(self):
-        """The replicas' loss sums added, on the head's ranks, as a mean on every rank."""
-        total = 0.0
-        if self.head is not None:
-            self.transport.all_reduce(self.exec.loss_acc, "dp")
-            total = float(self.be.to_host(self.exec.loss_acc)[0])
-        return self.transport.bcast(total / (self.plan.batch * self.plan.seq),
-                             root=self.plan.loss_rank)
+        self.exec.close()
+        return self.loss()
 
     # --- state -------------------------------------------------------------------------
 
-    def state_dict(self, optimizer=True):
+    def state_dict(self, optimizer: bool = True) -> dict | None:
         """Collective: {"params"} and, when there is an optimizer and it is asked for,
         AdamW's "m", "v" (and a bf16 run's fp32 "master" weights) and "adam_t": whole-model
         host arrays on rank 0 (None elsewhere)."""
@@ -252,7 +263,9 @@ class Runner:
         out = dict(zip(names, whole))
         return {**out, "adam_t": self.opt.t} if optimizer else out
 
-    def load_state_dict(self, params, m=None, v=None, adam_t=None, master=None):
+    def load_state_dict(self, params: np.ndarray, m: np.ndarray | None = None,
+                        v: np.ndarray | None = None, adam_t: int | None = None,
+                        master: np.ndarray | None = None) -> None:
         """params (and AdamW's m, v, a bf16 run's master weights): the whole model's host
         arrays; this rank takes its parts. adam_t: AdamW's step count. A bf16 run given no
         master takes params, unrounded, as its master weights."""
@@ -282,28 +295,24 @@ class Runner:
             return [None] * len(host)
         return [assemble(self.shape, [(pt, h[i]) for pt, h in parts]) for i in range(len(host))]
 
-    def grads_by_part(self):
-        """Collective over the replicas: per stage, (its Part, {name: host gradient summed
-        over the replicas})."""
+    def grads_by_part(self) -> list[tuple[Part, dict[str, np.ndarray]]]:
+        """Collective: per stage, (its Part, {name: host gradient summed over replicas})."""
         return [(st.part, {n: self.be.to_host(g) for n, g in self.sync.summed_grads(st).items()})
                 for st in self.stages]
 
-    def params_finite(self):
+    def params_finite(self) -> bool:
         return all(self.be.all_finite(st.params) for st in self.stages)
 
     # --- what the run table and --trace show ----------------------------------------------
 
-    def layers(self):
+    def layers(self) -> str:
         """This rank's model chunks, e.g. "0..2 +embedding and 9..11 +head"."""
         return " and ".join(f"{st.l0}..{st.l1 - 1}{' +embedding' if st.embed else ''}"
                             f"{' +head' if st.head else ''}" for st in self.stages)
 
-    def start_trace(self):
-        """Records every action's start and end from now on (the first TRACE_MAX)."""
-        self.exec.trace = []
-
-    def write_trace(self, path):
-        """Collective: rank 0 writes every rank's recorded actions; recording stops."""
+    def write_trace(self, path: str) -> None:
+        """Collective: rank 0 writes every rank's actions recorded since the first
+        (settings.trace); recording stops."""
         trace.write(path, self.exec.trace, self.be, self.transport, self.mesh,
                     {"schedule": self.plan.schedule, "stages": self.mesh.pp,
                      "micro_batches": self.plan.micro_batches,

@@ -31,7 +31,7 @@ def identity(run):
     """What a resume must match: the model's shape, the step's batch and the dtype (the grid,
     split and micro-batches may differ: the checkpoint holds whole tensors)."""
     return {"config": run.shape.__dict__, "B": run.plan.batch, "T": run.plan.seq,
-            "dtype": dtype_name(run.dtype)}
+            "dtype": dtype_name(run.settings.dtype)}
 
 
 def save(run, tr, out, step, state, keep=2, major=0):
@@ -51,7 +51,7 @@ def save(run, tr, out, step, state, keep=2, major=0):
             os.makedirs(tmp)
             # a bf16 run's weights as they are (version 5), its fp32 master weights beside m, v
             write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"],
-                        bf16=is_narrow(run.dtype))
+                        bf16=is_narrow(run.settings.dtype))
             with atomic_write(os.path.join(tmp, STATE)) as f:
                 np.savez(f, **{k: whole[k] for k in ("m", "v", "master") if k in whole},
                          meta=np.array(json.dumps(meta)))

@@ -13,7 +13,6 @@ import numpy as np
 
 from ..formats.hellaswag import COMPLETIONS
 from ..formats.llmc import check_finite, read_model
-from ..precision import DTYPES
 
 
 
@@ -59,7 +58,7 @@ def eval_command(sess):
     c = sess.config
     shape, params = read_model(c.model, mmap=True)
     check_finite(c.model, params)
-    run = sess.runner(shape, params, batch=c.batch, seq=c.seq, dtype=DTYPES[c.dtype])
+    run = sess.runner(shape, params, sess.step_settings(batch=c.batch, seq=c.seq))
     t0 = time.perf_counter()
     acc, losses = evaluate(run, c.examples, c.batch, c.seq)
     return {"model": c.model, "hellaswag": c.hellaswag, "examples": len(c.examples),

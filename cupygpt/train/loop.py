@@ -21,7 +21,7 @@ from ..log import open_log
 from ..model.optim import AdamWConfig, lr_at
 from .outlier import UpdateGate
 from ..parallel.pipeline.plan import stage_shares
-from ..precision import DTYPES, is_narrow
+from ..precision import is_narrow
 from .sample import generate
 from ..session import load_model
 from ..formats.tokenizer import Tokenizer
@@ -56,10 +56,16 @@ def train(sess):
     """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
     opts, t = sess.config, None
+    # -sl/-sg: the update waits on the step's loss and norm (an eager step)
+    settings = sess.step_settings(
+        batch=opts.batch, seq=opts.seq, recompute=opts.recompute,
+        adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay, grad_clip=opts.grad_clip),
+        graphs=opts.graphs, trace=bool(opts.trace), micro_steps=opts.micro_steps,
+        gated=bool(opts.skip_loss or opts.skip_norm))
     lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
-        sess.shape, is_narrow(DTYPES[opts.dtype]), opts))
+        sess.shape, is_narrow(settings.dtype), opts))
     try:
-        t = Trainer(sess)
+        t = Trainer(sess, settings)
         for step in range(t.start, t.opts.steps + 1):
             last = step == t.opts.steps
             t.evaluate(step, last)
@@ -83,23 +89,11 @@ class Trainer:
     """A training run's state: the runner, the data, the RNG, the log and the newest
     checkpoint; each part of a step is a method."""
 
-    def __init__(self, sess):
+    def __init__(self, sess, settings):
         self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
         opts, shape = self.opts, sess.shape
-        # -sl/-sg: the update waits on the step's loss and norm (an eager step)
-        self.detecting = bool(opts.skip_loss or opts.skip_norm)
         self.gate = UpdateGate(sess.tr, opts.skip_loss, opts.skip_norm)
-        self.run = sess.runner(shape, None, batch=opts.batch, seq=opts.seq,
-                               dtype=DTYPES[opts.dtype],
-                               adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay,
-                                                 grad_clip=opts.grad_clip),
-                               # a trace marks each action, accumulation feeds each batch:
-                               # eager steps
-                               graphs=opts.graphs and not opts.trace and opts.micro_steps == 1
-                               and not self.detecting,
-                               recompute=opts.recompute)
-        if opts.trace:
-            self.run.start_trace()
+        self.run = sess.runner(shape, None, settings)
         self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
                                      "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
         self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
@@ -169,7 +163,7 @@ class Trainer:
             ("lr schedule", opts.lr_schedule + ("" if opts.lr_schedule == "constant" else
                                                 f", warm-up {opts.warmup}")),
             ("dtype", opts.dtype + (" (fp32 master weights and AdamW state)"
-                                    if is_narrow(DTYPES[opts.dtype]) else "")),
+                                    if is_narrow(self.run.settings.dtype) else "")),
             ("recompute", f"{opts.recompute}" + (
                 f" (rank 0 keeps {self.run.recompute_saves() / 2**20:.1f} MiB less)"
                 if opts.recompute else "")),
@@ -251,7 +245,7 @@ class Trainer:
         lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
                    opts.lr_schedule)
         t0 = time.perf_counter()
-        loss = self.run.step(x, y, lr, self.gate.keep if self.detecting else None)
+        loss = self.run.step(x, y, lr, self.gate.keep if self.run.settings.gated else None)
         self.sess.be.synchronize()
         dt = time.perf_counter() - t0
         if self.fault == ("raise", step + 1, tr.rank):
@@ -261,7 +255,7 @@ class Trainer:
         norm = self.run.grad_norm()
         u = mfu(self.sess.be, self.sess.shape, opts.seq, opts.dtype, opts.total_batch, dt,
                 tr.size)
-        skipped = self.detecting and self.gate.skipped
+        skipped = self.run.settings.gated and self.gate.skipped
         rec = dict(step=step + 1, train_loss=loss, norm=norm, lr=lr, ms=dt * 1e3,
                    tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use(),
                    **({"mfu": u} if u else {}), **({"skipped": skipped} if skipped else {}))
@@ -337,7 +331,8 @@ class Trainer:
         full = self.run.state_dict(optimizer=False)
         path = os.path.join(self.opts.out, "model.bin")
         if self.tr.rank == 0:
-            write_model(path, self.sess.shape, full["params"], bf16=is_narrow(self.run.dtype))
+            write_model(path, self.sess.shape, full["params"],
+                        bf16=is_narrow(self.run.settings.dtype))
         return path
 
     def finish(self):

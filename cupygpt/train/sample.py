@@ -3,7 +3,6 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..formats.llmc import check_finite, read_model
-from ..precision import DTYPES
 from ..formats.tokenizer import Tokenizer
 
 
@@ -65,7 +64,7 @@ def sample_text(sess, on_start=None, on_token=None):
                            f"model's context is {cfg.maxT}; shorten it", "prompt",
                            repr(o.prompt[:20] + "..." if len(o.prompt) > 20 else o.prompt))
     T = min(cfg.maxT, len(prompt) + max(o.max_new_tokens, 1))
-    run = sess.runner(cfg, params, batch=1, seq=T, dtype=DTYPES[sess.config.dtype])
+    run = sess.runner(cfg, params, sess.step_settings(batch=1, seq=T))
     if on_start:
         on_start(min(o.max_new_tokens, T - len(prompt)))
     ids = generate(run, prompt, o.max_new_tokens, tok.eot, np.random.default_rng(o.seed),

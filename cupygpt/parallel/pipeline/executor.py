@@ -1,12 +1,22 @@
 """Runs one rank's action list over its stages: the action table, the activation slots,
 hand-offs between chunks of this rank, and the --trace record. Everything it touches per
-pass comes in a Pass; nothing climbs back up to the runner."""
+pass comes in a Pass; nothing climbs back up to the runner. A pass is feed, run (the
+schedule's forwards, backwards and transfers), close (the schedule's closing STEP action,
+where the runner's gradient sync runs, then the transport's end of the step)."""
+from __future__ import annotations
+
 from collections import namedtuple
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import numpy as np
 
 from ... import CupyGPTError
-from .schedule import Op, slot_plan
+from .schedule import Action, Op, slot_plan
+from ...comm.base import Transport
+from ...model.stage import Stage
+from ..grad_sync import GradSync
+from .plan import StepPlan
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 
@@ -15,17 +25,18 @@ TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 # the head's logits of each micro-batch, a chunk of positions at a time (Stage.forward);
 # on_losses(mb, losses): with its losses (rows, T);
 # decode: a position (generation's one-position forwards, Stage.decode), or None for whole
-# passes; sync: whether the step action sums the gradients (not in a gradient
-# accumulation's passes before the last).
+# passes; sync: whether this pass is its step's last, whose last backwards start the
+# overlapped gradient sums (not a gradient accumulation's passes before the last).
 Pass = namedtuple("Pass", "dloss targets on_logits decode sync on_losses",
                   defaults=(None, False, None, None, True, None))
 
 
 class Executor:
     """plan: the rank's StepPlan; stages: a Stage per held chunk; sync: the GradSync its
-    backwards report layers to and its STEP action finishes."""
+    backwards report layers to."""
 
-    def __init__(self, plan, stages, be, transport, sync):
+    def __init__(self, plan: StepPlan, stages: list[Stage], be: ModuleType, transport: Transport,
+                 sync: GradSync) -> None:
         self.plan, self.stages, self.be, self.sync = plan, stages, be, sync
         self.transport = transport
         rows, T = plan.rows, plan.seq
@@ -38,6 +49,7 @@ class Executor:
         self.local = {}   # (kind, receiving chunk) -> copies handed over on this rank, in order
         self.spare = []
         self.trace = None  # [(action, start, end)] while tracing
+        self.closing = None  # the STEP action ending the pass that ran, which close runs
         sts = stages
         # The action table: an op missing here is refused (run), never skipped.
         self.ops = {
@@ -51,10 +63,9 @@ class Executor:
             Op.SEND_GRAD: lambda a, slot, ps: self._send("grad", sts[a.chunk].grad_io(),
                                                          plan.prev[a.chunk], a.mb),
             Op.RECV_GRAD: lambda a, slot, ps: self._recv("grad", sts[a.chunk].grad_io(),
-                                                         plan.next[a.chunk], a),
-            Op.STEP: lambda a, slot, ps: sync.finish() if ps.sync else None}
+                                                         plan.next[a.chunk], a)}
 
-    def feed(self, x, y):
+    def feed(self, x: np.ndarray, y: np.ndarray | None) -> None:
         """This replica's rows of the host batch x, y (B, T) to the device (y: None when no
         loss is computed)."""
         rows = self.plan.replica_rows()
@@ -63,15 +74,17 @@ class Executor:
         if self.y_dev is not None and y is not None:
             self.be.upload(self.y_dev, y[rows])
 
-    def run(self, actions, ps):
-        """The device side of a pass: no host transfers but the transport's, so a step can
+    def run(self, actions: Sequence[Action], ps: Pass) -> None:
+        """The device side of a pass up to the schedule's closing STEP action (a training
+        list's last; close runs it): no host transfers but the transport's, so a step can
         be captured as a CUDA graph. The loss sum over this replica's rows is left in
         loss_acc on the head's rank."""
+        self.closing = actions[-1] if actions and actions[-1].op is Op.STEP else None
         _, release = slot_plan(actions)
         free = [list(range(len(st.acts)))[::-1] for st in self.stages]
         slot_of = {}
         self.loss_acc.fill(0)
-        for i, a in enumerate(actions):
+        for i, a in enumerate(actions[:-1] if self.closing else actions):
             do = self.ops.get(a.op)
             if do is None:
                 raise CupyGPTError(f"rank {self.transport.rank}: unknown pipeline action {a.op!r} "
@@ -80,16 +93,28 @@ class Executor:
             key = (a.mb, a.chunk)
             if a.mb is not None and key not in slot_of:
                 slot_of[key] = free[a.chunk].pop()
-            if self.trace is not None and len(self.trace) < TRACE_MAX:
-                t0 = self.be.stamp()
-                do(a, slot_of.get(key), ps)
-                self.trace.append((a, t0, self.be.stamp()))
-            else:
-                do(a, slot_of.get(key), ps)
+            self._traced(a, lambda: do(a, slot_of.get(key), ps))
             if i in release:
                 k = release[i]
                 free[k[1]].append(slot_of.pop(k))
+
+    def close(self, sync: Callable | None = None) -> None:
+        """The end of the pass that ran: its STEP action (a training pass's), which calls
+        sync (the step's gradient sums; None in a gradient accumulation's passes before
+        the last), then the transport's end of the step; both on the stream, so a captured
+        step holds them, and the STEP action in the trace (timeline's step boundary)."""
+        if self.closing is not None:
+            self._traced(self.closing, sync or (lambda: None))
         self.transport.end_step()
+
+    def _traced(self, a, do):
+        """do(), recorded as action a's slice while tracing (the first TRACE_MAX)."""
+        if self.trace is not None and len(self.trace) < TRACE_MAX:
+            t0 = self.be.stamp()
+            do()
+            self.trace.append((a, t0, self.be.stamp()))
+        else:
+            do()
 
     def _send(self, kind, arr, peer, mb):
         """To a peer rank, or to a chunk of this rank: a copy in a buffer kept for reuse

@@ -1,35 +1,40 @@
 """The step plan, pure data from the schedule and the mesh: how the model's layers are cut
 into chunks (balanced by counted cost), and what one rank holds and does in a step.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import Optional
+from collections.abc import Sequence
 
 from ... import CupyGPTError
 from ...model.layout import Part
-from .schedule import (SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement,
-                       slot_plan)
+from .schedule import SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement, slot_plan
+from ...model.shape import GPT2Config
+from ..mesh import Mesh
 
 
-def costs(cfg, T):
+def costs(shape: GPT2Config, T: int) -> tuple[int, int]:
     """(a block's, the head's) forward FLOPs per token, the counted cost a split balances
     (backward is about twice forward everywhere, so it balances alike): a block's matmuls
     24 C^2 and its attention 4 T C; the head's logits 2 C Vp and its softmax (~4 per logit).
     The embedding is a lookup: nothing."""
-    return 24 * cfg.C ** 2 + 4 * T * cfg.C, 2 * cfg.C * cfg.Vp + 4 * cfg.Vp
+    return 24 * shape.C ** 2 + 4 * T * shape.C, 2 * shape.C * shape.Vp + 4 * shape.Vp
 
 
-def stage_shares(cfg, T, counts):
+def stage_shares(shape: GPT2Config, T: int, counts: Sequence[int] | None) -> list[float]:
     """Each stage's share of the step's counted cost (the last one carries the head)."""
-    block, head = costs(cfg, T)
+    block, head = costs(shape, T)
     c = [n * block + (head if i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
     return [x / sum(c) for x in c]
 
 
-def plan_split(cfg, T, p, split=None, ranks=None):
+def plan_split(shape: GPT2Config, T: int, p: int, split: Sequence[int] | None = None,
+               ranks: int | None = None) -> tuple[int, ...]:
     """Layer counts per stage: `split` ("6,6"), or balanced by counted cost: the last stage
     carries the LM head (on GPT-2's vocab as much as several blocks), so it takes fewer
     blocks; the others share the rest evenly, earlier ones taking the remainder."""
-    L = cfg.L
+    L = shape.L
     if p > L:
         raise CupyGPTError(f"{p} pipeline stages but the model has {L} layers; use at most "
                            f"{L} ranks")
@@ -55,7 +60,7 @@ def plan_split(cfg, T, p, split=None, ranks=None):
     def even(n, k):
         return [n // k + (1 if r < n % k else 0) for r in range(k)]
     best = min(range(1, L - p + 2),
-               key=lambda n: (max(stage_shares(cfg, T, even(L - n, p - 1) + [n])), -n))
+               key=lambda n: (max(stage_shares(shape, T, even(L - n, p - 1) + [n])), -n))
     return even(L - best, p - 1) + [best]
 
 
@@ -90,22 +95,23 @@ class StepPlan:
     tied_peer: Optional[int]    # the rank holding wte's other end, when not this one
     replica: int
 
-    def replica_rows(self):
+    def replica_rows(self) -> slice:
         """This replica's rows of the step's batch."""
         return slice(self.replica * self.rows, (self.replica + 1) * self.rows)
 
-    def mb_slice(self, mb):
+    def mb_slice(self, mb: int) -> slice:
         """Micro-batch mb's rows of this replica's rows."""
         return slice(mb * self.mb_rows, (mb + 1) * self.mb_rows)
 
-    def global_rows(self, mb):
+    def global_rows(self, mb: int) -> slice:
         """Micro-batch mb's rows of the step's batch."""
         a = self.replica * self.rows + mb * self.mb_rows
         return slice(a, a + self.mb_rows)
 
 
-def plan_step(shape, mesh, *, batch, seq, micro_batches=1, schedule="1f1b", virtual=None,
-              counts=None):
+def plan_step(shape: GPT2Config, mesh: Mesh, *, batch: int, seq: int, micro_batches: int = 1,
+              schedule: str = "1f1b", virtual: int | None = None,
+              counts: Sequence[int] | None = None) -> StepPlan:
     """The StepPlan of mesh.rank. counts: layers per model chunk (plan_split's; None:
     balanced)."""
     p, r, m = mesh.pp, mesh.stage, micro_batches

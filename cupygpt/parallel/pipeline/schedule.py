@@ -2,7 +2,10 @@
 the ordered actions. The runner and the simulator only see the lists; SCHEDULES is the
 registry the CLI offers, `placement` says which model chunks each rank holds.
 """
+from __future__ import annotations
+
 from collections import namedtuple
+from collections.abc import Sequence
 from enum import Enum
 from functools import lru_cache
 
@@ -28,7 +31,7 @@ LABEL = {Op.RECV_ACT: "ra", Op.FWD: "F", Op.SEND_ACT: "sa", Op.RECV_GRAD: "rg", 
 COMPUTE = (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)
 
 
-def short(a):
+def short(a: Action) -> str:
     """An action as `schedule` prints it: F3, sa3, W3.1 (micro-batch 3 on the rank's chunk 1),
     step."""
     return LABEL[a.op] + ("" if a.mb is None else str(a.mb)) + (f".{a.chunk}" if a.chunk else "")
@@ -45,7 +48,7 @@ CHUNKS = {"zbv": 2}  # chunks per rank where a schedule fixes them
 DEFAULT_CHUNKS = {"interleaved": 2}  # where it only suggests (one chunk would be 1f1b)
 
 
-def placement(name, p, v, r):
+def placement(name: str, p: int, v: int, r: int) -> list[int]:
     """The model chunks (of p * v, in model order) rank r holds, its chunk 0 first:
     interleaved deals them round the ring (Megatron); zbv folds them into a V, so the last
     chunk (the loss) is on rank 0; the others hold one stage."""
@@ -54,7 +57,7 @@ def placement(name, p, v, r):
     return [r + c * p for c in range(v)]
 
 
-def holders(name, p, v):
+def holders(name: str, p: int, v: int) -> list[tuple[int, int]]:
     """{model chunk: (rank, its chunk index) holding it}."""
     return {k: (r, c) for r in range(p) for c, k in enumerate(placement(name, p, v, r))}
 
@@ -82,7 +85,7 @@ def _emit(name, p, v, r, compute):
     return acts
 
 
-def chunks_per_rank(name, v=None):
+def chunks_per_rank(name: str, v: int | None = None) -> int:
     """The model chunks each rank holds: zbv's fixed 2, interleaved's v (2 by default), 1
     for the others (v None: the schedule's default). Refuses a v the schedule cannot
     take."""
@@ -99,21 +102,21 @@ def chunks_per_rank(name, v=None):
     return v
 
 
-def gpipe(p, m, r, v=1):
+def gpipe(p: int, m: int, r: int, v: int = 1) -> list[Action]:
     """All forwards, then all backwards: m micro-batches in flight."""
     chunks_per_rank("gpipe", v)
     order = [(Op.FWD, i, 0) for i in range(m)] + [(Op.BWD, i, 0) for i in range(m)]
     return _emit("gpipe", p, v, r, order) + [Action(Op.STEP, None)]
 
 
-def one_f_one_b(p, m, r, v=1):
+def one_f_one_b(p: int, m: int, r: int, v: int = 1) -> list[Action]:
     """p-r-1 warm-up forwards, then one forward one backward, then the cool-down backwards:
     at most p-r micro-batches in flight on rank r."""
     chunks_per_rank("1f1b", v)
     return _interleave("1f1b", p, m, r, 1)
 
 
-def interleaved(p, m, r, v=1):
+def interleaved(p: int, m: int, r: int, v: int = 1) -> list[Action]:
     """Megatron's interleaved 1F1B: rank r holds chunks r, r+p, ...; micro-batches go
     through a chunk in groups of p, so a group comes back round the ring just as the rank
     is ready for it. Its bubble is 1F1B's divided by about v."""
@@ -148,7 +151,7 @@ def _interleave(name, p, m, r, v):
     return _emit(name, p, v, r, order) + [Action(Op.STEP, None)]
 
 
-def zb1p(p, m, r, v=1):
+def zb1p(p: int, m: int, r: int, v: int = 1) -> list[Action]:
     """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism): 1F1B's order of forwards and
     input-gradient Bs, each micro-batch's W deferred until r more Bs have run (the rest at
     the end), so Ws fill what was 1F1B's cool-down. Rank r holds at most p micro-batches
@@ -250,7 +253,7 @@ def _zbv_order(p, m):
     return order
 
 
-def zbv(p, m, r, v=2):
+def zbv(p: int, m: int, r: int, v: int = 2) -> list[Action]:
     """ZB-V: two chunks per rank folded into a V (rank r holds chunks r and 2p-1-r), so the
     loss and the first backward are on rank 0. A rank holds at most 2p chunk activations,
     1F1B's peak of p whole-stage micro-batches. With equal times and m >= p it takes
@@ -261,7 +264,7 @@ def zbv(p, m, r, v=2):
     return _emit("zbv", p, 2, r, _zbv_order(p, m)[r]) + [Action(Op.STEP, None)]
 
 
-def forward_only(p, m, r, v=1, name="1f1b"):
+def forward_only(p: int, m: int, r: int, v: int = 1, name: str = "1f1b") -> list[Action]:
     """Evaluation and sampling: forwards only, no step. Chunk by chunk in model order, all
     micro-batches through each (a receive waits only on chunks that come earlier), except
     interleaved with whole groups of p micro-batches: its training order of forwards, since
@@ -277,7 +280,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "z
              "zbv": zbv}
 
 
-def slot_plan(actions):
+def slot_plan(actions: Sequence[Action]) -> tuple[list[int], dict]:
     """An activation slot lives from an action's first mention of a (micro-batch, chunk) to
     its last.
 

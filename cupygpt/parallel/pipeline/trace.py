@@ -1,12 +1,17 @@
 """--trace: what every rank's runner did and when, as one Chrome trace-event JSON (Perfetto,
 chrome://tracing): a row per rank, a slice per action."""
+from __future__ import annotations
+
 import json
+from types import ModuleType
 
 from ...paths import atomic_write
-from .schedule import COMPUTE, short
+from .schedule import COMPUTE, Action, short
+from ...comm.base import Transport
+from ..mesh import Mesh
 
 
-def name(a):
+def name(a: Action) -> str:
     """An action's slice name: F3, B3, W3 for compute (F3.1 on the rank's chunk 1);
     send_act 3; step."""
     if a.op in COMPUTE:
@@ -15,7 +20,8 @@ def name(a):
         f"{a.op.value} {a.mb}{f'.{a.chunk}' if a.chunk else ''}"
 
 
-def write(path, records, be, tr, mesh, pipeline):
+def write(path: str, records: list, be: ModuleType, transport: Transport, mesh: Mesh,
+          pipeline: dict) -> None:
     """Collective over the ranks: rank 0 writes every rank's records ((action, start mark,
     end mark), the executor's), in microseconds from the first action of any rank, with
     pipeline (the schedule's name and sizes). Marks are the backend's stamps, turned into
@@ -23,7 +29,7 @@ def write(path, records, be, tr, mesh, pipeline):
     secs = be.stamp_seconds([m for _, a, b in records for m in (a, b)])
     mine = [(name(a), a.op.value, a.mb, a.chunk, secs[2 * i], secs[2 * i + 1])
             for i, (a, _, _) in enumerate(records)]
-    every = tr.gather((mesh.rank, mesh.stage, mesh.replica, mesh.shard, mine))
+    every = transport.gather((mesh.rank, mesh.stage, mesh.replica, mesh.shard, mine))
     if every is None:
         return
     t0 = min((e[4] for *_, ev in every for e in ev), default=0.0)
