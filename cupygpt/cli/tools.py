@@ -14,9 +14,9 @@ from ..backends import gpu_available, host_memory
 from ..paths import TOKENIZER
 from .flags import entry, one_process, overwrite_option, progress
 from ..comm.launch import Stopped
-from ..config.sections import RUN_DTYPES, at_most_a_year, make_dir, out_file
+from ..config.sections import RUN_DTYPES, at_most_a_year, out_file
 from ..commands.convert import convert as run_convert
-from ..paths import atomic_write
+from ..paths import atomic_write, make_dir, make_parent
 from ..formats.llmc import write_shard
 from ..paths import TEXT_CAP, check_outputs, claim, json_object, not_compressed, read_bounded
 from ..formats.hellaswag import from_jsonl, write_eval
@@ -286,6 +286,7 @@ def plot(log, out, overwrite):
     one_process("plot")
     check_outputs([("out", out)], [log])
     out_file("out", out, overwrite)
+    make_parent("out", out)
     n_train, n_val, left_out = run_plot(log, out)
     click.echo(f"wrote {out} ({n_train} train, {n_val} val points" + (
         f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
@@ -305,6 +306,7 @@ def timeline(trace, out, schedule, overwrite):
     one_process("timeline")
     check_outputs([("out", out)], [trace])
     out_file("out", out, overwrite)
+    make_parent("out", out)
     measured, predicted, name = draw(trace, out, schedule)
     click.echo(f"wrote {out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")
