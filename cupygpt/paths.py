@@ -1,7 +1,9 @@
 """What a command reads and writes, checked before anything is opened for writing: no
 output is one of the command's inputs (a log written over a train shard destroys it) nor
 lies in the installed package; an input is a regular file (a FIFO blocks its reader
-forever, /dev/zero never ends) and text or JSON is read up to a cap."""
+forever, /dev/zero never ends) and text or JSON is read up to a cap. The directories a
+command writes into are made here, at its start (a config's validate only checks them:
+check_dir), and listed, so that a command that fails removes those it made."""
 import contextlib
 import errno
 import fcntl
@@ -148,6 +150,84 @@ def check_outputs(outputs, inputs):
             continue
         if what and what != "a directory":  # (a directory: out_file says so)
             raise CupyGPTError(f"is {what}; give a regular file's path", name, path)
+
+
+MADE = []  # the directories make_dir created, in order: a command that fails removes them
+
+
+def _nearest(path):
+    """(path's missing directories, innermost first; the nearest one that exists)."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    return missing, p
+
+
+def check_dir(name, path):
+    """What make_dir would refuse, seen without making anything (a config's validate makes
+    no directory): path a file, a dangling link on its way, its nearest existing directory
+    none or not writable. As root, access() says yes to /proc: make_dir's probe finds it."""
+    _, p = _nearest(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CupyGPTError("is a file, not a directory; give a directory", name, path)
+    if os.path.islink(p) and not os.path.exists(p):
+        raise CupyGPTError(f"{p} is a symbolic link to {os.readlink(p)!r}, which does not "
+                           f"resolve (missing, or a loop); give a directory", name, path)
+    # the words os.makedirs' and the probe's errors would give
+    if not os.path.isdir(p):
+        raise CupyGPTError(f"cannot create this directory ({os.strerror(errno.ENOTDIR)})",
+                           name, path)
+    if not os.access(p, os.W_OK | os.X_OK):
+        code = errno.EROFS if os.statvfs(p).f_flag & os.ST_RDONLY else errno.EACCES
+        what = "write files in" if p == os.path.abspath(path) else "create"
+        raise CupyGPTError(f"cannot {what} this directory ({os.strerror(code)})", name, path)
+
+
+def make_dir(name, path):
+    """path made (with its missing parents) and writable; what it made is listed in MADE."""
+    check_dir(name, path)
+    missing = _nearest(path)[0]
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
+    finally:  # (what it made before failing too)
+        MADE.extend(d for d in reversed(missing) if os.path.isdir(d))
+    try:  # a file made and removed: access() says yes to root on /proc or /sys
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CupyGPTError(f"cannot write files in this directory ({e.strerror})", name,
+                           path) from None
+
+
+def unmake_dirs():
+    """A command that failed: the directories it made go, the innermost first, where
+    empty (what it wrote into one is kept)."""
+    for d in reversed(MADE):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # (not empty: something of the command's is worth keeping)
+    MADE.clear()
+
+
+def file_dir(act, name, path):
+    """act (check_dir or make_dir) on the directory of a file the command writes; a refusal
+    names the file's flag and path, then its directory."""
+    try:
+        act(name, os.path.dirname(os.path.abspath(path)))
+    except CupyGPTError as e:
+        raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
+
+
+def make_parent(name, path):
+    """The directory of a file the command writes (None: not asked for), made at the
+    command's start: its validate checked it (config/sections.out_file) and made nothing."""
+    if path is not None:
+        file_dir(make_dir, name, path)
 
 
 def holder(path):

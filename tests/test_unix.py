@@ -242,7 +242,7 @@ def test_a_rank_failing_before_its_first_log_leaves_no_empty_o(tmp_path):
 
 def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
-    instant earlier), so its own made_out is False; the run made it all the same."""
+    instant earlier), so claim made none itself; the run made it all the same."""
     from types import SimpleNamespace
     from cupygpt.train import rundir
 
@@ -256,7 +256,7 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
             return obj
     out = tmp_path / "o"
     out.mkdir()
-    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False, made_out=False,
+    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
                            log_file=str(out / "log.jsonl"))
     rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0)))
     assert not out.exists()

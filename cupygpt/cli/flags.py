@@ -10,8 +10,9 @@ import click
 
 from .. import CupyGPTError
 from ..comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
-from ..config.sections import FLAG, Device, Grid, Pipeline, unmake_dirs
+from ..config.sections import FLAG, Device, Grid, Pipeline
 from ..log import FAILED, guard_streams
+from ..paths import unmake_dirs
 from ..session import Session
 
 

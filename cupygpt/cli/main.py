@@ -10,10 +10,11 @@ import click
 from ..commands.bench import ATTENTIONS, bench as run_bench, side_by_side
 from ..commands.bench_comm import comm_bench, format_rows, sizes
 from ..config.sections import out_file
+from ..config.train import TrainConfig
 from .flags import HellaSwagH, entry, options_of, progress, session
 from .tools import TOOLS
-from ..config.configs import BenchConfig, EvalConfig, SampleConfig, TrainConfig, VerifyConfig
-from ..paths import atomic_write
+from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
+from ..paths import atomic_write, make_parent
 from ..train.evaluate import eval_command
 from ..paths import check_outputs
 from ..train.sample import sample_text
@@ -69,6 +70,7 @@ def bench(**kw):
     out = kw["out"]
     check_outputs([("out", out), ("trace", kw["trace"])], [BenchConfig.data])
     out_file("out", out, kw["overwrite"])
+    make_parent("out", out)
     sess = session(BenchConfig, kw, tf32_default=True)
     if sess.config.comm:
         with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq, sess.be)),

@@ -10,11 +10,11 @@ import click
 from .. import CupyGPTError
 from ..backends import gpu_available
 from .flags import config, entry, one_process, options_of, progress
-from ..config.sections import at_most_a_year, make_dir, out_file
+from ..config.sections import at_most_a_year, out_file
 from ..config.tools import (ConvertConfig, GpucheckConfig, PlotConfig, PrepareConfig,
                             ScheduleConfig, TimelineConfig)
 from ..commands.convert import convert as run_convert
-from ..paths import check_outputs, claim, json_object
+from ..paths import check_outputs, claim, json_object, make_dir, make_parent
 from ..commands.gpucheck.check import REPORT as GPUCHECK_REPORT, gpucheck as run_check, verdict
 from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from ..parallel.pipeline.simulate import simulate
@@ -129,6 +129,7 @@ def plot(**kw):
     c = config(PlotConfig, kw)
     check_outputs([("out", c.out)], [c.log])
     out_file("out", c.out, c.overwrite)
+    make_parent("out", c.out)
     n_train, n_val, left_out = run_plot(c.log, c.out)
     click.echo(f"wrote {c.out} ({n_train} train, {n_val} val points" + (
         f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
@@ -145,6 +146,7 @@ def timeline(**kw):
     c = config(TimelineConfig, kw)
     check_outputs([("out", c.out)], [c.trace])
     out_file("out", c.out, c.overwrite)
+    make_parent("out", c.out)
     measured, predicted, name = draw(c.trace, c.out, c.schedule)
     click.echo(f"wrote {c.out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")

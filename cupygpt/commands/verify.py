@@ -4,9 +4,10 @@ import math
 
 import numpy as np
 
-from ..formats.llmc import check_finite, read_model, read_state
+from ..formats.llmc import check_finite, read_expected, read_model, read_state
 from ..model.layout import copy_part, param_layout
 from ..model.optim import AdamWConfig
+from ..paths import make_parent
 from ..precision import numerics
 
 # Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
@@ -27,6 +28,9 @@ def verify(sess, on_step=None):
     """The `verify` command over a Session holding its validated VerifyConfig; returns the
     report on rank 0 (True elsewhere). on_step() is called after each AdamW step."""
     c, tr = sess.config, sess.tr
+    # what validate checked and kept none of: the losses read, --trace's directory made
+    expected = read_expected(c.expected) if c.expected else None
+    make_parent("trace", c.trace)
     cfg, params = read_model(c.model)
     check_finite(c.model, params)
     state = read_state(c.state, cfg)
@@ -64,8 +68,7 @@ def verify(sess, on_step=None):
         "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)]}
     report["ok"] = (report["logits"]["ok"] and report["loss"]["ok"]
                     and all(g["ok"] for g in report["grads"].values())
-                    and compare_steps(report["steps"],
-                                      c.expected_losses if c.expected else None, tol))
+                    and compare_steps(report["steps"], expected, tol))
     return report
 
 

@@ -1,16 +1,17 @@
 """The parts every command's config shares (where it computes: Device; how its ranks split
-the model: Grid; how a step is cut across the pipeline: Pipeline), and the checks of single
-fields the configs make (config.py holds the commands' configs)."""
+the model: Grid; how a step is cut across the pipeline: Pipeline), where a command runs
+(place, the end of every config's validate), and the checks of single fields the configs
+make (configs.py and train.py hold the commands' configs). None makes a directory: the
+commands make theirs at their start (paths.make_dir)."""
 import math
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
 from ..comm.launch import YEAR_S
 from ..model.layout import RECOMPUTED
-from ..paths import not_regular
+from ..paths import check_dir, file_dir, not_regular
 from ..precision import DTYPES, dtype_name
 from .fields import flag
 from ..parallel.pipeline.plan import plan_split
@@ -207,6 +208,19 @@ def runs_on(c, be, shape, name, value, both=False):
             raise CupyGPTError(f"{why}; use --backend numpy for this model", name, value)
 
 
+def place(c, be, world, shape, seq, batch, at, both=False):
+    """Where a command runs, checked in one order by every config's validate (each
+    refusal is one line, so the order decides which of two it names): the model's
+    attention on this backend (runs_on; at: the (field, value) that named the model), the
+    device, the grid, then a pass of batch rows of seq tokens cut across the pipeline
+    (seq None: none is cut; bench --comm times the transport alone). Returns c with its
+    sections resolved."""
+    runs_on(c, be, shape, *at, both=both)
+    c = replace(c, device=c.device.validate(be, world), grid=c.grid.validate(shape, world))
+    if seq is None:
+        return c
+    return replace(c, pipeline=c.pipeline.validate(shape, seq, c.grid.pp,
+                                                   c.grid.rows_per_replica(batch)))
 
 
 def attention_path(asked, be, dtype, shape, given=None):
@@ -228,53 +242,13 @@ def attention_path(asked, be, dtype, shape, given=None):
     return "own", f"own flash kernels (auto: {why})"
 
 
-MADE = []  # the directories make_dir created, in order: a command that fails removes them
-
-
-def make_dir(name, path):
-    """path made (with its missing parents) and writable; what it made is listed in MADE."""
-    missing, p = [], os.path.abspath(path)
-    while not os.path.lexists(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CupyGPTError("is a file, not a directory; give a directory", name, path)
-    if os.path.islink(p) and not os.path.exists(p):
-        raise CupyGPTError(f"{p} is a symbolic link to {os.readlink(p)!r}, which does not "
-                           f"resolve (missing, or a loop); give a directory", name, path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
-    finally:  # (what it made before failing too)
-        MADE.extend(d for d in reversed(missing) if os.path.isdir(d))
-    try:  # a file made and removed: access() says yes to root on /proc or /sys
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CupyGPTError(f"cannot write files in this directory ({e.strerror})", name,
-                           path) from None
-
-
-def unmake_dirs():
-    """A command that failed: the directories it made go, the innermost first, where
-    empty (what it wrote into one is kept)."""
-    for d in reversed(MADE):
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass  # (not empty: something of the command's is worth keeping)
-    MADE.clear()
-
-
 def out_file(name, path, overwrite=None):
     """A file the command writes (at its end, perhaps): not a directory, and its directory
-    exists (made) and is writable, before the run starts. overwrite (the command's
-    --overwrite; None where the command claims it otherwise, train's log): an existing file
-    is replaced only when asked (bench --out over a run's model.bin would destroy it); every
-    such file is written through atomic_write (a temporary renamed over it, the umask's
-    mode)."""
+    one the command can make (paths.make_parent, at its start) and write in. overwrite (the
+    command's --overwrite; None where the command claims it otherwise, train's log): an
+    existing file is replaced only when asked (bench --out over a run's model.bin would
+    destroy it); every such file is written through atomic_write (a temporary renamed over
+    it, the umask's mode)."""
     if path is None:
         return
     if not path:
@@ -287,10 +261,7 @@ def out_file(name, path, overwrite=None):
     if os.path.islink(path) and not os.path.exists(path):  # (else found at the end)
         raise CupyGPTError(f"is a symbolic link to {os.readlink(path)!r}, which does not "
                            f"resolve (missing, or a loop); give a file name", name, path)
-    try:
-        make_dir(name, os.path.dirname(os.path.abspath(path)))
-    except CupyGPTError as e:  # the flag's own value in front, then its directory
-        raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
+    file_dir(check_dir, name, path)
 
 
 def existing(name, path, how=None):

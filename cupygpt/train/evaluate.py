@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ..formats.hellaswag import COMPLETIONS
+from ..formats.hellaswag import COMPLETIONS, read_eval
 from ..formats.llmc import check_finite, read_model
 
 
@@ -56,12 +56,13 @@ def eval_command(sess):
     """The `eval` command over a Session holding its validated EvalConfig: the report
     (accuracy, each example's completion losses), the same on every rank."""
     c = sess.config
+    examples = read_eval(c.hellaswag)  # (validate read them only to check them)
     shape, params = read_model(c.model, mmap=True)
     check_finite(c.model, params)
     run = sess.runner(shape, params, sess.step_settings(batch=c.batch, seq=c.seq))
     t0 = time.perf_counter()
-    acc, losses = evaluate(run, c.examples, c.batch, c.seq)
-    return {"model": c.model, "hellaswag": c.hellaswag, "examples": len(c.examples),
-            "correct": int(round(acc * len(c.examples))), "accuracy": acc,
+    acc, losses = evaluate(run, examples, c.batch, c.seq)
+    return {"model": c.model, "hellaswag": c.hellaswag, "examples": len(examples),
+            "correct": int(round(acc * len(examples))), "accuracy": acc,
             "B": c.batch, "T": c.seq, "dtype": c.dtype, "ranks": sess.mesh.size,
             "seconds": time.perf_counter() - t0, "losses": losses.tolist()}

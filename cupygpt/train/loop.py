@@ -15,6 +15,7 @@ from . import checkpoint, rundir
 from ..model.shape import mfu
 from ..comm.launch import Interrupt
 from .loader import DataLoader
+from ..formats.hellaswag import read_eval
 from ..formats.llmc import check_finite, write_model
 from .evaluate import evaluate as hellaswag
 from ..log import open_log
@@ -56,6 +57,9 @@ def train(sess):
     """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
     opts, t = sess.config, None
+    # read here, not kept by the config: validate read them only to check them
+    examples = read_eval(opts.hellaswag_file) if opts.hellaswag else ()
+    rundir.make_parents(opts)
     # -sl/-sg: the update waits on the step's loss and norm (an eager step)
     settings = sess.step_settings(
         batch=opts.batch, seq=opts.seq, recompute=opts.recompute,
@@ -65,7 +69,7 @@ def train(sess):
     lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
         sess.shape, is_narrow(settings.dtype), opts))
     try:
-        t = Trainer(sess, settings)
+        t = Trainer(sess, settings, examples)
         for step in range(t.start, t.opts.steps + 1):
             last = step == t.opts.steps
             t.evaluate(step, last)
@@ -89,7 +93,8 @@ class Trainer:
     """A training run's state: the runner, the data, the RNG, the log and the newest
     checkpoint; each part of a step is a method."""
 
-    def __init__(self, sess, settings):
+    def __init__(self, sess, settings, examples):
+        self.examples = examples  # -h 1: HellaSwag's, read at the run's start
         self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
         opts, shape = self.opts, sess.shape
         self.gate = UpdateGate(sess.tr, opts.skip_loss, opts.skip_norm)
@@ -206,7 +211,7 @@ class Trainer:
             rec["val_loss"] = float(np.mean(losses))
             said.append(f"val loss {rec['val_loss']:.6f}")
         if opts.hellaswag:
-            acc = hellaswag(self.run, opts.hellaswag_examples, opts.batch, opts.seq,
+            acc = hellaswag(self.run, self.examples, opts.batch, opts.seq,
                             self.stopping)
             if self.stopped:
                 return

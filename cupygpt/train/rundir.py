@@ -1,7 +1,8 @@
 """A training run's output directory (-o): one run at a time, holding an advisory lock
 for its life; a fresh run does not replace another run's output unless asked; the disk
 holds what the run will write before step 1; a run that fails before its first step
-leaves no directory it made."""
+leaves no directory it made. The run's start makes its directories (its config's validate
+checked them and made none): --trace's and a --log-file's elsewhere, then -o."""
 import math
 import os
 import shutil
@@ -10,7 +11,7 @@ from .. import CupyGPTError
 from ..formats.checkpoint import LATEST, listed
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
-from ..paths import lock
+from ..paths import lock, make_dir, make_parent
 
 MODEL = "model.bin"
 
@@ -80,13 +81,24 @@ def room(out, need):
     return None
 
 
+def make_parents(opts):
+    """--trace's directory and a --log-file's outside -o, made (claim makes -o), in the
+    order validate checked them."""
+    make_parent("trace", opts.trace)
+    if opts.log_file != os.path.join(opts.out, "log.jsonl"):  # (the default's is -o)
+        make_parent("log_file", opts.log_file)
+
+
 def claim(opts, tr, need):
-    """Collective, before anything is allocated: rank 0 locks -o for the run's life and
-    checks what it holds and its room; every rank raises the same refusal. Returns what
-    unmake needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o (the
-    ranks validate at once: the one that made it need not be rank 0), and the identity of
-    the directory rank 0 locked (None: not locked)."""
-    fd, why, made = None, None, tr.any(opts.made_out)
+    """Collective, before anything is allocated: every rank makes -o (each checked it, and
+    may write on a disk of its own), then rank 0 locks it for the run's life and checks
+    what it holds and its room; every rank raises the same refusal. Returns what unmake
+    needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o (the ranks
+    start at once: the one that made it need not be rank 0), and the identity of the
+    directory rank 0 locked (None: not locked)."""
+    made_here = not os.path.isdir(opts.out)
+    make_dir("out", opts.out)
+    fd, why, made = None, None, tr.any(made_here)
     if tr.rank == 0:
         fd, why = lock(opts.out)
         real = os.path.realpath(opts.out)  # a resume continues its own directory:

@@ -1,0 +1,177 @@
+"""train's config: a run's settings, checked by its validate() before anything is
+allocated, as the other commands' (configs.py). It reads what its checks need (headers, the
+HellaSwag file) and keeps none of it, and makes nothing: train's start makes -o and the
+directories of --trace and --log-file (train/rundir.py)."""
+import glob
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from .. import CupyGPTError
+from . import fields
+from .fields import flag
+from ..formats.checkpoint import STATE, check_resume, resolve as resolve_checkpoint
+from ..formats.llmc import is_model_file, model_shape, shard_files
+from .configs import hellaswag_seq
+from .sections import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
+                       out_file, place, positive, recompute_level, run_dtype, RUN_DTYPES)
+from ..model.optim import LR_SCHEDULES
+from ..paths import DATA, TOKENIZER, check_dir, check_outputs, files_of
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    train_pattern: str = flag("-i", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
+                              help="train shards (glob)")
+    val_pattern: str = flag("-j", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
+                            help="val shards (glob)")
+    shuffle: bool = flag("--shuffle/--no-shuffle", default=True, help=(
+        "train shards and the batches in each in a seeded random order per epoch (llm.c's); "
+        "--no-shuffle: in file order"))
+    init: Optional[str] = flag("-e", default=None, help=(
+        "llm.c model file, or one of llm.c's descriptors for a fresh model: d6, d12 .. d84 "
+        "(GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), or tiny  [default: d12 "
+        "on a GPU, tiny on the CPU]"))  # None: the backend's DEFAULT_RUN
+    out: str = flag("-o", default="out", help="output directory")
+    batch: int = fields.batch()
+    seq: Optional[int] = fields.seq("sequence length T  [default: 1024 on a GPU, 64 on the "
+                                    "CPU]")  # None: the backend's DEFAULT_RUN
+    lr: float = flag("-l", default=1e-3, help="learning rate")
+    warmup: int = flag("-u", default=10, help="lr warm-up steps")
+    final_lr_frac: float = flag("-q", default=0.1, help="final lr as a fraction of -l (where "
+                                                        "the schedule decays)")
+    lr_schedule: str = flag("-k", default="cosine", choices=LR_SCHEDULES,
+                            help="lr schedule after the warm-up (llm.c's)")
+    recompute: int = fields.recompute(  # llm.c's -r
+        "activation recomputation: 1 GELU's output, 2 also the layernorms' (backward makes "
+        "them again; the same bits, less memory)")
+    dtype: Optional[str] = fields.dtype(RUN_DTYPES, help=(
+        "bf16: llm.c's mixed precision (fp32 master weights)  [default: the backend's: fp32 "
+        "on the CPU]"))
+    total_batch: Optional[int] = flag("-d", default=None, help=(
+        "tokens per step: a multiple of B x T, the batches of a step adding into its gradient "
+        "(gradient accumulation)  [default: B x T]"))
+    steps: int = flag("-n", default=60, help="training steps")
+    val_every: int = flag("-v", default=20, help="val loss every N steps")
+    val_batches: int = flag("-m", default=4, help="val batches")
+    sample_every: Optional[int] = flag("-s", default=None, help=(
+        "sample every N steps and at the end; 0: never  [default: at the end]"))
+    gen_tokens: int = flag("-g", default=48, help="tokens to generate")
+    weight_decay: float = flag("--weight-decay", default=0.0, help="AdamW weight decay")
+    grad_clip: float = flag("--grad-clip", default=1.0,
+                            help="clip the gradient at this global norm (0: off)")
+    seed: int = flag("--seed", default=1337, help="initialisation and sampling seed")
+    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    checkpoint_every: int = flag("--checkpoint-every", default=0, help=(
+        "write OUT/ckpt_STEP every K steps and at the end (0: never)"))
+    keep: int = flag("--keep", default=2,
+                     help="checkpoints to keep (besides --checkpoint-major's)")
+    checkpoint_major: int = flag("-nm", "--checkpoint-major", default=0, help=(
+        "checkpoints at multiples of K steps are never removed by --keep (0: none)"))
+    skip_loss: float = flag("-sl", "--skip-loss-z", default=0.0, help=(
+        "skip the update when the step's loss is more than Z standard deviations above its "
+        "last 128 steps' (llm.c's outlier detector; 0: off)"))
+    skip_norm: float = flag("-sg", "--skip-norm-z", default=0.0,
+                            help="the same for the gradient's global norm (0: off)")
+    overfit: int = flag("-a", "--overfit-single-batch", default=0,
+                        help="1: every step trains on the first batch (llm.c's debugging check)")
+    resume: Optional[str] = flag("--resume", default=None,
+                                 help="checkpoint dir (or a run's -o dir) to continue")
+    log_file: Optional[str] = flag("--log-file", default=None,
+                                   help="JSON lines per step (default OUT/log.jsonl)")
+    hellaswag: int = flag("-h", default=0, help=(
+        "1: HellaSwag accuracy at every val step and at the end (needs -b 4 or more)"))
+    hellaswag_file: str = flag("--hellaswag-file", default=os.path.join("data",
+                                                                        "hellaswag_val.bin"),
+                               help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
+    overwrite: bool = fields.overwrite(
+        "a fresh run may replace what an earlier run left in -o (its model.bin, log and "
+        "checkpoints) and an existing --trace file")
+    graphs: Optional[bool] = fields.graphs(
+        "replay each step as a CUDA graph (a GPU alone, or over nvshmem without the "
+        "overlapped dp sum)  [default: on with --backend cuda]")
+    trace: Optional[str] = fields.trace()  # Chrome trace-event JSON of every rank's actions
+    device: Device = fields.section(Device)
+    grid: Grid = fields.section(Grid)
+    pipeline: Pipeline = fields.section(Pipeline)
+
+    @property
+    def micro_steps(self):
+        """Batches per step: gradient accumulation's (-d / (B x T)), once validated."""
+        return self.total_batch // (self.batch * self.seq)
+
+    def _resumed(self, c):
+        """(c, the model's shape) of a resume: its checkpoint found and checked to fit."""
+        c = replace(c, resume=resolve_checkpoint(c.resume))
+        shape = model_shape(os.path.join(c.resume, "model.bin"))
+        if self.init is not None and model_shape(self.init) != shape:
+            raise CupyGPTError(f"a resumed run continues its checkpoint's own model "
+                               f"({os.path.join(c.resume, 'model.bin')}), of another "
+                               f"shape; leave -e out to resume, or start afresh without "
+                               f"--resume", "init", self.init)
+        at = check_resume(c.resume, shape, c.batch, c.seq, c.total_batch, c.dtype,
+                          sorted(glob.glob(c.train_pattern)))
+        if at > c.steps:
+            raise CupyGPTError(f"the checkpoint is already at step {at}; this is the "
+                               f"total step count", "steps", c.steps)
+        return c, shape
+
+    def validate(self, be, world):
+        """Returns the config with every default resolved and the model's shape (`shape`)."""
+        init, seq = be.DEFAULT_RUN
+        c = replace(self, init=default(self.init, init), seq=default(self.seq, seq),
+                    sample_every=default(self.sample_every, self.steps))
+        positive(c, "batch", "seq", "lr")
+        c = replace(c, total_batch=default(c.total_batch, c.batch * c.seq))
+        if c.total_batch < 1 or c.total_batch % (c.batch * c.seq):
+            raise CupyGPTError(f"tokens per step must be a multiple of B x T = "
+                               f"{c.batch * c.seq} (each micro-step a batch)", "total_batch",
+                               c.total_batch)
+        recompute_level(c)
+        c = graphs_on(run_dtype(c, be), be)
+        if c.lr_schedule not in LR_SCHEDULES:
+            raise CupyGPTError(f"unknown; use {', '.join(LR_SCHEDULES)}", "lr_schedule",
+                               c.lr_schedule)
+        positive(c, "steps", "val_every", "val_batches", "sample_every", "gen_tokens",
+                 "warmup", "checkpoint_every", "weight_decay", "grad_clip", "seed", "skip_loss",
+                 "skip_norm", "checkpoint_major", zero_ok=True)
+        if c.overfit not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (every step trains on the first batch)", "overfit",
+                               c.overfit)
+        between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
+        if c.keep < 1:
+            raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
+        if c.val_pattern and c.val_every and c.val_batches < 1:
+            raise CupyGPTError("validation needs at least one batch; give -v 0 to turn it "
+                               "off", "val_batches", c.val_batches)
+        if c.tokenizer:
+            existing("tokenizer", c.tokenizer)
+        for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
+            shard_files(getattr(c, name), name)
+        c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
+        fits(c.seq, shape)
+        c = place(c, be, world, shape, c.seq, c.batch, ("init", c.init))
+        if c.hellaswag not in (0, 1):
+            raise CupyGPTError("0 (off) or 1 (HellaSwag at every val step)", "hellaswag",
+                               c.hellaswag)
+        if c.hellaswag:
+            hellaswag_seq(c.hellaswag_file, c.batch, c.seq, shape)
+        log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
+        check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
+                       ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
+        # in the order train's start makes their directories (rundir)
+        out_file("trace", c.trace, c.overwrite)
+        out_file("log_file", c.log_file)
+        check_dir("out", c.out)
+        out_file("log_file", log_file)  # (the default: only not a directory)
+        return replace(c, log_file=log_file), shape
+
+    @staticmethod
+    def _inputs(c):
+        """Every file the run reads: shards, the model or checkpoint, the tokenizer."""
+        model = c.init if is_model_file(c.init) or os.path.isdir(c.init) else None
+        resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
+        return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
+                                               else []),
+                *files_of(model), *resumed, *files_of(c.tokenizer),
+                *(files_of(c.hellaswag_file) if c.hellaswag else [])]
