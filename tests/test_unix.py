@@ -280,3 +280,23 @@ def test_a_signal_during_the_last_writes_lets_them_finish_and_exits_as_signalled
     assert (res.returncode, res.stderr) == (143, ""), res.stderr
     assert "interrupted after the last step; everything was written" in res.stdout
     assert (tmp_path / "model.bin").stat().st_size > 0
+
+
+def loader_state(ckpt):
+    with np.load(os.path.join(ckpt, "adamw.npz")) as z:
+        return json.loads(str(z["meta"]))["train_loader"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_an_accumulated_step_stops_between_its_batches(tmp_path, sig):
+    """-d: a step of 200 batches takes seconds; a signal is heard between two of them, the
+    step given up (no update), and the checkpoint written is the last whole step's, its data
+    position where a run of that many steps leaves it (a resume reads the step again)."""
+    acc = [*TINY, "-d", 16 * 200, "--checkpoint-every", 3]
+    rc, took, out, err = signalled(sig, "step    1", *acc, "-n", 3, "-o", tmp_path / "o")
+    assert (rc, err) == (128 + sig, ""), err
+    assert took < 5 and "interrupted after step 1; resume from" in out, (took, out)
+    subprocess.run([sys.executable, CLI, *map(str, acc), "-n", "1", "--checkpoint-every", "1",
+                    "-o", str(tmp_path / "one")], check=True, capture_output=True, timeout=300)
+    assert loader_state(tmp_path / "o" / "ckpt_00000001") == loader_state(
+        tmp_path / "one" / "ckpt_00000001")

@@ -41,6 +41,10 @@ from .pipeline.plan import plan_step
 from .settings import StepSettings
 
 
+
+class Abandoned(Exception):
+    """A step given up between its batches (Runner.step's stop): no update was made."""
+
 class Runner:
     def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport, mesh: Mesh,
                  settings: StepSettings) -> None:
@@ -83,19 +87,22 @@ class Runner:
     # --- training ----------------------------------------------------------------------
 
     def step(self, x: np.ndarray, y: np.ndarray, lr: float | None = None,
-             keep: Callable | None = None, wait: bool = True) -> float | None:
+             keep: Callable | None = None, wait: bool = True,
+             stop: Callable | None = None) -> float | None:
         """One training step on the host batch x, y (B, T; several batches: see gradients);
         returns the mean loss on every rank (wait=False: None for a replayed CUDA graph,
         not waiting for the device). keep(loss, norm), when given, decides whether the
-        update happens (outlier skipping; an eager step), alike on every rank."""
+        update happens (outlier skipping; an eager step), alike on every rank. stop(), a
+        collective asked between several batches' passes, abandons the step (Abandoned)
+        with the parameters untouched: a signal waits one pass, not a whole step."""
         self.steps_done += 1
         if self.graphs and self.steps_done > 1 and len(x) == self.plan.batch and not keep:
             return self._replay(x, y, lr, wait)
-        loss = self.gradients(x, y)
+        loss = self.gradients(x, y, stop)
         self.update(lr, keep and (lambda norm: keep(loss, norm)))
         return loss
 
-    def gradients(self, x: np.ndarray, y: np.ndarray) -> float:
+    def gradients(self, x: np.ndarray, y: np.ndarray, stop: Callable | None = None) -> float:
         """Forward and backward over x, y (n B, T): n batches of the plan's B rows, each a
         pass adding into the gradients (llm.c's gradient accumulation), synced after the
         last; returns the mean loss on every rank."""
@@ -105,6 +112,8 @@ class Runner:
         self.zero_grad()
         total = 0.0
         for i in range(n):
+            if i and stop and stop():
+                raise Abandoned(f"the step stopped after {i} of its {n} batches")
             self.exec.feed(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
             self.forward_backward(n, last=i == n - 1)
             self.sync_gradients(last=i == n - 1)

@@ -22,6 +22,7 @@ from ..log import open_log
 from ..model.optim import AdamWConfig, lr_at
 from .outlier import UpdateGate
 from ..parallel.pipeline.plan import stage_shares
+from ..parallel.runner import Abandoned
 from ..precision import is_narrow
 from .sample import generate
 from ..session import load_model
@@ -244,13 +245,19 @@ class Trainer:
 
     def train_step(self, step):
         opts, tr = self.opts, self.tr
+        at = self.train_data.state()
         x, y = self.batches()
         if self.fault == ("targets", step + 1):
             y = np.full_like(y, self.sess.shape.V - 1)
         lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
                    opts.lr_schedule)
         t0 = time.perf_counter()
-        loss = self.run.step(x, y, lr, self.gate.keep if self.run.settings.gated else None)
+        try:  # with several batches a step, a signal is heard between them
+            loss = self.run.step(x, y, lr, self.gate.keep if self.run.settings.gated else None,
+                                 stop=self.stopping if opts.micro_steps > 1 else None)
+        except Abandoned:  # (this step's batches are read again by a resume)
+            self.train_data.set_state(at)
+            self.interrupt(step)
         self.sess.be.synchronize()
         dt = time.perf_counter() - t0
         if self.fault == ("raise", step + 1, tr.rank):
