@@ -54,7 +54,7 @@ def allocated(run):
         out["grads"] += st.grads.nbytes
         out["activations"] += sum(b.nbytes for b in st.acts_bufs)
         out["scratch"] += sum(b.nbytes for b in st.scratch_bufs)
-    out["optimizer"] = run.opt.state_bytes()
+    out["optimizer"] = sum(x.nbytes for state in run.opt.state for x in state.values())
     out["workspace"] = run.memory["workspace"]  # the backend's (measured by bench)
     return out
 

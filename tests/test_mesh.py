@@ -14,29 +14,32 @@ from cupygpt.parallel.settings import StepSettings
 from cupygpt.parallel.pipeline.schedule import Action, Op
 
 
+def own(m, axis):
+    """m's rank's group along axis, as groups() lists it."""
+    return next(g for g in m.groups(axis) if m.rank in g)
+
+
 @pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (4, 1, 1), (2, 2, 2), (3, 1, 2), (2, 3, 1)])
 def test_groups_partition_the_world(pp, dp, tp):
     world = pp * dp * tp
     meshes = [Mesh(r, pp, dp, tp) for r in range(world)]
-    for kind, size in (("pipeline", pp), ("dp_group", dp), ("tp_group", tp)):
-        groups = {tuple(getattr(m, kind)) for m in meshes}
+    for axis, size in (("pp", pp), ("dp", dp), ("tp", tp)):
+        groups = Mesh(0, pp, dp, tp).groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
         assert all(len(g) == size for g in groups)
-        assert all(m.rank in getattr(m, kind) for m in meshes)
+        assert all(Mesh(r, pp, dp, tp).groups(axis) == groups for r in range(world))
     for m in meshes:
         stage, replica, shard = m.coords
         assert m.rank == (stage * dp + replica) * tp + shard  # tp fastest, then dp, then pp
-        assert m.tp_group == list(range(m.rank - shard, m.rank - shard + tp))  # neighbours
-        assert m.pipeline[m.stage] == m.rank
+        assert own(m, "tp") == list(range(m.rank - shard, m.rank - shard + tp))  # neighbours
+        assert own(m, "dp") == [m.rank_at(stage, r, shard) for r in range(dp)]
+        assert own(m, "pp") == m.pipeline and m.pipeline[m.stage] == m.rank
         if m.stage < pp - 1:  # the next stage: same replica and shard, one stage on
             nxt = meshes[m.stage_rank(m.stage + 1)]
             assert nxt.stage == m.stage + 1 and nxt.coords[1:] == m.coords[1:]
             assert nxt.stage_rank(m.stage) == m.rank and m.ring(1) == nxt.rank
         at = meshes[m.rank_at(*m.coords)]
         assert at.coords == m.coords
-    for axis, kind in (("pp", "pipeline"), ("dp", "dp_group"), ("tp", "tp_group")):
-        assert sorted(map(tuple, Mesh(0, pp, dp, tp).groups(axis))) == \
-            sorted({tuple(getattr(m, kind)) for m in meshes})
 
 
 def test_tied_pair_and_point_to_point_pairs():

@@ -159,10 +159,6 @@ class AdamW:
                 if k in theirs:
                     st.be.upload(x, theirs[k][a:b])
 
-    def state_bytes(self) -> int:
-        """Bytes of the state on this rank."""
-        return sum(x.nbytes for state in self.state for x in state.values())
-
 
 def rounding_salt(part: Part) -> int:
     """Which noise a bf16 update's stochastic rounding draws on a stage: the tensor-parallel

@@ -58,18 +58,6 @@ class Mesh:
         _, d, t = self.coords
         return [int(r) for r in self.grid[:, d, t]]
 
-    @property
-    def dp_group(self) -> list[int]:
-        """The ranks holding the same part of the model in every replica, replica 0 first."""
-        s, _, t = self.coords
-        return [int(r) for r in self.grid[s, :, t]]
-
-    @property
-    def tp_group(self) -> list[int]:
-        """The ranks sharing this rank's stage of this replica, shard 0 first."""
-        s, d, _ = self.coords
-        return [int(r) for r in self.grid[s, d, :]]
-
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of the world along axis "pp", "dp" or "tp", members in order (a
         transport makes one communicator per group, each rank calling with its own)."""
