@@ -3,6 +3,7 @@ on a terminal. Standard output and error that outlive their reader, and a standa
 that cannot be written (closed, a full disk) reported as coreutils do. And train's
 JSON-lines log, reopened on a resume."""
 import errno
+import fcntl
 import io
 import json
 import os
@@ -151,4 +152,7 @@ def open_log(path, start):
                     keep.append(line if line.endswith("\n") else line + "\n")
     with atomic_write(path) as f:
         f.write("".join(keep).encode())
-    return open(path, "a")
+        # train's claim holds the log (paths.hold): this file, which replaces it, too
+        held = os.dup(f.fileno())
+        fcntl.flock(held, fcntl.LOCK_EX)
+    return os.fdopen(held, "a")

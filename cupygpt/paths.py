@@ -3,7 +3,9 @@ output is one of the command's inputs (a log written over a train shard destroys
 lies in the installed package; an input is a regular file (a FIFO blocks its reader
 forever, /dev/zero never ends) and text or JSON is read up to a cap. The directories a
 command writes into are made here, at its start (a config's validate only checks them:
-check_dir), and listed, so that a command that fails removes those it made."""
+check_dir), and listed, so that a command that fails removes those it made; what it
+writes into is held (one command at a time) and written whole (atomic_write).
+One module, the root layer's checks on files: the package root holds six at most."""
 import contextlib
 import errno
 import fcntl
@@ -152,7 +154,7 @@ def check_outputs(outputs, inputs):
             raise CupyGPTError(f"is {what}; give a regular file's path", name, path)
 
 
-MADE = []  # the directories make_dir created, in order: a command that fails removes them
+MADE = []  # the directories make_dir created (and claimed files), in order: a failure removes them
 
 
 def _nearest(path):
@@ -205,10 +207,14 @@ def make_dir(name, path):
 
 def unmake_dirs():
     """A command that failed: the directories it made go, the innermost first, where
-    empty (what it wrote into one is kept)."""
+    empty (what it wrote into one is kept); so do the empty files train's claim made to
+    hold them (its log), listed after their directory."""
     for d in reversed(MADE):
         try:
-            os.rmdir(d)
+            if os.path.isdir(d):
+                os.rmdir(d)
+            elif os.path.getsize(d) == 0:
+                os.unlink(d)
         except OSError:
             pass  # (not empty: something of the command's is worth keeping)
     MADE.clear()
@@ -244,19 +250,35 @@ def holder(path):
                 None)
 
 
-def lock(out):
-    """An fd of the directory out holding its exclusive lock (closed when the process ends,
-    however it ends), or the refusal: one command writes into a directory at a time."""
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+def lock(path, fd=None):
+    """An fd of the directory path (or fd: the file path, open) holding its exclusive lock
+    (closed when the process ends, however it ends), or the refusal: one command writes
+    into a directory, or appends to a file (train's log: hold), at a time."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if fd is None else fd
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        pid = holder(out)
+        pid, what = holder(path), "into this directory" if os.path.isdir(path) else "this file"
         return None, (f"another command ({f'pid {pid}' if pid else 'another process'}) "
-                      f"is writing into this directory; wait for it to end, or give another "
-                      f"directory")
+                      f"is writing {what}; wait for it to end, or give another "
+                      f"{'directory' if what.endswith('directory') else 'path'}")
     return fd, None
+
+
+def hold(path):
+    """(an fd of the file path holding its lock, whether this call made it (empty), the
+    refusal): a file a command appends to for its life, as train's log, is held as the
+    directory it writes into is (lock)."""
+    try:
+        try:
+            fd, made = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, made = os.open(path, os.O_RDONLY), False
+    except OSError as e:
+        return None, False, f"cannot open it ({e.strerror})"
+    fd, why = lock(path, fd)
+    return fd, made, why
 
 
 HELD = []  # claim's locks, held until the process ends
@@ -297,20 +319,28 @@ def atomic_write(path):
         with contextlib.suppress(FileNotFoundError):  # (a signal just after the rename)
             os.unlink(tmp)
         if full(e):
-            raise disk_full(path) from None
+            raise disk_full(path, e) from None
         raise
 
 
+# what a write that found no room met, by errno: its words, and what to do
+FULL = {errno.ENOSPC: ("disk full (or over quota)", "free some space"),
+        errno.EDQUOT: ("disk full (or over quota)", "free some space"),
+        errno.EFBIG: ("over the file-size limit (ulimit -f)", "raise it (ulimit -f unlimited)")}
+
+
 def full(e):
-    """e says the disk is full (or the quota spent): an OSError's errno, or the OS's error
-    quoted by a library that raises its own type (safetensors: "... (os error 28)")."""
-    codes = (errno.ENOSPC, errno.EDQUOT)
+    """FULL's words for e when it says there is no room (else None): an OSError's errno,
+    or the OS's error quoted by a library that raises its own type (safetensors: "...
+    (os error 28)")."""
     if isinstance(e, OSError):
-        return e.errno in codes
-    return isinstance(e, Exception) and any(f"(os error {n})" in str(e) for n in codes)
+        return FULL.get(e.errno)
+    return next((w for n, w in FULL.items() if isinstance(e, Exception) and
+                 f"(os error {n})" in str(e)), None)
 
 
-def disk_full(path):
+def disk_full(path, e):
     """The one line for a write that found no room (the partial output already removed)."""
-    return CupyGPTError(f"{path}: disk full (or over quota) while writing it; nothing was "
-                        f"written there: free some space and run again")
+    what, fix = full(e)
+    return CupyGPTError(f"{path}: {what} while writing it; nothing was written there: "
+                        f"{fix} and run again")

@@ -146,12 +146,12 @@ def test_trains_start_makes_o_and_a_refusal_there_removes_it(tmp_path):
     out = tmp_path / "o" / "run"
     opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
                            log_file=str(out / "log.jsonl"))
-    fd, made, locked = rundir.claim(opts, One(), (0, 0))
+    fd, made, locked, log = rundir.claim(opts, One(), (0, 0, (0, "model.bin")))
     os.close(fd)
-    assert made and out.is_dir()
+    assert made and out.is_dir() and log  # (the log made empty, to be held)
+    os.unlink(out / "log.jsonl")
     os.rmdir(out)
     with pytest.raises(CupyGPTError, match="free some space"):
-        rundir.claim(opts, One(), (0, 1 << 62))
-    assert not out.exists()
-    unmake_dirs()  # (the command's entry would: -o's parent it made)
+        rundir.claim(opts, One(), (0, 1 << 62, (0, "model.bin")))
+    unmake_dirs()  # (the command's entry would, once the job's end is settled)
     assert os.listdir(tmp_path) == []

@@ -244,6 +244,7 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
     instant earlier), so claim made none itself; the run made it all the same."""
     from types import SimpleNamespace
+    from cupygpt.paths import unmake_dirs
     from cupygpt.train import rundir
 
     class Rank0:  # rank 0 of two, rank 1 having made -o
@@ -258,7 +259,8 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     out.mkdir()
     opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
                            log_file=str(out / "log.jsonl"))
-    rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0)))
+    rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0, (0, "model.bin"))))
+    unmake_dirs()  # (the CLI's, once the job's end is settled)
     assert not out.exists()
 
 

@@ -2,6 +2,7 @@
 the flags, the options several commands share, and progress bars."""
 import dataclasses
 import functools
+import os
 import sys
 import traceback
 import typing
@@ -9,7 +10,8 @@ import typing
 import click
 
 from .. import CupyGPTError
-from ..comm.launch import Stopped, fail, launched_ranks, on_signals, start_mpi, stop_job
+from ..comm.launch import (Stopped, every_rank, fail, launched_ranks, on_signals, start_mpi,
+                           stop_job)
 from ..config.sections import FLAG, Device, Grid, Pipeline
 from ..log import FAILED, guard_streams
 from ..paths import unmake_dirs
@@ -17,13 +19,18 @@ from ..session import Session
 
 
 
+def flag_of(name):
+    """The command's flag of a config field (the field's name where it has none)."""
+    ctx = click.get_current_context(silent=True)
+    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    return params.get(name, name)
+
+
 def as_flag(e):
     """A library error names a config field (CupyGPTError.option): show it as its flag."""
     if e.option is None:
         return str(e)
-    ctx = click.get_current_context(silent=True)
-    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
-    flag = params.get(e.option, e.option)
+    flag = flag_of(e.option)
     if e.value is FLAG:  # an on/off flag given: its name alone
         return f"{flag}: {e.args[0]}"
     shown = "''" if e.value == "" else e.value  # (an empty value, visibly)
@@ -42,6 +49,7 @@ def entry(fn):
         if launched_ranks() > 1:
             start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
+            in_a_directory()
             fn(**kw)
         except SystemExit as e:  # (verify and gpucheck exit 0 on success: on to wrote)
             if e.code not in (0, None) or isinstance(e, Stopped):
@@ -50,18 +58,31 @@ def entry(fn):
                     stop_job(e.code)
                 raise
         except BaseException as e:
-            unmake_dirs()  # a failed or stopped command leaves no directory it made
+            # a failed or stopped command leaves no directory it made (fail removes them
+            # once the other ranks are done with them)
             if isinstance(e, CupyGPTError):
-                fail(f"error: {as_flag(e)}")
+                fail(f"error: {as_flag(e)}", unmake_dirs)
             if isinstance(e, MemoryError):  # past the check at start: another process
                 fail("error: out of memory while running (there was room at the start: "
                      "another process took it, or a temporary outgrew the plan); lower the "
-                     "batch size or sequence length")
+                     "batch size or sequence length", unmake_dirs)
             if isinstance(e, Exception):
-                fail(traceback.format_exc().rstrip())
+                fail(traceback.format_exc().rstrip(), unmake_dirs)
+            unmake_dirs()
             raise
         wrote()
     return wrapper
+
+
+def in_a_directory():
+    """Every command resolves relative paths (its defaults too: out/, bench.json) against
+    the current directory: one removed under the shell would fail at the first of them, in
+    a traceback."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise CupyGPTError("the current directory no longer exists: cd to one that "
+                           "does") from None
 
 
 def wrote():
@@ -101,7 +122,39 @@ def config(cls, kw):
         if name in {f.name for f in dataclasses.fields(cls)}:
             args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
                                  if f.name in kw})
-    return cls(**args)
+    return agreed(cls(**args))
+
+
+def settings(cfg):
+    """A config's (field, value's repr) pairs, its sections' fields in their place."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from settings(value)
+        else:
+            yield f.name, repr(value)
+
+
+def agreed(cfg):
+    """cfg, once every rank has the same (collective under mpiexec, before it is validated
+    or anything allocated): an MPMD launch (`mpiexec -n 1 cupygpt train -b 4 : -n 1 cupygpt
+    train -b 8`) gives each rank flags of its own, and ranks exchanging tensors of other
+    shapes die inside MPI, at other learning rates or -o's train apart."""
+    ctx = click.get_current_context(silent=True)
+    mine = {"command": repr(ctx.info_name if ctx else type(cfg).__name__), **dict(settings(cfg))}
+    every = every_rank(mine)
+    for name in mine:
+        seen = [theirs.get(name, "nothing") for theirs in every]
+        if len(set(seen)) > 1:
+            held = {}
+            for rank, value in enumerate(seen):
+                held.setdefault(value, []).append(str(rank))
+            said = ", ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
+                             f"ranks {', '.join(ranks)} have {value}"
+                             for value, ranks in held.items())
+            raise CupyGPTError(f"ranks disagree on {flag_of(name)}: {said}; give every rank "
+                               f"the same flags")
+    return cfg
 
 
 def session(cls, kw, tf32_default):

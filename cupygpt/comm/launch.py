@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import time
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from .base import Transport
 
@@ -42,6 +42,14 @@ def host_names() -> tuple[str, ...]:
         return (here,)
     from mpi4py import MPI
     return tuple(MPI.COMM_WORLD.allgather(here))
+
+
+def every_rank(value: object) -> list:
+    """Collective under mpiexec: each rank's value, in rank order."""
+    if launched_ranks() == 1:
+        return [value]
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.allgather(value)
 
 
 def start_mpi(timeout: float) -> None:
@@ -99,13 +107,20 @@ def stop_job(code: int) -> None:
     sys.exit(code)
 
 
-def fail(message: str, window: float = 2.0) -> NoReturn:
-    """Ends this process for an error. Under mpiexec: if every rank fails within `window`
-    seconds (bad input, a NaN loss) rank 0 prints the one line and all exit 1; a rank that
-    fails alone prints its line, tagged with its rank, and aborts the job (no rank hangs)."""
+def fail(message: str, undo: Callable[[], None] = lambda: None,
+         window: float = 2.0) -> NoReturn:
+    """Ends this process for an error, undo() first removing what it made. Under mpiexec:
+    if every rank fails within `window` seconds (bad input, a NaN loss) one line is
+    printed, the first failure's (a rank failing for its own reason makes the others fail
+    on what it left: theirs are its consequences), and all exit 1; a rank that fails
+    alone prints its line, tagged with its rank, and aborts the job (no rank hangs). undo
+    waits for that outcome: until then the other ranks may be using what it removes (rank
+    0 writes the -o another rank made)."""
     if _FAILURES is None:
+        undo()
         print(message, file=sys.stderr, flush=True)
         sys.exit(1)
+    when = time.time()
     req = _FAILURES.Ibarrier()
     deadline = time.monotonic() + window
     while not req.Test():
@@ -113,10 +128,16 @@ def fail(message: str, window: float = 2.0) -> NoReturn:
             print(f"[pe{_FAILURES.rank}] {message}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             time.sleep(0.2)  # let the launcher forward the line before the abort tears down
+            undo()
             _FAILURES.Abort(1)
         time.sleep(1e-3)
+    undo()
+    failures = _FAILURES.gather((when, message), root=0)
     if _FAILURES.rank == 0:
-        print(message, file=sys.stderr, flush=True)
+        first = min(range(len(failures)), key=lambda r: failures[r][0])
+        same = all(m == message for _, m in failures)
+        print(message if same else f"[pe{first}] {failures[first][1]}", file=sys.stderr,
+              flush=True)
     sys.exit(1)
 
 

@@ -102,7 +102,7 @@ def write_hf(dst, cfg, params, tok):
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         if full(e):  # (as the other direction's atomic_write says it)
-            raise disk_full(dst) from None
+            raise disk_full(dst, e) from None
         if isinstance(e, OSError):
             raise CupyGPTError(f"{dst}: writing failed ({e.strerror or e}); nothing was "
                                f"left") from None

@@ -1,5 +1,6 @@
 """A checkpoint directory as a resume reads it: where the newest is, what its state file holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
 import json
+import math
 import os
 import re
 import zipfile
@@ -88,6 +89,28 @@ def _length(z, name):
     return shape[0] if len(shape) == 1 and dtype == np.float32 else None
 
 
+OUTLIER_WINDOW = 128  # llm.c's outlier detector's window of steps (train/outlier.py)
+
+
+def outliers_ok(state):
+    """A checkpoint's outlier detectors' state (none: a run before they were saved) is one
+    train/outlier.py takes as it is: per detector a window of finite numbers, its index
+    in it, and their sums."""
+    if state is None:
+        return True
+
+    def number(x):
+        return type(x) in (int, float) and math.isfinite(x)
+
+    def detector(d):
+        return (isinstance(d, dict) and isinstance(d.get("buffer"), list)
+                and len(d["buffer"]) <= OUTLIER_WINDOW and all(map(number, d["buffer"]))
+                and type(d.get("index")) is int and 0 <= d["index"] < OUTLIER_WINDOW
+                and number(d.get("sum")) and number(d.get("sum_sq")))
+    return isinstance(state, dict) and set(state) <= {"loss", "norm"} and all(
+        map(detector, state.values()))
+
+
 def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     """Before anything is allocated: the checkpoint's state file is readable and fits this
     run: its model shape, batch and tokens per step (-d; B x T where a checkpoint has
@@ -119,6 +142,8 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
             from None
     if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos, epoch, seed)):
         raise damaged(f, path, "its step or data position is not a count")
+    if not outliers_ok(meta.get("outliers")):
+        raise damaged(f, path, "its outlier detectors' window (-sl, -sg) is malformed")
     if shard >= len(train_files) or pos + B * T + 1 > read_shard(
             train_files[shard_order(len(train_files), seed, epoch, shuffle)[shard]]).size:
         raise CupyGPTError(f"{f}: its data position (shard {shard}, token {pos:,}) lies "

@@ -5,13 +5,13 @@ full). Its state is part of a checkpoint, so a resumed run skips what the uninte
 one would."""
 import math
 
-WINDOW = 128
+from ..formats.checkpoint import OUTLIER_WINDOW as WINDOW
 
 
 class OutlierDetector:
     def __init__(self, state=None):
         self.buffer, self.index, self.sum, self.sum_sq = [], 0, 0.0, 0.0
-        if state:
+        if state:  # (checked by the resume's validation: formats/checkpoint.outliers_ok)
             self.buffer, self.index = [float(x) for x in state["buffer"]], int(state["index"])
             self.sum, self.sum_sq = float(state["sum"]), float(state["sum_sq"])
 

@@ -5,13 +5,14 @@ leaves no directory it made. The run's start makes its directories (its config's
 checked them and made none): --trace's and a --log-file's elsewhere, then -o."""
 import math
 import os
+import resource
 import shutil
 
 from .. import CupyGPTError
-from ..formats.checkpoint import LATEST, listed
+from ..formats.checkpoint import LATEST, STATE, listed
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
-from ..paths import lock, make_dir, make_parent
+from ..paths import MADE, hold, lock, make_dir, make_parent
 
 MODEL = "model.bin"
 
@@ -57,18 +58,35 @@ def checkpoints_held(opts):
 
 
 def need_bytes(shape, bf16, opts):
-    """What a run writes at most at once: (checkpoints, bytes): its model file and the
-    checkpoints it holds at once (each the model again, AdamW's m and v, a bf16 run's fp32
-    master weights, a little for its state)."""
+    """What a run writes at most at once: (checkpoints, bytes, the largest file's bytes and
+    name): its model file and the checkpoints it holds at once (each the model again,
+    AdamW's m and v, a bf16 run's fp32 master weights, a little for its state)."""
     n = param_layout(shape).size
     model = HEADER_BYTES + n * (2 if bf16 else 4)
     held = checkpoints_held(opts)
-    return held, model + held * (model + 4 * n * (3 if bf16 else 2) + (1 << 20))
+    state = 4 * n * (3 if bf16 else 2) + (1 << 20)
+    largest = (state, f"a checkpoint's {STATE}") if held and state > model else (model, MODEL)
+    return held, model + held * (model + state), largest
+
+
+def over_limit(size):
+    """The words for a file of size bytes that the file-size limit (RLIMIT_FSIZE) does not
+    let be written, else None: ulimit -f counts KiB."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY or size <= limit:
+        return None
+    return (f"over the file-size limit (ulimit -f {limit >> 10}: {limit / 2**20:.1f} MiB); "
+            f"raise it (ulimit -f unlimited)")
 
 
 def room(out, need):
-    """Refuses a run whose files will not fit on out's filesystem."""
-    held, need = need
+    """Refuses a run whose files will not fit on out's filesystem, or whose largest file
+    the file-size limit (ulimit -f) would cut off after hours of training."""
+    held, need, (largest, name) = need
+    over = over_limit(largest)
+    if over:
+        return (f"this run writes {name} of {largest / 2**20:.1f} MiB, {over}, or train a "
+                f"smaller model")
     st = os.statvfs(out)
     free = st.f_bavail * st.f_frsize
     if free < need:
@@ -91,40 +109,59 @@ def make_parents(opts):
 
 def claim(opts, tr, need):
     """Collective, before anything is allocated: every rank makes -o (each checked it, and
-    may write on a disk of its own), then rank 0 locks it for the run's life and checks
-    what it holds and its room; every rank raises the same refusal. Returns what unmake
-    needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o (the ranks
-    start at once: the one that made it need not be rank 0), and the identity of the
-    directory rank 0 locked (None: not locked)."""
+    may write on a disk of its own), then rank 0 locks it and the log for the run's life
+    and checks what -o holds and its room; every rank raises the same refusal. Returns
+    what unmake needs: the lock's fd on rank 0 (None elsewhere), whether any rank made -o
+    (the ranks start at once: the one that made it need not be rank 0), the identity of
+    the directory rank 0 locked (None: not locked), and that of the log rank 0 made to
+    hold it (None: it made none)."""
     made_here = not os.path.isdir(opts.out)
     make_dir("out", opts.out)
-    fd, why, made = None, None, tr.any(made_here)
+    fd, why, log_made, made = None, None, False, tr.any(made_here)
     if tr.rank == 0:
-        fd, why = lock(opts.out)
-        real = os.path.realpath(opts.out)  # a resume continues its own directory:
-        own = opts.resume and os.path.commonpath([os.path.realpath(opts.resume), real]) == real
-        found = [] if why or own else earlier_output(opts.out, opts.log_file)
-        if found and not opts.overwrite:
-            why = (f"holds an earlier run's output ({'; '.join(found)}); " +
-                   (f"add --resume {opts.out} to continue that run, " if listed(opts.out)
-                    else "") + "add --overwrite to replace it, or give another -o")
-        why = why or room(opts.out, need)
-        if found and not why:
-            replace_earlier(opts.out)
-        why = why and ("out", opts.out, why)
-        log = opts.log_file
-        if not why and log_elsewhere(opts.out, log) and os.path.exists(log) and \
-                not opts.overwrite:
-            link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
-            why = ("log_file", log, f"exists{link}; add --overwrite to replace it, or give "
-                   f"another --log-file")
-    why, locked = tr.bcast((why, _identity(opts.out) if fd is not None else None))
+        fd, why, log_made = _claim_here(opts, need)
+    why, locked, log = tr.bcast((why, _identity(opts.out) if fd is not None else None,
+                                 _identity(opts.log_file) if log_made else None))
+    claimed = (fd, made, locked, log)
     if why:
-        unmake(opts, tr, (fd, made, locked))
+        unmake(opts, tr, claimed)
         if fd is not None:
             os.close(fd)
         raise CupyGPTError(why[2], why[0], why[1])
-    return fd, made, locked
+    return claimed
+
+
+def _claim_here(opts, need):
+    """claim's work on rank 0: (-o's lock fd, the refusal as (field, path, why) or None,
+    whether it made the log, empty, to hold it). The log, written for the run's life, is
+    held as -o is, until the process ends (hold): a second run given the same --log-file
+    (another -o) would interleave its lines with this one's. What an earlier run left is
+    replaced last, once nothing refuses."""
+    fd, why = lock(opts.out)
+    if why:
+        return None, ("out", opts.out, why), False
+    real = os.path.realpath(opts.out)  # a resume continues its own directory:
+    own = opts.resume and os.path.commonpath([os.path.realpath(opts.resume), real]) == real
+    found = [] if own else earlier_output(opts.out, opts.log_file)
+    if found and not opts.overwrite:
+        why = (f"holds an earlier run's output ({'; '.join(found)}); " +
+               (f"add --resume {opts.out} to continue that run, " if listed(opts.out)
+                else "") + "add --overwrite to replace it, or give another -o")
+    why = why or room(opts.out, need)
+    if why:
+        return fd, ("out", opts.out, why), False
+    log = opts.log_file
+    log_fd, log_made, why = hold(log)
+    if why:
+        return fd, ("log_file", log, why), False
+    if log_elsewhere(opts.out, log) and not log_made and not opts.overwrite:
+        os.close(log_fd)
+        link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
+        return fd, ("log_file", log, f"exists{link}; add --overwrite to replace it, or "
+                                     f"give another --log-file"), False
+    if found:
+        replace_earlier(opts.out)
+    return fd, None, log_made
 
 
 def _identity(path):
@@ -136,13 +173,14 @@ def _identity(path):
 
 
 def unmake(opts, tr, claimed):
-    """A run that failed before its first step: the -o it made goes, when empty (its lock
-    held, so no other run's). claimed: claim's answer. Any rank that sees the directory
-    rank 0 locked (a filesystem they share) removes it: a rank failing alone aborts the
-    others before they could."""
-    _, made, locked = claimed
-    if made and locked is not None and _identity(opts.out) == locked:
-        try:
-            os.rmdir(opts.out)
-        except OSError:
-            pass  # (not empty: something of the run's is worth keeping)
+    """A run that failed before its first step: the log claim made goes, when empty (its
+    first line comes later), and the -o it made, when empty (its lock held, so no other
+    run's). claimed: claim's answer. Any rank that sees them (a filesystem the ranks share)
+    counts them among what the command made, which the CLI removes once the job's end is
+    settled: a rank failing alone aborts the others before they could, and until that
+    abort rank 0 may still be writing there."""
+    _, made, locked, log = claimed
+    for path, ident in ((opts.out, locked if made else None), (opts.log_file, log)):
+        path = os.path.abspath(path)  # (-o first: the log in it goes before it)
+        if ident is not None and _identity(path) == ident and path not in MADE:
+            MADE.append(path)
