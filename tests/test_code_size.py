@@ -12,7 +12,8 @@ ONE_MODULE = {"backends/numpy_backend.py": "One module, as each backend is",
               "backends/cuda_backend.py": "One module, as each backend is",
               "train/loop.py": "One module, the training loop told as one story",
               "model/stage.py": "One module, a stage's forward and backward read in one place",
-              "paths.py": "One module, the root layer's checks on files"}
+              "paths.py": "One module, the root layer's checks on files",
+              "parallel/runner.py": "One module, the facade"}
 
 
 def sources():

@@ -20,6 +20,8 @@ One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ran
   model/optim.py                 update: the global gradient norm, clipping, AdamW
 
 The single process is the pipeline of one stage: one code path for every world size.
+One module, the facade: the step and every reader of the model a command uses are here, so
+no command reaches past it.
 """
 from collections.abc import Callable
 from types import ModuleType
