@@ -90,7 +90,7 @@ def test_tokenizer_splits_as_tiktokens_published_gpt2():
     """The encoder built from the shipped file splits text with tiktoken's own GPT-2
     pattern (tiktoken_ext.openai_public, not the project's copy) on contractions, runs of
     spaces, trailing whitespace, accents, CJK, digits and newlines; and well-known GPT-2
-    ids come out as published. (In a process of its own, as conftest's tiktokens.)"""
+    ids come out as published. (In a process of its own, as harness's tiktokens.)"""
     texts = ["I'm sure you'll say they've done 'it' -- don't they'd?", "a  b   c    \n\n d ",
              "naïve café résumé über façade", "日本語のテキスト 和 中文", "3.14159 + 2,718 = 12345678",
              "tabs\tand\r\nwindows\n\n\nnewlines   ", "  leading and trailing  ", "😀 emoji 🚀!",
