@@ -1,12 +1,12 @@
-"""The flash kernels' tile loop read from their sm_90 SASS (NVRTC and cuobjdump, compiled as
-tests/test_kernels_compile.py compiles them, whose SASS readers this uses), per kernel:
-ptxas's registers, the launch's shared memory, the blocks per SM they leave, and per
-walked tile and warp the instructions on the common path (the 16-byte cp.async copies
-and the unmasked softmax; the misaligned views' element-wise copies and the masked
-variant left out), of which the copies' (the runs holding a cp.async or a 16-byte load),
+"""The flash kernels' tile loop read from their sm_90 SASS (NVRTC and cuobjdump, compiled
+as tests/unit/backends/test_kernels_compile.py compiles them, whose SASS readers this
+uses), per kernel: ptxas's registers, the launch's shared memory, the blocks per SM they
+leave, and per walked tile and warp the instructions on the common path (the 16-byte
+cp.async copies and the unmasked softmax; the misaligned views' element-wise copies and
+the masked variant left out), of which the copies' (the runs holding a cp.async or a 16-byte load),
 and the HMMA, LDSM and MUFU.EX2 among them.
 model_h200.py's FLASH["now"] is this tool's output for d12's kernels (head size 64,
-bf16); tests/test_gpumodel.py checks it still is.
+bf16); tests/bench/test_gpumodel.py checks it still is.
 
     python -m bench.gpumodel.flash_sass [HEAD_SIZE] [bf16|fp32]
 """
@@ -24,11 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _compile_test():
-    """tests/test_kernels_compile.py, whose SASS readers this uses: loaded by its path (tests
-    is no package), so sys.path stays as it was; pytest's own copy where it has one."""
+    """tests/unit/backends/test_kernels_compile.py, whose SASS readers this uses: loaded by
+    its path (tests is no package), so sys.path stays as it was; pytest's own copy where it
+    has one."""
     if "test_kernels_compile" in sys.modules:
         return sys.modules["test_kernels_compile"]
-    path = os.path.join(ROOT, "tests", "test_kernels_compile.py")
+    path = os.path.join(ROOT, "tests", "unit", "backends", "test_kernels_compile.py")
     spec = importlib.util.spec_from_file_location("test_kernels_compile", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

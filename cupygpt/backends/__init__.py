@@ -1,4 +1,5 @@
-"""Backends: one module each, the same functions with the same signatures (test_backends.py).
+"""Backends: one module each, the same functions with the same signatures
+(tests/unit/backends/test_backend_contract.py).
 
 Conventions every backend keeps (the model relies on them):
 - arrays are the backend's own (numpy.ndarray / cupy.ndarray), C-contiguous views into

@@ -17,7 +17,7 @@ layer; backward re-permutes qkv, so the interface stays the reference's). Nothin
 allocates after the first step, so a whole step can be captured as a CUDA graph.
 
 One module, as each backend is: its public functions are the interface, and cudasim
-loads this file whole against its stand-in CuPy (conftest.load_cudasim); modules imported
+loads this file whole against its stand-in CuPy (harness.load_cudasim); modules imported
 beside it would keep whichever CuPy they were first imported with.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from nvmath.bindings import cublasLt as lt
 from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
-# (names, not the module: cudasim's conftest puts its own build of it in sys.modules)
+# (names, not the module: cudasim's harness puts its own build of it in sys.modules)
 from .cudnn_attention import (execute as _sdpa_execute, graph as _sdpa_graph,
                               missing as _sdpa_missing, plan as _sdpa_plan,
                               refuses as _sdpa_refuses, workspace_bytes as _sdpa_workspace)

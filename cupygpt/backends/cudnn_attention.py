@@ -13,7 +13,7 @@ while the stream captures raises, naming it. A captured step only calls execute,
 step's stream. A graph cuDNN will not run (cudnnGraphNotSupportedError from any stage)
 is an Unsupported from plan, which --attention turns into auto's fallback or a refusal.
 
-Imported by cuda_backend (cudasim loads both against its stand-ins: conftest.load_cudasim).
+Imported by cuda_backend (cudasim loads both against its stand-ins: harness.load_cudasim).
 """
 from __future__ import annotations
 

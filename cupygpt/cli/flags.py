@@ -210,6 +210,6 @@ def options_of(cls):
         elif "decls" in f.metadata:
             params.append(parameter(f))
     def add(fn):
-        fn.config = cls  # whose fields they are (test_cli_options checks each against it)
+        fn.config = cls  # whose fields they are (unit/cli/test_options.py checks each against it)
         return options(*params)(fn)
     return add

@@ -40,20 +40,6 @@ def open_tokenizer(path, cfg, log):
     return tok
 
 
-def injected_fault():
-    """Tests make one rank fail mid-run with CUPYGPT_FAULT=raise:STEP:RANK, or one step's
-    targets all the vocab's last token (a loss spike, for -sl/-sg) with targets:STEP."""
-    spec = os.environ.get("CUPYGPT_FAULT", "")
-    kind, _, rest = spec.partition(":")
-    if kind not in ("raise", "targets"):
-        return None
-    try:
-        return (kind, *map(int, rest.split(":")))
-    except ValueError:
-        raise CupyGPTError(f"CUPYGPT_FAULT={spec!r}: give raise:STEP:RANK or targets:STEP "
-                           f"(whole numbers), or unset it") from None
-
-
 def train(sess):
     """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
@@ -131,7 +117,7 @@ class Trainer:
         elif self.sampling and opts.gen_tokens > opts.seq - 1:
             self.log(f"note: -g {opts.gen_tokens}: -t {opts.seq} leaves room for "
                      f"{opts.seq - 1} tokens after the start token; generating {opts.seq - 1}")
-        self.ckpt, self.stop, self.fault = opts.resume, Interrupt(), injected_fault()
+        self.ckpt, self.stop = opts.resume, Interrupt()
         self.stopped = False
 
     def resume(self, meta):
@@ -246,9 +232,7 @@ class Trainer:
     def train_step(self, step):
         opts, tr = self.opts, self.tr
         at = self.train_data.state()
-        x, y = self.batches()
-        if self.fault == ("targets", step + 1):
-            y = np.full_like(y, self.sess.shape.V - 1)
+        x, y = self.before_step(step + 1, *self.batches())
         lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
                    opts.lr_schedule)
         t0 = time.perf_counter()
@@ -260,8 +244,6 @@ class Trainer:
             self.interrupt(step)
         self.sess.be.synchronize()
         dt = time.perf_counter() - t0
-        if self.fault == ("raise", step + 1, tr.rank):
-            raise RuntimeError(f"injected fault on rank {tr.rank} at step {step + 1}")
         if not math.isfinite(loss):
             self.stop_on_nan(step, loss)
         norm = self.run.grad_norm()
@@ -283,6 +265,11 @@ class Trainer:
             self.save(step + 1)
         if self.stopping():
             self.interrupt(step + 1)
+
+    def before_step(self, step, x, y):
+        """The batch step trains on. A seam for the tests, which replace it to make a rank
+        fail mid-run or a step's loss spike (tests/support/faulty_cli.py)."""
+        return x, y
 
     def stopping(self):
         """Collective, at each step's end and between the batches of validation, HellaSwag

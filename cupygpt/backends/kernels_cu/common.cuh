@@ -114,7 +114,8 @@ __device__ __forceinline__ void warp_max_sum(float& m, float& s) {
 // --- tensor cores and dynamic shared memory --------------------------------------------
 // The warp-wide matrix instructions are inline PTX (sm_80+). cudasim (g++, no PTX) defines
 // CUDASIM and brings its own versions of these eleven, emulating the PTX ISA's fragment
-// layouts and cp.async's groups (tests/cudasim/sim_mma.h); a kernel uses only these names.
+// layouts and cp.async's groups (tests/support/cudasim/sim_mma.h); a kernel uses only these
+// names.
 #ifndef CUDASIM
 // One mma.sync of a 16x8 float accumulator from four A and two B registers (both shapes
 // below take operands so).

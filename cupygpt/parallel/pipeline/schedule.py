@@ -203,10 +203,10 @@ def _zbv_order(p, m):
     fills the V so that rank p-1 has work from its first step; each round of six steps
     (an F and a B of each chunk, and the two Ws the cap then calls for) takes what the
     neighbours' rounds hand over; in the cool-down the left-over Ws fill the steps between
-    the last Bs. So rank p-1 never waits once started (not proven: tests/test_schedule.py
-    checks it for p <= 8, m <= 32, over channels of one message and of two). A chunk's
-    micro-batches keep their order, so each channel's messages arrive in the order they
-    are taken."""
+    the last Bs. So rank p-1 never waits once started (not proven:
+    tests/unit/parallel/test_schedule.py checks it for p <= 8, m <= 32, over channels of
+    one message and of two). A chunk's micro-batches keep their order, so each channel's
+    messages arrive in the order they are taken."""
     last = 2 * p - 1
     place = [placement("zbv", p, 2, r) for r in range(p)]
     prefer = {(op, i, place[r][c]): n for r in range(p)

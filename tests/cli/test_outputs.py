@@ -1,0 +1,214 @@
+"""Every file a command writes goes through one claim rule (an existing file is replaced
+only with --overwrite, never a file of the installed package), and a command's standard
+output that cannot be written (closed, a full disk) is a write error, said once. Outputs are
+claimed before they are written: one command at a time per directory, no two outputs of a
+command on one path, and an -o a failed run made is removed whichever rank made it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import CLI, FIX, ROOT, TINY, cli, one_line
+
+PKG = os.path.join(ROOT, "cupygpt")
+BENCH = ["bench", "--backend", "numpy", "-e", "tiny", "-b", "1", "-t", "16", "--steps", "1",
+         "--warmup", "0"]
+
+
+def someones(path, data=b"a run's model, not this command's"):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    lambda t: [*BENCH, "--out", t / "mine"],
+    lambda t: [*BENCH, "--trace", t / "mine", "--out", t / "b.json"],
+    lambda t: ["plot", t / "log.jsonl", "--out", t / "mine"],
+    lambda t: ["timeline", t / "trace.json", "--out", t / "mine"],
+    lambda t: [*TINY, "-n", 1, "-o", t / "o", "--trace", t / "mine"],
+    lambda t: ["verify", "--backend", "numpy", "--trace", t / "mine"],
+], ids=["bench out", "bench trace", "plot out", "timeline out", "train trace",
+        "verify trace"])
+def test_no_command_replaces_an_existing_file_unasked(tmp_path, args):
+    mine = someones(tmp_path / "mine")
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "train_loss": 3.0}\n')
+    (tmp_path / "trace.json").write_text("{}")
+    one_line(cli(*args(tmp_path)), f"{tmp_path / 'mine'}: exists; add --overwrite to replace "
+                                   f"it, or give another path")
+    assert mine.read_bytes() == b"a run's model, not this command's"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_bench_replaces_its_outputs_when_asked_atomically_with_the_umask(tmp_path):
+    out, trace = someones(tmp_path / "b.json"), someones(tmp_path / "t.json")
+    res = cli(*BENCH, "--out", out, "--trace", trace, "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert f"wrote the trace {trace}" in res.stdout
+    for path in (out, trace):
+        assert path.read_bytes().startswith(b"{")
+        assert os.stat(path).st_mode & 0o777 == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["b.json", "t.json"]  # (no temporary left)
+
+
+def test_gpucheck_writes_nothing_into_the_installed_package(tmp_path):
+    (tmp_path / "link").symlink_to(PKG)
+    for out in (os.path.join(PKG, "gpurep"), tmp_path / "link" / "gpurep"):
+        one_line(cli("gpucheck", "--out", out, "--budget", 20, "--part", "peers"),
+                 f"--out {out}: lies in the installed package")
+        assert not os.path.exists(os.path.join(PKG, "gpurep"))
+
+
+def shell(args, redirect):
+    """The command with its stdout redirected (`>&-`: closed; `> /dev/full`): the result."""
+    cmd = " ".join(f"'{a}'" for a in (sys.executable, CLI, *map(str, args)))
+    return subprocess.run(f"{cmd} {redirect}", shell=True, capture_output=True, text=True,
+                          timeout=300)
+
+
+WRITE_ERROR = {">&-": "error: standard output: write error (Bad file descriptor)",
+               "> /dev/full": "error: standard output: write error (No space left on device)"}
+
+
+@pytest.mark.parametrize("redirect", list(WRITE_ERROR))
+@pytest.mark.parametrize("args", [
+    ["schedule", "-p", 4, "-m", 8], ["verify", "--backend", "numpy", "--json"],
+    ["sample", "--backend", "numpy", "--model", os.path.join(FIX, "gpt2v_model.bin"),
+     "--max-new-tokens", 4]], ids=["schedule", "verify", "sample"])
+def test_a_command_whose_stdout_fails_says_so_once_and_exits_1(args, redirect):
+    res = shell(args, redirect)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith(("error", "Traceback"))]
+    assert res.returncode == 1 and lines == [lines[0]], res.stderr
+    assert lines[0].startswith(WRITE_ERROR[redirect]), lines[0]
+
+
+@pytest.mark.parametrize("redirect", list(WRITE_ERROR))
+def test_a_training_run_whose_stdout_fails_trains_on_and_exits_1(tmp_path, redirect):
+    res = shell([*TINY, "-n", 3, "-o", tmp_path], redirect)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.count("error: ") == 1 and WRITE_ERROR[redirect] in res.stderr
+    assert (tmp_path / "model.bin").stat().st_size > 0
+    log = [line for line in open(tmp_path / "log.jsonl")]
+    assert len(log) == 3 and all(line.startswith('{"step"') for line in log)
+
+
+def test_convert_to_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path):
+    import test_signals_and_limits as limits  # (its small tmpfs)
+    small = limits.a_small_filesystem(tmp_path / "small", "1m")
+    try:
+        one_line(cli("convert", os.path.join(FIX, "gpt2v_model.bin"), small / "hf"),
+                 f"{small / 'hf'}: disk full (or over quota) while writing it; nothing was "
+                 f"written there")
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_prepare_and_convert_take_the_overwrite_flag_every_other_command_takes(tmp_path):
+    text = os.path.join(PKG, "data", "tinyshakespeare.txt")
+    assert cli("prepare", text, "--out", tmp_path).returncode == 0
+    one_line(cli("prepare", text, "--out", tmp_path), "exists; add --overwrite to replace")
+    assert cli("prepare", text, "--out", tmp_path, "--overwrite").returncode == 0
+    model = os.path.join(FIX, "gpt2v_model.bin")
+    someones(tmp_path / "m.bin")
+    assert cli("convert", model, tmp_path / "hf").returncode == 0
+    one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"),
+             "already exists; add --overwrite to replace it")
+    assert cli("convert", tmp_path / "hf", tmp_path / "m.bin", "--overwrite").returncode == 0
+
+
+def test_prepare_claims_its_out_as_train_claims_its_o(tmp_path):
+    """A prepare writing into --out holds it: a second one there is refused, naming the
+    first's PID, and writes nothing (two corpora's shards are never mixed)."""
+    import fcntl
+    from harness import ROOT, cli
+    text = os.path.join(ROOT, "data", "tinyshakespeare.txt")
+    out = tmp_path / "d"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (as the first prepare holds it)
+    try:
+        for args in ([], ["--shard-size", "100000"], ["--hellaswag"]):
+            one_line(cli("prepare", text, "--out", out, "--name", "corp", *args),
+                     f"--out {out}: another command (pid {os.getpid()}) is writing into "
+                     f"this directory; wait for it to end, or give another directory")
+        assert os.listdir(out) == []
+    finally:
+        os.close(fd)
+
+
+def test_convert_never_replaces_a_file_unasked_and_writes_with_the_umask(tmp_path):
+    from harness import cli, fixture
+    model = fixture("tiny_model.bin")
+    res = cli("convert", model, tmp_path / "hf")
+    assert res.returncode == 0, res.stderr
+    assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode & 0o777 == 0o644
+    (tmp_path / "x.bin").write_bytes(b"mine")
+    one_line(cli("convert", tmp_path / "hf", tmp_path / "x.bin"),
+             f"{tmp_path / 'x.bin'}: already exists; add --overwrite to replace it")
+    assert (tmp_path / "x.bin").read_bytes() == b"mine"
+    assert cli("convert", tmp_path / "hf", tmp_path / "x.bin", "--force").returncode == 0
+    assert open(tmp_path / "x.bin", "rb").read() == open(model, "rb").read()
+
+
+def test_two_outputs_of_one_command_on_one_path_are_refused(tmp_path):
+    from harness import cli
+    one_line(cli(*TINY, "-n", 1, "-o", tmp_path / "o", "--trace", tmp_path / "x",
+                 "--log-file", tmp_path / "x"),
+             f"--trace {tmp_path / 'x'}: is also another of this command's outputs")
+    assert os.listdir(tmp_path) == []
+    one_line(cli("bench", "--backend", "numpy", "-e", "tiny", "-b", 1, "-t", 16, "--steps", 1,
+                 "--out", tmp_path / "b.json", "--trace", tmp_path / "." / "b.json"),
+             "is also another of this command's outputs")  # (bench's --out beside --trace)
+    assert os.listdir(tmp_path) == []
+
+
+def test_gpucheck_refuses_an_out_it_cannot_use_in_one_line(tmp_path):
+    from harness import cli
+    (tmp_path / "file").write_text("x")
+    one_line(cli("gpucheck", "--out", tmp_path / "file"),
+             f"--out {tmp_path / 'file'}: is a file, not a directory")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text("not JSON")
+    one_line(cli("gpucheck", "--out", tmp_path / "r"), "report.json: not a report gpucheck "
+                                                        "wrote (not a JSON object")
+    assert (tmp_path / "r" / "report.json").read_text() == "not JSON"
+    (tmp_path / "r" / "report.json").write_text("[1]")
+    one_line(cli("gpucheck", "--out", tmp_path / "r"), "not a report gpucheck wrote")
+    one_line(cli("gpucheck", "--out", "/proc/1/x"), "--out /proc/1/x: cannot")
+
+
+def test_a_rank_failing_before_its_first_log_leaves_no_empty_o(tmp_path):
+    """Under mpiexec every rank validates at once, so the rank that made -o need not be
+    rank 0 (which holds the lock and removes it): the ranks agree whether the run made it.
+    Rank 0 fails alone at step 1 (as a --peer-timeout does), before any log line."""
+    from harness import cli
+    for i in range(3):  # (which rank makes -o is a race: a few runs meet both orders)
+        out = tmp_path / f"o{i}"
+        res = cli(*TINY, "-n", "3", "-o", out, ranks=2, timeout=120, fault="raise:1:0")
+        assert res.returncode != 0 and "injected fault on rank 0 at step 1" in res.stderr
+        assert not out.exists(), os.listdir(out)
+
+
+def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
+    """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
+    instant earlier), so claim made none itself; the run made it all the same."""
+    from types import SimpleNamespace
+    from cupygpt.paths import unmake_dirs
+    from cupygpt.train import rundir
+
+    class Rank0:  # rank 0 of two, rank 1 having made -o
+        rank = 0
+
+        def any(self, flag):
+            return True
+
+        def bcast(self, obj, root=0):
+            return obj
+    out = tmp_path / "o"
+    out.mkdir()
+    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
+                           log_file=str(out / "log.jsonl"))
+    rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0, (0, "model.bin"))))
+    unmake_dirs()  # (the CLI's, once the job's end is settled)
+    assert not out.exists()

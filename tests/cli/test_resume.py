@@ -1,0 +1,97 @@
+"""Resuming a run: bit for bit where it stopped (fp32 and bf16, one process and two ranks,
+the sampler's RNG too), refused from a checkpoint of another run's settings, from the
+newest complete checkpoint, naming a damaged one."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from harness import TRAIN, cli, one_line
+
+
+def log_losses(path):
+    return {r["step"]: r["train_loss"] for r in map(json.loads, open(path)) if "train_loss" in r}
+
+
+@pytest.mark.parametrize("ranks,dtype", [(None, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_resume_is_bit_identical(tmp_path, ranks, dtype):
+    """bf16 too: its master weights are kept and its stochastic rounding repeats."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    samples = ["-s", "2", "-g", "6", "--dtype", dtype]  # before the checkpoint too: the RNG moves
+    a = cli(*TRAIN, *samples, "-n", "8", "--checkpoint-every", "4", "--keep", "3", "-o", full,
+            ranks=ranks)
+    assert a.returncode == 0, a.stderr
+    assert sorted(os.listdir(full / "ckpt_00000004")) == ["adamw.npz", "model.bin"]
+    b = cli(*TRAIN, *samples, "-n", "8", "--resume", full / "ckpt_00000004", "-o", part,
+            ranks=ranks)
+    assert b.returncode == 0, b.stderr
+    la, lb = log_losses(full / "log.jsonl"), log_losses(part / "log.jsonl")
+    assert sorted(lb) == [5, 6, 7, 8]
+    assert all(la[s] == lb[s] for s in lb), (la, lb)  # bit-identical, not approx
+    assert (full / "model.bin").read_bytes() == (part / "model.bin").read_bytes()
+    # the samples too: drawn on rank 0, whose RNG the checkpoint keeps
+    def last_sample(out):  # (under mpiexec each line is tagged with its rank)
+        return re.findall(r"generating:\n(?:\[pe0\] )?---\n(.*?)\n(?:\[pe0\] )?---", out,
+                          re.S)[-1]
+    assert last_sample(a.stdout) == last_sample(b.stdout)
+
+
+def test_resume_mismatch_is_refused(tmp_path):
+    a = cli(*TRAIN, "-n", "2", "--checkpoint-every", "2", "-o", tmp_path)
+    assert a.returncode == 0, a.stderr
+    for extra, what in ((["-t", "16"], "T: checkpoint 32 vs now 16"),
+                        (["-b", "2"], "B: checkpoint 4 vs now 2"),
+                        (["-d", "256"], "total_batch: checkpoint 128 vs now 256"),
+                        (["--dtype", "bf16"], "dtype: checkpoint fp32 vs now bf16")):
+        res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, *extra, "-o", tmp_path / "x")
+        assert res.returncode == 1 and what in res.stderr and len(res.stderr.splitlines()) == 1
+    (tmp_path / "ckpt_00000002" / "adamw.npz").unlink()
+    res = cli(*TRAIN, "-n", "4", "--resume", tmp_path, "-o", tmp_path / "x")
+    assert res.returncode == 1 and "no adamw.npz beside model.bin: not a checkpoint" in res.stderr
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_refuses_damage(tmp_path):
+    run = tmp_path / "run"
+    a = cli(*TRAIN, "-n", "4", "--checkpoint-every", "2", "-o", run)
+    assert a.returncode == 0, a.stderr
+    # what a run killed mid-checkpoint leaves: latest one behind, a .tmp, a .partial
+    (run / "latest").write_text("ckpt_00000002")
+    (run / "latest.abc123.tmp").write_text("ckpt_000")
+    (run / "ckpt_00000006.partial").mkdir()
+    b = cli(*TRAIN, "-n", "5", "--resume", run, "--checkpoint-every", "1", "-o", run)
+    assert b.returncode == 0, b.stderr
+    assert "| start step              | 4 " in b.stdout
+    assert not (run / "latest.abc123.tmp").exists()
+    assert not (run / "ckpt_00000006.partial").exists()
+    other = cli(*TRAIN, "-n", "6", "--resume", run, "-e", "d12", "-o", run)  # (tiny: its own)
+    assert other.returncode == 1 and "-e d12: a resumed run continues its checkpoint's own" \
+        " model" in other.stderr and "of another shape" in other.stderr, other.stderr
+    newest = run / "ckpt_00000005" / "adamw.npz"
+    good = newest.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF
+    for damage in (bytes(flipped), good[:len(good) // 3], os.urandom(len(good))):
+        newest.write_bytes(damage)
+        res = cli(*TRAIN, "-n", "6", "--resume", run, "-o", run)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 1 and len(lines) == 1, res.stderr
+        assert f"{newest}: damaged checkpoint file" in lines[0]
+        assert f"the previous checkpoint {run / 'ckpt_00000004'} can be resumed" in lines[0]
+        assert "allow_pickle" not in lines[0]
+
+
+def test_a_damaged_outlier_window_is_a_damaged_checkpoint_before_loading(tmp_path):
+    out = tmp_path / "run"
+    res = cli(*TRAIN, "-n", "2", "--checkpoint-every", "2", "-sl", "3", "-o", out)
+    assert res.returncode == 0, res.stderr
+    state = out / "ckpt_00000002" / "adamw.npz"
+    with np.load(state) as z:
+        arrays = dict(z)
+    meta = json.loads(str(arrays["meta"]))
+    meta["outliers"]["loss"]["buffer"] = ["x"]
+    np.savez(state, **{**arrays, "meta": np.array(json.dumps(meta))})
+    res = cli(*TRAIN, "-n", "3", "--resume", out, "-o", out)
+    one_line(res, f"{state}: damaged checkpoint file (its outlier detectors' window")
+    assert "num_parameters" not in res.stdout, "refused after loading the model"

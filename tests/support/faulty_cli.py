@@ -1,0 +1,49 @@
+"""`python faulty_cli.py FAULT ARGS...`: the CLI (`python cli.py ARGS...`) with a fault put
+into train's loop through its seam, Trainer.before_step, so a test can make what a run
+meets mid-way happen on cue, with nothing in the package reading a setting of the tests:
+
+    raise:STEP:RANK   rank RANK raises as step STEP starts (a rank failing mid-run)
+    targets:STEP      step STEP's targets all the vocabulary's last token (a loss spike,
+                      for -sl/-sg)
+
+The fault is read where the loop meets it, so a malformed one is the run's error: one
+line, exit 1, as any error of a run before its first step (harness.cli(fault=...) runs
+this).
+"""
+import sys
+
+import numpy as np
+
+from cupygpt import CupyGPTError
+from cupygpt.train.loop import Trainer
+
+FAULT = sys.argv.pop(1)
+
+
+def parse(spec):
+    """(kind, *whole numbers) of a fault, or a CupyGPTError saying how to write one."""
+    kind, _, rest = spec.partition(":")
+    try:
+        numbers = tuple(map(int, rest.split(":")))
+    except ValueError:
+        numbers = ()
+    if (kind, len(numbers)) not in (("raise", 2), ("targets", 1)):
+        raise CupyGPTError(f"fault {spec!r}: give raise:STEP:RANK or targets:STEP "
+                           f"(whole numbers)")
+    return (kind, *numbers)
+
+
+def before_step(trainer, step, x, y):
+    kind, at, *rank = parse(FAULT)
+    if kind == "targets" and step == at:
+        y = np.full_like(y, trainer.sess.shape.V - 1)
+    if kind == "raise" and (step, trainer.tr.rank) == (at, *rank):
+        raise RuntimeError(f"injected fault on rank {trainer.tr.rank} at step {step}")
+    return x, y
+
+
+Trainer.before_step = before_step
+sys.argv[0] = "cli.py"  # (the name the CLI's usage lines give)
+from cupygpt.__main__ import run  # noqa: E402 (after the fault is in place, as cli.py would)
+
+run()
