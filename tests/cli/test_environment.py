@@ -11,19 +11,10 @@ import sys
 
 import pytest
 
+from harness import error_line, CLI, ROOT, cli
 
-from harness import CLI, ROOT, cli
-
-TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]
+TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]  # a short run
 SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")
-
-
-def one_line(res):
-    """The command's one error line (no traceback), with exit 1."""
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr
-    return lines[0]
 
 
 # --- C001: a --log-file two runs share ------------------------------------------------
@@ -39,7 +30,7 @@ def test_a_log_file_another_run_writes_is_refused_naming_its_pid(tmp_path):
             seen.append(first.stdout.readline())
             assert seen[-1], "".join(seen)
         second = cli(*TRAIN, "-n", "1", "-o", tmp_path / "b", "--log-file", log, "--overwrite")
-        line = one_line(second)
+        line = error_line(second)
         assert f"--log-file {log}: another command (pid {first.pid}) is writing this file" \
             in line, line
         assert not (tmp_path / "b").exists(), "the refused run left its -o"
@@ -53,7 +44,7 @@ def test_a_log_file_another_run_writes_is_refused_naming_its_pid(tmp_path):
 def test_a_run_failing_before_its_first_step_leaves_no_log_it_claimed(tmp_path):
     log = tmp_path / "logs" / "l.jsonl"
     res = cli(*TRAIN, "-n", "2", "-o", tmp_path / "o", "--log-file", log,
-              env={"CUPYGPT_FAULT": "raise:1:0"})
+              fault="raise:1:0")
     assert res.returncode == 1 and "injected fault on rank 0 at step 1" in res.stderr
     assert not log.exists() and not (tmp_path / "o").exists() and not log.parent.exists()
 
@@ -86,7 +77,7 @@ def test_a_removed_working_directory_is_one_line(tmp_path, command):
               "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
     res = subprocess.run([sys.executable, "-c", script, gone, CLI, *command],
                          capture_output=True, text=True, timeout=120)
-    assert one_line(res) == "error: the current directory no longer exists: cd to one " \
+    assert error_line(res) == "error: the current directory no longer exists: cd to one " \
                             "that does"
 
 
@@ -104,25 +95,25 @@ def run_limited(size, *args, cwd=None):
 def test_train_refuses_a_file_size_limit_below_its_files_before_step_1(tmp_path):
     # the CPU's default model: model.bin 27.7 MiB (fp32), a checkpoint's adamw.npz 56.4 MiB
     res = run_limited(1 << 20, *TRAIN, "-n", "2", "-o", tmp_path / "m")
-    line = one_line(res)
+    line = error_line(res)
     assert "this run writes model.bin of" in line and "ulimit -f 1024" in line, line
     assert "step" not in res.stdout and not (tmp_path / "m").exists()
     res = run_limited(40 << 20, *TRAIN, "-n", "2", "--checkpoint-every", "1",
                       "-o", tmp_path / "c")
-    assert "this run writes a checkpoint's adamw.npz of" in one_line(res)
+    assert "this run writes a checkpoint's adamw.npz of" in error_line(res)
     assert not (tmp_path / "c").exists()
 
 
 def test_a_write_past_the_file_size_limit_is_one_line_naming_the_file(tmp_path):
     text = os.path.join(ROOT, "cupygpt", "data", "tinyshakespeare.txt")
     res = run_limited(10 << 10, "prepare", text, "--out", tmp_path / "p")
-    line = one_line(res)
+    line = error_line(res)
     assert "over the file-size limit (ulimit -f) while writing it; nothing was written " \
            "there: raise it (ulimit -f unlimited)" in line, line
     assert "tinyshakespeare_" in line and not (tmp_path / "p").exists()
     model = os.path.join(ROOT, "cupygpt", "reference", "tiny_model.bin")
     res = run_limited(100 << 10, "convert", model, tmp_path / "hf")  # (safetensors' error)
-    assert f"{tmp_path / 'hf'}: over the file-size limit (ulimit -f)" in one_line(res)
+    assert f"{tmp_path / 'hf'}: over the file-size limit (ulimit -f)" in error_line(res)
     assert not (tmp_path / "hf").exists()
 
 

@@ -7,19 +7,10 @@ import sys
 
 import pytest
 
+from harness import error_line, CLI, ROOT, mpiexec
 
-from harness import CLI, ROOT, mpiexec
-
-TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]
+TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]  # a short run
 SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")
-
-
-def one_line(res):
-    """The command's one error line (no traceback), with exit 1."""
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr
-    return lines[0]
 
 
 # --- M009-M016: ranks given other flags; a rank failing alone --------------------------
@@ -50,7 +41,7 @@ def test_ranks_given_other_flags_refuse_in_one_line(tmp_path, flag, a, b):
     if flag != "-o":
         base += ["-o", tmp_path / "o"]
     res = mpmd([*base, flag, a], [*base, flag, b])
-    line = one_line(res)
+    line = error_line(res)
     assert line == f"error: ranks disagree on {flag}: rank 0 has {a!r}, rank 1 has {b!r}; " \
                    f"give every rank the same flags", line
     assert os.listdir(tmp_path) == [] and os.listdir(".") == []  # (-o x, -o y: here)

@@ -60,6 +60,14 @@ def cli(*args, ranks=None, timeout=300, env=None, cwd=None, fault=None):
                           env=full_env, cwd=cwd)
 
 
+def error_line(res):
+    """The command's one error line (no traceback), with exit 1."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
 def one_line(res, expect):
     """A refusal as every command makes one: exit 1, one line on stderr (an error naming
     expect), nothing else."""
