@@ -23,8 +23,8 @@ def load_model(spec, seed):
     """-e: an llm.c model file (fp32 or bf16), or a preset name for a fresh model."""
     if is_model_file(spec):
         return read_model(spec, mmap=True)
-    cfg = preset(spec)
-    return cfg, init_params(cfg, seed)
+    shape = preset(spec)
+    return shape, init_params(shape, seed)
 
 
 class Session:
@@ -38,7 +38,7 @@ class Session:
         dev = self.config.device
         g = self.config.grid
         self.mesh = Mesh(rank=world_rank(), pp=g.pp, dp=g.dp, tp=g.tp, hosts=host_names())
-        self.tr = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
+        self.transport = make_transport(dev.transport, self.be, self.mesh, dev.peer_timeout)
         # after the transport, which may pick the GPU first: both ask the mesh
         self.be.configure(tf32=tf32_default if dev.tf32 is None else dev.tf32,
                           device_of=self.mesh.device, ranks_here=self.mesh.local_size)
@@ -66,7 +66,7 @@ class Session:
         kind, self.attention = attention_path(asked, self.be, settings.dtype, shape)
 
         def make(kind):
-            return Runner(shape=shape, be=self.be, transport=self.tr, mesh=self.mesh,
+            return Runner(shape=shape, be=self.be, transport=self.transport, mesh=self.mesh,
                           settings=replace(settings, attention=kind))
         try:
             run = make(kind)
@@ -81,19 +81,19 @@ class Session:
             run.load_state_dict(params)
         return run
 
-    def describe(self, cfg, run, extra=()):
+    def describe(self, shape, run, extra=()):
         """llm.c-style header: the config, then this rank's memory, one line per rank."""
         m, g = self.mesh, self.config.grid
-        rows = [*self.be.device_info().items(), ("transport", self.tr.name),
+        rows = [*self.be.device_info().items(), ("transport", self.transport.name),
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
                 ("dp gradient sum", "-" if m.dp == 1 else "overlapped, per layer" +
                  (" (zero 1)" if g.zero else "") if run.overlap else
                  "reduce-scatter (zero 1)" if g.zero else "after backward"),
                 ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
                 ("attention", self.attention),
-                ("max_seq_len", cfg.maxT), ("vocab_size", cfg.V),
-                ("padded_vocab_size", cfg.Vp), ("num_layers", cfg.L), ("num_heads", cfg.NH),
-                ("channels", cfg.C), ("num_parameters", cfg.num_parameters()), *extra]
+                ("max_seq_len", shape.maxT), ("vocab_size", shape.V),
+                ("padded_vocab_size", shape.Vp), ("num_layers", shape.L), ("num_heads", shape.NH),
+                ("channels", shape.C), ("num_parameters", shape.num_parameters()), *extra]
         bar = "+" + "-" * 25 + "+" + "-" * 52 + "+"
         self.log("\n".join([self.backend_note, bar] +
                            [f"| {k:<23} | {str(v):<50} |" for k, v in rows] + [bar]))

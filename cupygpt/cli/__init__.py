@@ -1,1 +1,2 @@
-"""The command line (click only): each command's flags, its config, the library call, the printing."""
+"""The command line (click only): each command's flags, its config, the library call, the
+printing."""

@@ -125,23 +125,23 @@ def config(cls, kw):
     return agreed(cls(**args))
 
 
-def settings(cfg):
+def settings(config):
     """A config's (field, value's repr) pairs, its sections' fields in their place."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             yield from settings(value)
         else:
             yield f.name, repr(value)
 
 
-def agreed(cfg):
-    """cfg, once every rank has the same (collective under mpiexec, before it is validated
+def agreed(config):
+    """config, once every rank has the same (collective under mpiexec, before it is validated
     or anything allocated): an MPMD launch (`mpiexec -n 1 cupygpt train -b 4 : -n 1 cupygpt
     train -b 8`) gives each rank flags of its own, and ranks exchanging tensors of other
     shapes die inside MPI, at other learning rates or -o's train apart."""
     ctx = click.get_current_context(silent=True)
-    mine = {"command": repr(ctx.info_name if ctx else type(cfg).__name__), **dict(settings(cfg))}
+    mine = {"command": repr(ctx.info_name if ctx else type(config).__name__), **dict(settings(config))}
     every = every_rank(mine)
     for name in mine:
         seen = [theirs.get(name, "nothing") for theirs in every]
@@ -154,7 +154,7 @@ def agreed(cfg):
                              for value, ranks in held.items())
             raise CupyGPTError(f"ranks disagree on {flag_of(name)}: {said}; give every rank "
                                f"the same flags")
-    return cfg
+    return config
 
 
 def session(cls, kw, tf32_default):
@@ -168,10 +168,10 @@ def progress(length, label):
                              hidden=not sys.stderr.isatty())
 
 
-def options(*opts):
+def options(*config):
     """A decorator adding click options, first listed first in --help."""
     def add(fn):
-        for opt in reversed(opts):
+        for opt in reversed(config):
             fn = opt(fn)
         return fn
     return add

@@ -43,7 +43,7 @@ def verify(**kw):
         report = run_verify(sess, lambda: bar.update(1))
     if sess.mesh.rank == 0:
         click.echo(json.dumps(report) if sess.config.as_json else format_report(report))
-    ok = sess.tr.bcast(report["ok"] if sess.mesh.rank == 0 else None)
+    ok = sess.transport.bcast(report["ok"] if sess.mesh.rank == 0 else None)
     sys.exit(0 if ok else 1)
 
 

@@ -48,34 +48,34 @@ def side_by_side(r):
 
 
 def _bench(sess, dtype, on_step, attention=None):
-    c, cfg, be = sess.config, sess.shape, sess.be
+    c, shape, be = sess.config, sess.shape, sess.be
     B, T, steps, warmup = c.batch, c.seq, c.steps, c.warmup
     settings = sess.step_settings(batch=B, seq=T, dtype=dtype, recompute=c.recompute,
                                   adamw=AdamWConfig(lr=1e-4, grad_clip=c.grad_clip),
                                   graphs=c.graphs, trace=bool(c.trace))
-    run = sess.runner(cfg, None, settings, attention)
-    run.load_state_dict(init_params(cfg, 0))  # after the runner's memory check
-    x, y = DataLoader(c.data, B, T, cfg.V).next_batch()
-    times, launch = _timed_steps(run, sess.tr, be, x, y, warmup, steps, on_step)
+    run = sess.runner(shape, None, settings, attention)
+    run.load_state_dict(init_params(shape, 0))  # after the runner's memory check
+    x, y = DataLoader(c.data, B, T, shape.V).next_batch()
+    times, launch = _timed_steps(run, sess.transport, be, x, y, warmup, steps, on_step)
     if c.trace:
         run.write_trace(c.trace)
     out_extra = {}
     if run.overlap:  # the same steps with the replicas' gradient sum after the backward
         run.set_overlap(False)
-        plain = _timed_steps(run, sess.tr, be, x, y, 1, steps, on_step)[0]
+        plain = _timed_steps(run, sess.transport, be, x, y, 1, steps, on_step)[0]
         run.set_overlap(True)
         out_extra = {"ms_per_step_no_overlap": statistics.median(plain) * 1e3}
     ms = statistics.median(times) * 1e3
 
     peak = be.peak_flops(dtype)
-    achieved = flops_per_token(cfg, T) * B * T / (ms / 1e3)
+    achieved = flops_per_token(shape, T) * B * T / (ms / 1e3)
     out = {**be.device_info(), "model": c.init, "B": B, "T": T, "graphs": run.graphs,
            "numerics": numerics(be, settings.dtype), "steps": steps, "warmup": warmup,
            "ms_per_step_median": ms, "ms_per_step_min": min(times) * 1e3,
            "tok_per_s": B * T / (ms / 1e3), "tflops": achieved / 1e12,
            "peak_tflops": peak / 1e12 if peak else None,  # the dtype's: TF32 or bf16
-           "mfu": mfu(be, cfg, T, dtype, B * T, ms / 1e3),
-           "peak_memory_bytes": be.memory_in_use(), "num_parameters": cfg.num_parameters(),
+           "mfu": mfu(be, shape, T, dtype, B * T, ms / 1e3),
+           "peak_memory_bytes": be.memory_in_use(), "num_parameters": shape.num_parameters(),
            "recompute": c.recompute, "dtype": dtype, "grad_clip": c.grad_clip,
            "attention": sess.attention,
            "planned_memory_bytes": run.memory, "fallbacks": be.fallbacks(),
@@ -93,12 +93,12 @@ def _bench(sess, dtype, on_step, attention=None):
     return out
 
 
-def _timed_steps(run, tr, be, x, y, warmup, steps, on_step):
+def _timed_steps(run, transport, be, x, y, warmup, steps, on_step):
     """Seconds of each step after warm-up, and of its host side (launch) alone."""
     times, launch = [], []
     for i in range(warmup + steps):
         be.synchronize()
-        tr.barrier()  # every rank starts the step together
+        transport.barrier()  # every rank starts the step together
         t0 = time.perf_counter()
         run.step(x, y, wait=False)
         t1 = time.perf_counter()

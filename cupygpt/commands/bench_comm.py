@@ -20,13 +20,13 @@ from ..precision import DTYPES
 SIZES = [2 ** k for k in range(10, 27, 2)]  # bytes: 1 KiB .. 64 MiB
 
 
-def _median_s(fn, be, tr, nbytes):
+def _median_s(fn, be, transport, nbytes):
     """Median seconds of fn over enough repetitions (fewer for large messages)."""
     reps = max(3, min(30, (64 << 20) // max(nbytes, 1) // 8))
     fn()  # warm-up: first-touch, lazily made communicators
     times = []
     for _ in range(reps):
-        tr.barrier()
+        transport.barrier()
         be.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -35,14 +35,14 @@ def _median_s(fn, be, tr, nbytes):
     return statistics.median(times)
 
 
-def sizes(cfg, B, T, be):
+def sizes(shape, B, T, be):
     """(label, elements, dtype name) of each message timed (the step's in each dtype the
     backend runs in)."""
     dtypes = [d for d in RUN_DTYPES if DTYPES[d] in be.DTYPES]
     return [(f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB", s // 4, "fp32")
             for s in SIZES] + [
-        (f"activation B*T*C ({B}x{T}x{cfg.C}) {d}", B * T * cfg.C, d) for d in dtypes] + [
-        (f"dp gradient ({cfg.num_parameters():,} params) {d}", cfg.num_parameters(), d)
+        (f"activation B*T*C ({B}x{T}x{shape.C}) {d}", B * T * shape.C, d) for d in dtypes] + [
+        (f"dp gradient ({shape.num_parameters():,} params) {d}", shape.num_parameters(), d)
         for d in dtypes]
 
 
@@ -51,10 +51,10 @@ def comm_bench(sess, on_size=None):
     round trip between rank 0 and rank 1); rank 0 gets the rows. The session's transport
     (every rank in its dp group) times the collectives; a second one of the same kind, over
     a pipeline of every rank, the handoff."""
-    be, rank, size, c, cfg = sess.be, sess.mesh.rank, sess.mesh.size, sess.config, sess.shape
-    coll, name = sess.tr, sess.tr.name
+    be, rank, size, c, shape = sess.be, sess.mesh.rank, sess.mesh.size, sess.config, sess.shape
+    coll, name = sess.transport, sess.transport.name
     line = make_transport(name, be, Mesh(rank, pp=size), c.device.peer_timeout)
-    steps = sizes(cfg, c.batch, c.seq, be)
+    steps = sizes(shape, c.batch, c.seq, be)
     most = max(n for _, n, _ in steps)
     # the largest message in fp32: its array, this rank's part, the transports' slots and
     # host copies (mpi's exchange holds the array twice more); the model itself is never

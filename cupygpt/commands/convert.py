@@ -28,7 +28,7 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
     if not to_llmc and not os.path.exists(src):
         raise CupyGPTError(f"{src}: no such file or directory (an llm.c .bin file or a "
                            f"transformers GPT-2 directory)")
-    cfg = model_shape(src)
+    shape = model_shape(src)
     check_outputs([("dst", dst)], files_of(src))
     if to_llmc:
         if os.path.isdir(dst):
@@ -39,8 +39,8 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
         if os.path.lexists(dst) and not force:
             raise CupyGPTError(f"{dst}: already exists; add --overwrite to replace it, or name "
                                f"another file")
-        write_model(dst, cfg, read_model(src)[1], bf16)
-        return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {shape(cfg)}"]
+        write_model(dst, shape, read_model(src)[1], bf16)
+        return [f"wrote {dst}: llm.c model, {'bf16' if bf16 else 'fp32'}, {described(shape)}"]
     if bf16:
         raise CupyGPTError("is for the llm.c file written from a transformers directory; "
                            "model.safetensors is written in fp32", "dtype", "bf16")
@@ -52,11 +52,11 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
     writable_parent(dst)
     claim("dst", os.path.dirname(os.path.abspath(dst)))
     free_directory(dst)  # (claimed: no other convert makes it meanwhile)
-    return write_hf(dst, cfg, read_model(src, mmap=True)[1], tok)
+    return write_hf(dst, shape, read_model(src, mmap=True)[1], tok)
 
 
-def shape(cfg):
-    return f"L={cfg.L} NH={cfg.NH} C={cfg.C} maxT={cfg.maxT} V={cfg.V}"
+def described(shape):
+    return f"L={shape.L} NH={shape.NH} C={shape.C} maxT={shape.maxT} V={shape.V}"
 
 
 def free_directory(dst):
@@ -80,7 +80,7 @@ def writable_parent(dst):
         raise CupyGPTError(f"{dst}: its parent directory {parent} is not writable")
 
 
-def write_hf(dst, cfg, params, tok):
+def write_hf(dst, shape, params, tok):
     """config.json, generation_config.json, model.safetensors and, when tok's vocab is the
     model's, tokenizer files; written under dst.partial, renamed to dst when complete."""
     partial = dst.rstrip(os.sep) + ".partial"
@@ -88,16 +88,16 @@ def write_hf(dst, cfg, params, tok):
     written = [hf.CONFIG, "generation_config.json", hf.WEIGHTS]
     try:
         os.makedirs(partial)
-        config = hf.hf_config(cfg)
+        config = hf.hf_config(shape)
         for name, body in ((hf.CONFIG, config), (written[1], {
                 k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config})):
             with open(os.path.join(partial, name), "w") as f:
                 json.dump(body, f, indent=2)
-        save_file(hf.hf_tensors(cfg, params), os.path.join(partial, hf.WEIGHTS),
+        save_file(hf.hf_tensors(shape, params), os.path.join(partial, hf.WEIGHTS),
                   metadata={"format": "pt"})  # (made 0600 by the library: the umask's mode)
         os.chmod(os.path.join(partial, hf.WEIGHTS), 0o666 & ~UMASK)
-        if tok and tok.vocab_size == cfg.V:
-            written += write_tokenizer(partial, tok, cfg.maxT)
+        if tok and tok.vocab_size == shape.V:
+            written += write_tokenizer(partial, tok, shape.maxT)
         os.rename(partial, dst)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
@@ -107,8 +107,8 @@ def write_hf(dst, cfg, params, tok):
             raise CupyGPTError(f"{dst}: writing failed ({e.strerror or e}); nothing was "
                                f"left") from None
         raise
-    lines = [f"wrote {dst}: {', '.join(written)} ({shape(cfg)})"]
-    if tok and tok.vocab_size != cfg.V:
+    lines = [f"wrote {dst}: {', '.join(written)} ({described(shape)})"]
+    if tok and tok.vocab_size != shape.V:
         lines.append(f"note: no tokenizer files: {tok.path} has {tok.vocab_size} tokens, the "
-                     f"model {cfg.V}; add the model's own tokenizer files to {dst}")
+                     f"model {shape.V}; add the model's own tokenizer files to {dst}")
     return lines

@@ -27,19 +27,19 @@ TOLERANCES = {
 def verify(sess, on_step=None):
     """The `verify` command over a Session holding its validated VerifyConfig; returns the
     report on rank 0 (True elsewhere). on_step() is called after each AdamW step."""
-    c, tr = sess.config, sess.tr
+    c, transport = sess.config, sess.transport
     # what validate checked and kept none of: the losses read, --trace's directory made
     expected = read_expected(c.expected) if c.expected else None
     make_parent("trace", c.trace)
-    cfg, params = read_model(c.model)
+    shape, params = read_model(c.model)
     check_finite(c.model, params)
-    state = read_state(c.state, cfg)
-    run = sess.runner(cfg, params, sess.step_settings(
+    state = read_state(c.state, shape)
+    run = sess.runner(shape, params, sess.step_settings(
         batch=state["B"], seq=state["T"], trace=bool(c.trace),
         adamw=AdamWConfig(lr=c.lr, weight_decay=c.weight_decay)))
-    fwd_loss, logit_diff = forward_check(run, tr, state)
+    fwd_loss, logit_diff = forward_check(run, transport, state)
     loss = run.gradients(state["x"], state["y"])
-    grad_diffs = gradient_check(run, tr, state, cfg)
+    grad_diffs = gradient_check(run, transport, state, shape)
     step_losses = [loss]
     run.update()
     for _ in range(1, c.steps):
@@ -48,7 +48,7 @@ def verify(sess, on_step=None):
             on_step()
     if c.trace:
         run.write_trace(c.trace)
-    if tr.rank != 0:
+    if transport.rank != 0:
         return True
     tol = TOLERANCES[numerics(sess.be, run.settings.dtype)]
     report = {
@@ -64,7 +64,7 @@ def verify(sess, on_step=None):
         "grads": {n: {"max_abs_diff": d, "max_abs_ref": m,
                       "tol": tol["grad_atol"] + tol["grad_rtol"] * m,
                       "ok": d <= tol["grad_atol"] + tol["grad_rtol"] * m}
-                  for n, (d, m) in ((n, grad_diffs[n]) for n in param_layout(cfg).names)},
+                  for n, (d, m) in ((n, grad_diffs[n]) for n in param_layout(shape).names)},
         "steps": [{"step": i, "loss": l} for i, l in enumerate(step_losses)]}
     report["ok"] = (report["logits"]["ok"] and report["loss"]["ok"]
                     and all(g["ok"] for g in report["grads"].values())
@@ -72,7 +72,7 @@ def verify(sess, on_step=None):
     return report
 
 
-def forward_check(run, tr, state):
+def forward_check(run, transport, state):
     """The forward pass's loss, and the largest logit difference from the state's over
     every rank's rows and columns (its vocab shard), on rank 0."""
     diff = [0.0]
@@ -81,22 +81,22 @@ def forward_check(run, tr, state):
         ref = state["logits"][rows, :, v0:v0 + got.shape[-1]]
         diff[0] = max(diff[0], float(np.abs(got - ref).max()))
     loss = run.eval_loss(state["x"], state["y"], check_logits)
-    return loss, max(tr.gather(diff[0]) or [0.0])
+    return loss, max(transport.gather(diff[0]) or [0.0])
 
 
-def gradient_check(run, tr, state, cfg):
+def gradient_check(run, transport, state, shape):
     """{tensor: (max |difference| from the state's gradient, max |reference|)} over every
     rank's part of it, on rank 0 (collective)."""
     mine = {}
     for part, grads in run.grads_by_part():
-        lay = param_layout(cfg, part)
-        refv = lay.views(copy_part(np.empty(lay.size, np.float32), part, state["grads"], cfg))
+        lay = param_layout(shape, part)
+        refv = lay.views(copy_part(np.empty(lay.size, np.float32), part, state["grads"], shape))
         for name, gh in grads.items():
             d, m = mine.get(name, (0.0, 0.0))
             mine[name] = (max(d, float(np.abs(gh - refv[name]).max())),
                           max(m, float(np.abs(refv[name]).max())))
     merged = {}
-    for part in tr.gather(mine) or []:
+    for part in transport.gather(mine) or []:
         for name, (d, m) in part.items():
             od, om = merged.get(name, (0.0, 0.0))
             merged[name] = (max(d, od), max(m, om))

@@ -147,9 +147,9 @@ def default(value, fallback):
     return fallback if value is None else value
 
 
-def positive(cfg, *names, zero_ok=False):
+def positive(config, *names, zero_ok=False):
     for name in names:
-        v = getattr(cfg, name)
+        v = getattr(config, name)
         if not math.isfinite(v):
             raise CupyGPTError("must be a finite number", name, v)
         if not (v >= 0 if zero_ok else v > 0):
@@ -175,8 +175,8 @@ def at_most_a_year(v, name):
                            name, v)
 
 
-def between(cfg, name, lo, hi, what):
-    v = getattr(cfg, name)
+def between(config, name, lo, hi, what):
+    v = getattr(config, name)
     if not lo <= v <= hi:  # (NaN fails too)
         raise CupyGPTError(f"must be between {lo:g} and {hi:g} ({what})", name, v)
 
@@ -275,22 +275,22 @@ def existing(name, path, how=None):
         raise CupyGPTError(f"is {what}, not a regular file; give a file", name, path)
 
 
-def recompute_level(cfg):
-    if cfg.recompute not in RECOMPUTED:
+def recompute_level(config):
+    if config.recompute not in RECOMPUTED:
         raise CupyGPTError(f"one of {', '.join(map(str, RECOMPUTED))} (0: keep every "
                            f"activation, 1: recompute GELU's output, 2: also the layernorms')",
-                           "recompute", cfg.recompute)
+                           "recompute", config.recompute)
 
 
 RUN_DTYPES = ("fp32", "bf16")  # what train, bench and sample run in
 VERIFY_DTYPES = ("fp32", "fp64", "bf16")  # verify adds fp64, the gradient checks' reference
 
 
-def run_dtype(cfg, be, names=RUN_DTYPES):
-    """cfg with its --dtype resolved: the backend's default when not given (bf16 where it
+def run_dtype(config, be, names=RUN_DTYPES):
+    """config with its --dtype resolved: the backend's default when not given (bf16 where it
     has bf16 kernels, as llm.c on a GPU), else one of names the backend computes in."""
-    name = default(cfg.dtype, be.DEFAULT_DTYPE)
+    name = default(config.dtype, be.DEFAULT_DTYPE)
     here = [n for n in names if n in {dtype_name(d) for d in be.DTYPES}]
     if name not in here:
         raise CupyGPTError(f"the {be.name} backend runs in {', '.join(here)}", "dtype", name)
-    return replace(cfg, dtype=name)
+    return replace(config, dtype=name)

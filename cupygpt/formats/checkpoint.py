@@ -1,4 +1,5 @@
-"""A checkpoint directory as a resume reads it: where the newest is, what its state file holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
+"""A checkpoint directory as a resume reads it: where the newest is, what its state file
+holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
 import json
 import math
 import os

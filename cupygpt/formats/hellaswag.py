@@ -1,4 +1,5 @@
-"""llm.c's HellaSwag eval file (20240522): read, checked and written, and built from HellaSwag's published jsonl."""
+"""llm.c's HellaSwag eval file (20240522): read, checked and written, and built from
+HellaSwag's published jsonl."""
 import json
 from collections import namedtuple
 

@@ -41,17 +41,17 @@ PREFIX = "transformer."  # GPT2LMHeadModel's; GPT2Model (and the hub's gpt2) sav
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # older saves' causal masks, not parameters
 
 
-def hf_names(cfg):
-    """{transformers' name (no prefix): (llm.c name, layer or None, transposed, shape)}."""
-    shapes = dict(zip(param_layout(cfg).names, param_layout(cfg).shapes))
+def hf_names(shape):
+    """{transformers' name (no prefix): (llm.c name, layer or None, transposed, dims)}."""
+    shapes = dict(zip(param_layout(shape).names, param_layout(shape).shapes))
     out = {}
     for name, (ours, t) in WHOLE.items():
-        shape = (cfg.V, cfg.C) if ours == "wte" else shapes[ours]
-        out[name] = (ours, None, False, shape)
-    for layer in range(cfg.L):
+        dims = (shape.V, shape.C) if ours == "wte" else shapes[ours]
+        out[name] = (ours, None, False, dims)
+    for layer in range(shape.L):
         for name, (ours, t) in LAYER.items():
-            shape = shapes[ours][1:]
-            out[f"h.{layer}.{name}"] = (ours, layer, t, shape[::-1] if t else shape)
+            dims = shapes[ours][1:]
+            out[f"h.{layer}.{name}"] = (ours, layer, t, dims[::-1] if t else dims)
     return out
 
 
@@ -120,20 +120,20 @@ def open_weights(file):
     return index, f.get_tensor
 
 
-def tensor_map(file, index, cfg):
+def tensor_map(file, index, shape):
     """{name in the file: transformers' name}, after checking every tensor GPT-2 needs is
     there in its shape and a dtype NumPy reads, and nothing else is (a buffer aside)."""
-    want, found = hf_names(cfg), {}
-    for key, (shape, dtype) in index.items():
+    want, found = hf_names(shape), {}
+    for key, (dims, dtype) in index.items():
         name = key.removeprefix(PREFIX)
         if name.endswith(BUFFERS):
             continue
         if name not in want and name != "lm_head.weight":
             raise CupyGPTError(f"{file}: tensor {key} is not GPT-2's (another architecture, "
                                f"or a model with other parts)")
-        expect = (cfg.V, cfg.C) if name == "lm_head.weight" else want[name][3]
-        if tuple(shape) != tuple(expect):
-            raise CupyGPTError(f"{file}: tensor {key} has shape {tuple(shape)}; GPT-2 with "
+        expect = (shape.V, shape.C) if name == "lm_head.weight" else want[name][3]
+        if tuple(dims) != tuple(expect):
+            raise CupyGPTError(f"{file}: tensor {key} has shape {tuple(dims)}; GPT-2 with "
                                f"this config.json has {tuple(expect)}")
         if dtype not in ("F32", "F16", "F64"):
             raise CupyGPTError(f"{file}: tensor {key} is {dtype}, which NumPy cannot read; "
@@ -150,21 +150,21 @@ def tensor_map(file, index, cfg):
 def model_shape(path):
     """The shape of a transformers GPT-2 directory, its tensors checked against it (headers
     only: nothing is read)."""
-    cfg = read_config(path)
+    shape = read_config(path)
     file = weights_file(path)
-    tensor_map(file, open_weights(file)[0], cfg)
-    return cfg
+    tensor_map(file, open_weights(file)[0], shape)
+    return shape
 
 
 def read_model(path, out=None):
     """(config, fp32 parameters in llm.c's order, rows V..Vp-1 of wte zero)."""
-    cfg = read_config(path)
+    shape = read_config(path)
     file = weights_file(path)
     index, read = open_weights(file)
-    names, where = tensor_map(file, index, cfg), hf_names(cfg)
-    params = np.zeros(param_layout(cfg).size, np.float32) if out is None else out
+    names, where = tensor_map(file, index, shape), hf_names(shape)
+    params = np.zeros(param_layout(shape).size, np.float32) if out is None else out
     params[...] = 0
-    views = param_layout(cfg).views(params)
+    views = param_layout(shape).views(params)
     for key, name in names.items():
         if name == "lm_head.weight":
             continue
@@ -173,32 +173,32 @@ def read_model(path, out=None):
         a = a.T if t else a
         dst[:a.shape[0]] = a  # wte: its V rows of Vp
     head = next((k for k, n in names.items() if n == "lm_head.weight"), None)
-    if head and not np.array_equal(read(head), views["wte"][:cfg.V]):
+    if head and not np.array_equal(read(head), views["wte"][:shape.V]):
         raise CupyGPTError(f"{file}: lm_head.weight differs from wte.weight; llm.c's GPT-2 "
                            f"ties them (an untied head cannot be converted)")
-    return cfg, params
+    return shape, params
 
 
-def hf_config(cfg):
+def hf_config(shape):
     """config.json of the model: transformers' GPT-2 with llm.c's shape."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.V, "n_positions": cfg.maxT, "n_embd": cfg.C,
-            "n_layer": cfg.L, "n_head": cfg.NH, "n_inner": None,
+            "vocab_size": shape.V, "n_positions": shape.maxT, "n_embd": shape.C,
+            "n_layer": shape.L, "n_head": shape.NH, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
-            "dtype": "float32", VP_KEY: cfg.Vp,
+            "dtype": "float32", VP_KEY: shape.Vp,
             # GPT-2's <|endoftext|> starts and ends a text; another vocab's is unknown
-            **({"bos_token_id": GPT2_V - 1, "eos_token_id": GPT2_V - 1} if cfg.V == GPT2_V
+            **({"bos_token_id": GPT2_V - 1, "eos_token_id": GPT2_V - 1} if shape.V == GPT2_V
                else {})}
 
 
-def hf_tensors(cfg, params):
+def hf_tensors(shape, params):
     """{transformers' name: fp32 array} of the flat llm.c parameters (wte's padding
     dropped)."""
-    views = param_layout(cfg).views(np.asarray(params, np.float32))
+    views = param_layout(shape).views(np.asarray(params, np.float32))
     out = {}
-    for name, (ours, layer, t, shape) in hf_names(cfg).items():
+    for name, (ours, layer, t, dims) in hf_names(shape).items():
         a = views[ours] if layer is None else views[ours][layer]
-        out[PREFIX + name] = np.ascontiguousarray(a.T if t else a[:shape[0]])
+        out[PREFIX + name] = np.ascontiguousarray(a.T if t else a[:dims[0]])
     return out

@@ -74,12 +74,12 @@ def read_model_header(path):
                                f"than any GPT-2 has (at most {HEADER_LIMITS[name]}); a "
                                f"damaged file, or not an llm.c model?")
     try:
-        cfg = GPT2Config(maxT=maxT, V=V, Vp=Vp, L=L, NH=NH, C=C)
+        shape = GPT2Config(maxT=maxT, V=V, Vp=Vp, L=L, NH=NH, C=C)
     except CupyGPTError as e:
         raise CupyGPTError(f"{path}: header holds an invalid {e}") from None
     itemsize = 4 if version == 3 else 2
-    expect_size(path, "model", HEADER_BYTES + param_layout(cfg).size * itemsize)
-    return cfg, version
+    expect_size(path, "model", HEADER_BYTES + param_layout(shape).size * itemsize)
+    return shape, version
 
 
 def is_model_file(spec):
@@ -105,10 +105,10 @@ def read_model(path, out=None, mmap=False):
     A directory is a transformers GPT-2 model, converted as it is read."""
     if os.path.isdir(path):
         return hf.read_model(path, out)
-    cfg, version = read_model_header(path)
-    n = param_layout(cfg).size
+    shape, version = read_model_header(path)
+    n = param_layout(shape).size
     if mmap and version == 3 and out is None:
-        return cfg, np.memmap(path, dtype=np.float32, mode="r", offset=HEADER_BYTES, shape=(n,))
+        return shape, np.memmap(path, dtype=np.float32, mode="r", offset=HEADER_BYTES, shape=(n,))
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         if version == 3:
@@ -120,7 +120,7 @@ def read_model(path, out=None, mmap=False):
             if out is not None:
                 out[...] = params
                 params = out
-    return cfg, params
+    return shape, params
 
 
 def check_finite(path, params):
@@ -134,11 +134,11 @@ def check_finite(path, params):
                                f"that diverged leaves; give a model saved before that")
 
 
-def write_model(path, cfg, params, bf16=False):
+def write_model(path, shape, params, bf16=False):
     """llm.c's model file: version 3 (fp32) or, with bf16, version 5."""
     with atomic_write(path) as f:
-        f.write(make_header(MODEL_MAGIC, 5 if bf16 else 3, cfg.maxT, cfg.V, cfg.L, cfg.NH,
-                            cfg.C, cfg.Vp).tobytes())
+        f.write(make_header(MODEL_MAGIC, 5 if bf16 else 3, shape.maxT, shape.V, shape.L, shape.NH,
+                            shape.C, shape.Vp).tobytes())
         if bf16:  # in chunks: the rounding's temporaries stay small
             for i in range(0, len(params), 1 << 22):
                 f.write(to_bf16(params[i:i + (1 << 22)]).tobytes())
@@ -158,8 +158,8 @@ def to_bf16(x):
 
 # --- debug state -------------------------------------------------------------------------
 
-def read_state_header(path, cfg):
-    """(B, T) of a debug state for the model cfg, after checking its header and size."""
+def read_state_header(path, shape):
+    """(B, T) of a debug state for the model shape, after checking its header and size."""
     header, f = read_header(path, STATE_MAGIC, "debug state")
     f.close()
     if header[1] != 2:
@@ -167,34 +167,34 @@ def read_state_header(path, cfg):
     B, T = int(header[2]), int(header[3])
     if B <= 0 or T <= 0:
         raise CupyGPTError(f"{path}: debug state header has B={B}, T={T}")
-    if T > cfg.maxT:
-        raise CupyGPTError(f"{path}: debug state T={T} exceeds the model's maxT={cfg.maxT}")
-    n = param_layout(cfg).size
-    need, actual = HEADER_BYTES + 4 * (2 * B * T + B * T * cfg.V + 1 + n), os.path.getsize(path)
+    if T > shape.maxT:
+        raise CupyGPTError(f"{path}: debug state T={T} exceeds the model's maxT={shape.maxT}")
+    n = param_layout(shape).size
+    need, actual = HEADER_BYTES + 4 * (2 * B * T + B * T * shape.V + 1 + n), os.path.getsize(path)
     if actual != need:  # the header has no model shape: say what this model's would be
         raise CupyGPTError(
-            f"{path}: a debug state of this model (V={cfg.V}, {n:,} parameters) at B={B}, "
+            f"{path}: a debug state of this model (V={shape.V}, {n:,} parameters) at B={B}, "
             f"T={T} is {need:,} bytes, this file {actual:,}: " +
             ("truncated, or the state of another model" if actual < need else
              "the state of another model, or trailing data"))
     return B, T
 
 
-def read_state(path, cfg):
+def read_state(path, shape):
     """llm.c's debug state: dict with x, y (B,T) int32, logits (B,T,V), loss, grads (flat)."""
-    B, T = read_state_header(path, cfg)
-    n = param_layout(cfg).size
+    B, T = read_state_header(path, shape)
+    n = param_layout(shape).size
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         x = np.fromfile(f, np.int32, B * T).reshape(B, T)
         y = np.fromfile(f, np.int32, B * T).reshape(B, T)
-        logits = np.fromfile(f, np.float32, B * T * cfg.V).reshape(B, T, cfg.V)
+        logits = np.fromfile(f, np.float32, B * T * shape.V).reshape(B, T, shape.V)
         loss = float(np.fromfile(f, np.float32, 1)[0])
         grads = np.fromfile(f, np.float32, n)
     for name, t in (("x", x), ("y", y)):
-        if t.min() < 0 or t.max() >= cfg.V:
+        if t.min() < 0 or t.max() >= shape.V:
             raise CupyGPTError(f"{path}: debug state {name} holds token {t.max()} outside "
-                               f"the model's vocab 0..{cfg.V - 1}")
+                               f"the model's vocab 0..{shape.V - 1}")
     return dict(B=B, T=T, x=x, y=y, logits=logits, loss=loss, grads=grads)
 
 

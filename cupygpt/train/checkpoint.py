@@ -34,12 +34,12 @@ def identity(run):
             "dtype": dtype_name(run.settings.dtype)}
 
 
-def save(run, tr, out, step, state, keep=2, major=0):
-    """Collective over all ranks (tr: their transport). state: JSON-able run state (loader,
+def save(run, transport, out, step, state, keep=2, major=0):
+    """Collective over all ranks (transport: their transport). state: JSON-able run state (loader,
     RNG...), the same on every rank; rank 0's is written. keep: the newest checkpoints
     kept; an older one of a step that is a multiple of major (llm.c's -nm) stays too.
     Returns the checkpoint's directory."""
-    rank = tr.rank
+    rank = transport.rank
     final = os.path.join(out, f"ckpt_{step:08d}")
     tmp = final + ".partial"
     whole = run.state_dict()
@@ -67,7 +67,7 @@ def save(run, tr, out, step, state, keep=2, major=0):
         for d in old[:max(0, len(old) - (keep - 1))]:
             if not (major and int(d[5:]) % major == 0):
                 shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-    tr.barrier()
+    transport.barrier()
     return final
 
 
@@ -76,11 +76,11 @@ def _point_latest(out, name):
         f.write(name.encode())
 
 
-def demote(tr, out, path):
+def demote(transport, out, path):
     """The checkpoint at path holds the parameters that gave a non-finite loss: rename it
     to .nan, point latest at the one before it, and return that one (or None)."""
     prev = None
-    if tr.rank == 0:
+    if transport.rank == 0:
         os.replace(path, path + ".nan")
         rest = listed(out)
         prev = os.path.join(out, rest[-1]) if rest else None
@@ -88,7 +88,7 @@ def demote(tr, out, path):
             _point_latest(out, rest[-1])
         elif os.path.exists(os.path.join(out, LATEST)):
             os.unlink(os.path.join(out, LATEST))
-    return tr.bcast(prev)
+    return transport.bcast(prev)
 
 
 def clean_litter(out):

@@ -29,13 +29,13 @@ from ..session import load_model
 from ..formats.tokenizer import Tokenizer
 
 
-def open_tokenizer(path, cfg, log):
+def open_tokenizer(path, shape, log):
     """The tokenizer when it matches the model's vocab; else None (samples print as ids)."""
     if not path:
         return None
     tok = Tokenizer(path)
-    if tok.vocab_size != cfg.V:
-        log(f"note: {path} has {tok.vocab_size} tokens, the model {cfg.V}; samples print ids")
+    if tok.vocab_size != shape.V:
+        log(f"note: {path} has {tok.vocab_size} tokens, the model {shape.V}; samples print ids")
         return None
     return tok
 
@@ -43,22 +43,22 @@ def open_tokenizer(path, cfg, log):
 def train(sess):
     """The `train` command over a Session holding its validated TrainConfig: llm.c's loop,
     each step validated, sampled, trained, logged and checkpointed as the flags say."""
-    opts, t = sess.config, None
+    config, t = sess.config, None
     # read here, not kept by the config: validate read them only to check them
-    examples = read_eval(opts.hellaswag_file) if opts.hellaswag else ()
-    rundir.make_parents(opts)
+    examples = read_eval(config.hellaswag_file) if config.hellaswag else ()
+    rundir.make_parents(config)
     # -sl/-sg: the update waits on the step's loss and norm (an eager step)
     settings = sess.step_settings(
-        batch=opts.batch, seq=opts.seq, recompute=opts.recompute,
-        adamw=AdamWConfig(lr=opts.lr, weight_decay=opts.weight_decay, grad_clip=opts.grad_clip),
-        graphs=opts.graphs, trace=bool(opts.trace), micro_steps=opts.micro_steps,
-        gated=bool(opts.skip_loss or opts.skip_norm))
-    lock = rundir.claim(opts, sess.tr, rundir.need_bytes(
-        sess.shape, is_narrow(settings.dtype), opts))
+        batch=config.batch, seq=config.seq, recompute=config.recompute,
+        adamw=AdamWConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip),
+        graphs=config.graphs, trace=bool(config.trace), micro_steps=config.micro_steps,
+        gated=bool(config.skip_loss or config.skip_norm))
+    lock = rundir.claim(config, sess.transport, rundir.need_bytes(
+        sess.shape, is_narrow(settings.dtype), config))
     try:
         t = Trainer(sess, settings, examples)
-        for step in range(t.start, t.opts.steps + 1):
-            last = step == t.opts.steps
+        for step in range(t.start, t.config.steps + 1):
+            last = step == t.config.steps
             t.evaluate(step, last)
             t.sample(step, last)
             if t.stopped:  # (a signal during validation or sampling)
@@ -69,7 +69,7 @@ def train(sess):
         t.finish()
     except BaseException:
         if t is None or t.logf is None:  # failed before its first step: no empty -o left
-            rundir.unmake(opts, sess.tr, lock)
+            rundir.unmake(config, sess.transport, lock)
         raise
     finally:
         if t:
@@ -82,62 +82,63 @@ class Trainer:
 
     def __init__(self, sess, settings, examples):
         self.examples = examples  # -h 1: HellaSwag's, read at the run's start
-        self.sess, self.log, self.tr, self.opts = sess, sess.log, sess.tr, sess.config
-        opts, shape = self.opts, sess.shape
-        self.gate = UpdateGate(sess.tr, opts.skip_loss, opts.skip_norm)
+        self.sess, self.log, self.config = sess, sess.log, sess.config
+        self.transport = sess.transport
+        config, shape = self.config, sess.shape
+        self.gate = UpdateGate(sess.transport, config.skip_loss, config.skip_norm)
         self.run = sess.runner(shape, None, settings)
-        self.train_data = DataLoader(opts.train_pattern, opts.batch, opts.seq, shape.V,
-                                     "train_pattern", shuffle=opts.shuffle, seed=opts.seed)
-        self.val_data = (DataLoader(opts.val_pattern, opts.batch, opts.seq, shape.V,
-                                    "val_pattern") if opts.val_pattern else None)
-        self.val_batches = opts.val_batches
-        if self.val_data and opts.val_every and opts.val_batches > self.val_data.batches:
+        self.train_data = DataLoader(config.train_pattern, config.batch, config.seq, shape.V,
+                                     "train_pattern", shuffle=config.shuffle, seed=config.seed)
+        self.val_data = (DataLoader(config.val_pattern, config.batch, config.seq, shape.V,
+                                    "val_pattern") if config.val_pattern else None)
+        self.val_batches = config.val_batches
+        if self.val_data and config.val_every and config.val_batches > self.val_data.batches:
             # more would read the same batches again: the same mean, only slower
             self.val_batches = self.val_data.batches
-            self.log(f"note: -m {opts.val_batches}: the val shard(s) hold "
-                     f"{self.val_batches} batches of B*T = {opts.batch * opts.seq} tokens; "
+            self.log(f"note: -m {config.val_batches}: the val shard(s) hold "
+                     f"{self.val_batches} batches of B*T = {config.batch * config.seq} tokens; "
                      f"validating on those {self.val_batches}")
-        self.tok = open_tokenizer(opts.tokenizer, shape, self.log)
-        self.rng, self.start = np.random.default_rng(opts.seed), 0
-        if opts.resume:  # the parameters and optimizer state from the checkpoint
-            self.resume(checkpoint.restore(self.run, opts.resume))
+        self.tok = open_tokenizer(config.tokenizer, shape, self.log)
+        self.rng, self.start = np.random.default_rng(config.seed), 0
+        if config.resume:  # the parameters and optimizer state from the checkpoint
+            self.resume(checkpoint.restore(self.run, config.resume))
         else:  # after the runner's memory check; a mapped file is unmapped once loaded
-            params = load_model(opts.init, opts.seed)[1]
-            check_finite(opts.init, params)
+            params = load_model(config.init, config.seed)[1]
+            check_finite(config.init, params)
             self.run.load_state_dict(params)
         self.describe()
-        if self.tr.rank == 0:
-            checkpoint.clean_litter(opts.out)
+        if self.transport.rank == 0:
+            checkpoint.clean_litter(config.out)
         # the log is opened by its first line: a run failing before it leaves none
         self.logf, self.broken = None, []
-        self.sampling = opts.gen_tokens and opts.sample_every
-        if self.sampling and opts.seq < 2:
-            self.log(f"note: -t {opts.seq} leaves no room after the start token: no samples")
+        self.sampling = config.gen_tokens and config.sample_every
+        if self.sampling and config.seq < 2:
+            self.log(f"note: -t {config.seq} leaves no room after the start token: no samples")
             self.sampling = False
-        elif self.sampling and opts.gen_tokens > opts.seq - 1:
-            self.log(f"note: -g {opts.gen_tokens}: -t {opts.seq} leaves room for "
-                     f"{opts.seq - 1} tokens after the start token; generating {opts.seq - 1}")
-        self.ckpt, self.stop = opts.resume, Interrupt()
+        elif self.sampling and config.gen_tokens > config.seq - 1:
+            self.log(f"note: -g {config.gen_tokens}: -t {config.seq} leaves room for "
+                     f"{config.seq - 1} tokens after the start token; generating {config.seq - 1}")
+        self.ckpt, self.stop = config.resume, Interrupt()
         self.stopped = False
 
     def resume(self, meta):
         """The checkpoint's step, data position and RNG; refused (and renamed .nan, as the
         NaN rule does) when its weights are not finite."""
-        opts = self.opts
-        if self.tr.any(not self.run.params_finite()):
-            out, name = os.path.split(os.path.normpath(opts.resume))
-            good = (checkpoint.demote(self.tr, out, opts.resume)
+        config = self.config
+        if self.transport.any(not self.run.params_finite()):
+            out, name = os.path.split(os.path.normpath(config.resume))
+            good = (checkpoint.demote(self.transport, out, config.resume)
                     if checkpoint.NAME.match(name) else None)
             raise CupyGPTError(
-                f"{os.path.join(opts.resume, 'model.bin')}: holds non-finite weights (NaN "
-                f"or inf)" + (f"; renamed {opts.resume}.nan. Last good checkpoint: "
+                f"{os.path.join(config.resume, 'model.bin')}: holds non-finite weights (NaN "
+                f"or inf)" + (f"; renamed {config.resume}.nan. Last good checkpoint: "
                               f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
         self.start = meta["step"]
         self.train_data.set_state(meta["train_loader"])
-        if self.train_data.shuffle != opts.shuffle:
+        if self.train_data.shuffle != config.shuffle:
             self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
         self.rng.bit_generator.state = meta["rng"]
-        self.gate = UpdateGate(self.tr, opts.skip_loss, opts.skip_norm, meta.get("outliers"))
+        self.gate = UpdateGate(self.transport, config.skip_loss, config.skip_norm, meta.get("outliers"))
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
             self.log(f"note: the checkpoint's run read other train shards (-i: "
@@ -145,37 +146,37 @@ class Trainer:
                      f"does not continue that one's data")
 
     def describe(self):
-        opts, counts, d = self.opts, self.run.plan.counts, self.train_data
+        config, counts, d = self.config, self.run.plan.counts, self.train_data
         order = f"(shuffled, seed {d.seed})" if d.shuffle else "(in order)"
-        shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, opts.seq,
+        shares = ", ".join(f"{100 * x:.0f}%" for x in stage_shares(self.sess.shape, config.seq,
                                                                   counts))
         self.sess.describe(self.sess.shape, self.run, [
-            ("init", opts.resume or opts.init), ("B, T", f"{opts.batch}, {opts.seq}"),
-            ("tokens per step", f"{opts.total_batch} ({opts.micro_steps} micro-step(s))"),
-            ("lr schedule", opts.lr_schedule + ("" if opts.lr_schedule == "constant" else
-                                                f", warm-up {opts.warmup}")),
-            ("dtype", opts.dtype + (" (fp32 master weights and AdamW state)"
+            ("init", config.resume or config.init), ("B, T", f"{config.batch}, {config.seq}"),
+            ("tokens per step", f"{config.total_batch} ({config.micro_steps} micro-step(s))"),
+            ("lr schedule", config.lr_schedule + ("" if config.lr_schedule == "constant" else
+                                                f", warm-up {config.warmup}")),
+            ("dtype", config.dtype + (" (fp32 master weights and AdamW state)"
                                     if is_narrow(self.run.settings.dtype) else "")),
-            ("recompute", f"{opts.recompute}" + (
+            ("recompute", f"{config.recompute}" + (
                 f" (rank 0 keeps {self.run.recompute_saves() / 2**20:.1f} MiB less)"
-                if opts.recompute else "")),
-            ("grad clip", f"global norm {opts.grad_clip:g}" if opts.grad_clip else "off"),
-            ("micro_batches", opts.pipeline.micro_batches), ("schedule", opts.pipeline.schedule),
+                if config.recompute else "")),
+            ("grad clip", f"global norm {config.grad_clip:g}" if config.grad_clip else "off"),
+            ("micro_batches", config.pipeline.micro_batches), ("schedule", config.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
             ("train shards", f"{len(self.train_data.files)} " + order), ("start step", self.start)])
 
     def record(self, rec):
         """A line of the log (rank 0's), on disk at once. A log that cannot be written is
         reported and dropped; the run goes on (finish says so after writing the model)."""
-        if self.tr.rank != 0 or self.logf is False:
+        if self.transport.rank != 0 or self.logf is False:
             return
         try:
             if self.logf is None:
-                self.logf = open_log(self.opts.log_file, self.start)
+                self.logf = open_log(self.config.log_file, self.start)
             self.logf.write(json.dumps(rec) + "\n")
             self.logf.flush()
         except (OSError, CupyGPTError) as e:
-            why = f"the log {self.opts.log_file} ({getattr(e, 'strerror', None) or e})"
+            why = f"the log {self.config.log_file} ({getattr(e, 'strerror', None) or e})"
             self.log(f"warning: cannot write {why}; training goes on without it")
             self.broken.append(why)
             with contextlib.suppress(OSError):
@@ -185,10 +186,10 @@ class Trainer:
     def evaluate(self, step, last):
         """Val loss and (-h 1) HellaSwag accuracy, in one line and one log record: every
         val_every steps and at the end (HellaSwag at the end also with -v 0)."""
-        opts, rec, said = self.opts, {"step": step}, []
-        if not ((opts.val_every and step % opts.val_every == 0) or last):
+        config, rec, said = self.config, {"step": step}, []
+        if not ((config.val_every and step % config.val_every == 0) or last):
             return
-        if self.val_data and opts.val_every:
+        if self.val_data and config.val_every:
             self.val_data.reset()
             losses = []
             while len(losses) < self.val_batches and not self.stopping():
@@ -197,8 +198,8 @@ class Trainer:
                 return
             rec["val_loss"] = float(np.mean(losses))
             said.append(f"val loss {rec['val_loss']:.6f}")
-        if opts.hellaswag:
-            acc = hellaswag(self.run, self.examples, opts.batch, opts.seq,
+        if config.hellaswag:
+            acc = hellaswag(self.run, self.examples, config.batch, config.seq,
                             self.stopping)
             if self.stopped:
                 return
@@ -209,9 +210,9 @@ class Trainer:
             self.record(rec)
 
     def sample(self, step, last):
-        if self.sampling and ((step > 0 and step % self.opts.sample_every == 0) or last):
+        if self.sampling and ((step > 0 and step % self.config.sample_every == 0) or last):
             eot = self.tok.eot if self.tok else 0
-            ids = generate(self.run, [eot], self.opts.gen_tokens, eot, self.rng,
+            ids = generate(self.run, [eot], self.config.gen_tokens, eot, self.rng,
                            stop=self.stopping)
             if self.stopped:
                 return
@@ -221,8 +222,8 @@ class Trainer:
     def batches(self):
         """The step's batches (gradient accumulation's, one after another); with -a 1 the
         first batch every time (the loader stays put, so a resume reads it again)."""
-        data, n = self.train_data, self.opts.micro_steps
-        if self.opts.overfit:
+        data, n = self.train_data, self.config.micro_steps
+        if self.config.overfit:
             at = data.state()
             x, y = data.next_batch()
             data.set_state(at)
@@ -230,15 +231,15 @@ class Trainer:
         return (np.concatenate(a) for a in zip(*(data.next_batch() for _ in range(n))))
 
     def train_step(self, step):
-        opts, tr = self.opts, self.tr
+        config, transport = self.config, self.transport
         at = self.train_data.state()
         x, y = self.before_step(step + 1, *self.batches())
-        lr = lr_at(step, opts.lr, opts.warmup, opts.steps, opts.final_lr_frac,
-                   opts.lr_schedule)
+        lr = lr_at(step, config.lr, config.warmup, config.steps, config.final_lr_frac,
+                   config.lr_schedule)
         t0 = time.perf_counter()
         try:  # with several batches a step, a signal is heard between them
             loss = self.run.step(x, y, lr, self.gate.keep if self.run.settings.gated else None,
-                                 stop=self.stopping if opts.micro_steps > 1 else None)
+                                 stop=self.stopping if config.micro_steps > 1 else None)
         except Abandoned:  # (this step's batches are read again by a resume)
             self.train_data.set_state(at)
             self.interrupt(step)
@@ -247,21 +248,21 @@ class Trainer:
         if not math.isfinite(loss):
             self.stop_on_nan(step, loss)
         norm = self.run.grad_norm()
-        u = mfu(self.sess.be, self.sess.shape, opts.seq, opts.dtype, opts.total_batch, dt,
-                tr.size)
+        u = mfu(self.sess.be, self.sess.shape, config.seq, config.dtype, config.total_batch, dt,
+                transport.size)
         skipped = self.run.settings.gated and self.gate.skipped
         rec = dict(step=step + 1, train_loss=loss, norm=norm, lr=lr, ms=dt * 1e3,
-                   tok_s=opts.total_batch / dt, mem_bytes=self.sess.be.memory_in_use(),
+                   tok_s=config.total_batch / dt, mem_bytes=self.sess.be.memory_in_use(),
                    **({"mfu": u} if u else {}), **({"skipped": skipped} if skipped else {}))
-        self.log(f"step {step + 1:4d}/{opts.steps}: train loss {loss:.6f} norm {norm:.4f} "
+        self.log(f"step {step + 1:4d}/{config.steps}: train loss {loss:.6f} norm {norm:.4f} "
                  f"lr {lr:.2e} ({dt * 1e3:.2f} ms, {rec['tok_s']:.0f} tok/s"
                  + (f", MFU {100 * u:.1f}%" if u else "") + ")"
                  + (f" update skipped ({skipped})" if skipped else ""))
         if skipped:  # each rank's own decision, so a log shows they agree
-            self.log(f"rank {tr.rank}: step {step + 1}'s update skipped ({skipped})",
+            self.log(f"rank {transport.rank}: step {step + 1}'s update skipped ({skipped})",
                      every_rank=True)
         self.record(rec)
-        if opts.checkpoint_every and (step + 1) % opts.checkpoint_every == 0:
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             self.save(step + 1)
         if self.stopping():
             self.interrupt(step + 1)
@@ -274,30 +275,30 @@ class Trainer:
     def stopping(self):
         """Collective, at each step's end and between the batches of validation, HellaSwag
         and sampling: whether a rank has been signalled (then, stopped, for good)."""
-        self.stopped = self.stopped or self.stop.stopping(self.tr)
+        self.stopped = self.stopped or self.stop.stopping(self.transport)
         return self.stopped
 
     def interrupt(self, step):
         """A signal's stop after `step`: its checkpoint when checkpointing, else its model
         (none when this run has trained no step), then exit 128 + the signal, every rank."""
-        opts = self.opts
+        config = self.config
         if step == self.start:
             said = "; nothing trained in this run, nothing written"
-        elif opts.checkpoint_every:
+        elif config.checkpoint_every:
             if not (self.ckpt or "").endswith(f"ckpt_{step:08d}"):
                 self.save(step)
-            said = f"; resume from {opts.out}"
+            said = f"; resume from {config.out}"
         else:
             said = (f"; wrote {self.write_model()} of step {step} (no checkpoints: "
                     f"--checkpoint-every 0, so it cannot be resumed exactly)")
         self.log(f"interrupted after step {step}{said}")
-        raise SystemExit(self.stop.code(self.tr))
+        raise SystemExit(self.stop.code(self.transport))
 
     def stop_on_nan(self, step, loss):
         ckpt = self.ckpt
-        if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != self.opts.resume:
+        if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != self.config.resume:
             # its parameters gave this loss
-            ckpt = self.ckpt = checkpoint.demote(self.tr, self.opts.out, ckpt)
+            ckpt = self.ckpt = checkpoint.demote(self.transport, self.config.out, ckpt)
         raise CupyGPTError(
             f"step {step + 1}: train loss is {loss} (computed on rank "
             f"{self.run.plan.loss_rank}, the last stage); stopping. " + (
@@ -305,18 +306,18 @@ class Trainer:
                 if ckpt else "No checkpoint yet; lower -l"))
 
     def save(self, step):
-        if self.tr.any(not self.run.params_finite()):
+        if self.transport.any(not self.run.params_finite()):
             raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
                                f"checkpoint. Last good checkpoint: {self.ckpt or 'none'}; "
                                f"lower the learning rate")
-        self.ckpt = checkpoint.save(self.run, self.tr, self.opts.out, step,
+        self.ckpt = checkpoint.save(self.run, self.transport, self.config.out, step,
                                     {"train_loader": self.train_data.state(),
                                      "train_files": [os.path.realpath(f)
                                                      for f in self.train_data.files],
                                      "rng": self.rng.bit_generator.state,
                                      "outliers": self.gate.state(),
-                                     "total_batch": self.opts.total_batch}, self.opts.keep,
-                                    self.opts.checkpoint_major)
+                                     "total_batch": self.config.total_batch}, self.config.keep,
+                                    self.config.checkpoint_major)
         self.log(f"checkpoint {self.ckpt}")
 
     def close(self):
@@ -328,8 +329,8 @@ class Trainer:
     def write_model(self):
         """Collective: the whole model to OUT/model.bin (rank 0 writes); returns its path."""
         full = self.run.state_dict(optimizer=False)
-        path = os.path.join(self.opts.out, "model.bin")
-        if self.tr.rank == 0:
+        path = os.path.join(self.config.out, "model.bin")
+        if self.transport.rank == 0:
             write_model(path, self.sess.shape, full["params"],
                         bf16=is_narrow(self.run.settings.dtype))
         return path
@@ -337,22 +338,22 @@ class Trainer:
     def finish(self):
         """The last checkpoint (unless the loop wrote it), the model, then the trace: a
         debug output that cannot be written never costs the model, and is named."""
-        opts = self.opts
-        if opts.checkpoint_every and (self.ckpt is None
-                                      or not self.ckpt.endswith(f"{opts.steps:08d}")):
-            self.save(opts.steps)
+        config = self.config
+        if config.checkpoint_every and (self.ckpt is None
+                                      or not self.ckpt.endswith(f"{config.steps:08d}")):
+            self.save(config.steps)
         path = self.write_model()
         self.log(f"wrote {path}")
-        if opts.trace:
+        if config.trace:
             try:
-                self.run.write_trace(opts.trace)
-                self.log(f"wrote trace {opts.trace}")
+                self.run.write_trace(config.trace)
+                self.log(f"wrote trace {config.trace}")
             except (OSError, CupyGPTError) as e:  # (rank 0's write; the gather is done)
-                self.broken.append(f"the trace {opts.trace} ({getattr(e, 'strerror', None) or e})")
-        broken = self.tr.bcast(self.broken if self.tr.rank == 0 else None)
+                self.broken.append(f"the trace {config.trace} ({getattr(e, 'strerror', None) or e})")
+        broken = self.transport.bcast(self.broken if self.transport.rank == 0 else None)
         if broken:
             raise CupyGPTError(f"could not write {' and '.join(broken)}; the model was "
                                f"written: {path}")
         if self.stopping():  # a signal during the last writes, which it let finish
             self.log("interrupted after the last step; everything was written")
-            raise SystemExit(self.stop.code(self.tr))
+            raise SystemExit(self.stop.code(self.transport))

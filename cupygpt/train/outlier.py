@@ -47,8 +47,8 @@ class UpdateGate:
     updates, and the detectors' state for a checkpoint. Each rank's detectors see the same
     global loss and norm; the ranks' answers are combined all the same, so all skip alike."""
 
-    def __init__(self, tr, skip_loss, skip_norm, state=None):
-        self.tr, self.limits = tr, {"loss": skip_loss, "norm": skip_norm}
+    def __init__(self, transport, skip_loss, skip_norm, state=None):
+        self.transport, self.limits = transport, {"loss": skip_loss, "norm": skip_norm}
         self.detectors = {k: OutlierDetector((state or {}).get(k)) for k in self.limits}
         self.skipped = None  # the last step's reason, when it was skipped
 
@@ -56,7 +56,7 @@ class UpdateGate:
         z = {k: self.detectors[k].update(v) for k, v in (("loss", loss), ("norm", norm))}
         over = [f"{k} z {z[k]:.2f} > {limit:g}" for k, limit in self.limits.items()
                 if limit and z[k] > limit]
-        skip = self.tr.any(bool(over))
+        skip = self.transport.any(bool(over))
         self.skipped = ("; ".join(over) or "on another rank") if skip else None
         return not skip
 

@@ -43,27 +43,27 @@ def replace_earlier(out):
         os.unlink(os.path.join(out, LATEST))
 
 
-def checkpoints_held(opts):
+def checkpoints_held(config):
     """The most checkpoints this run's -o holds at once (a bound: a resume writes fewer):
     while the last one is written, --keep newest before it, and the older ones at -nm's
     multiples (never removed). Counted, not listed: -n may be 10^9 steps."""
-    every, steps = opts.checkpoint_every, opts.steps
+    every, steps = config.checkpoint_every, config.steps
     if not every:
         return 0
     saves = steps // every + (steps % every != 0)      # every K steps, and the last
-    older = saves - 1 - min(opts.keep, saves - 1)       # before the newest --keep
-    major = opts.checkpoint_major
+    older = saves - 1 - min(config.keep, saves - 1)       # before the newest --keep
+    major = config.checkpoint_major
     kept = (older * every) // math.lcm(every, major) if major and older else 0
-    return 1 + min(opts.keep, saves - 1) + kept
+    return 1 + min(config.keep, saves - 1) + kept
 
 
-def need_bytes(shape, bf16, opts):
+def need_bytes(shape, bf16, config):
     """What a run writes at most at once: (checkpoints, bytes, the largest file's bytes and
     name): its model file and the checkpoints it holds at once (each the model again,
     AdamW's m and v, a bf16 run's fp32 master weights, a little for its state)."""
     n = param_layout(shape).size
     model = HEADER_BYTES + n * (2 if bf16 else 4)
-    held = checkpoints_held(opts)
+    held = checkpoints_held(config)
     state = 4 * n * (3 if bf16 else 2) + (1 << 20)
     largest = (state, f"a checkpoint's {STATE}") if held and state > model else (model, MODEL)
     return held, model + held * (model + state), largest
@@ -99,15 +99,15 @@ def room(out, need):
     return None
 
 
-def make_parents(opts):
+def make_parents(config):
     """--trace's directory and a --log-file's outside -o, made (claim makes -o), in the
     order validate checked them."""
-    make_parent("trace", opts.trace)
-    if opts.log_file != os.path.join(opts.out, "log.jsonl"):  # (the default's is -o)
-        make_parent("log_file", opts.log_file)
+    make_parent("trace", config.trace)
+    if config.log_file != os.path.join(config.out, "log.jsonl"):  # (the default's is -o)
+        make_parent("log_file", config.log_file)
 
 
-def claim(opts, tr, need):
+def claim(config, transport, need):
     """Collective, before anything is allocated: every rank makes -o (each checked it, and
     may write on a disk of its own), then rank 0 locks it and the log for the run's life
     and checks what -o holds and its room; every rank raises the same refusal. Returns
@@ -115,52 +115,52 @@ def claim(opts, tr, need):
     (the ranks start at once: the one that made it need not be rank 0), the identity of
     the directory rank 0 locked (None: not locked), and that of the log rank 0 made to
     hold it (None: it made none)."""
-    made_here = not os.path.isdir(opts.out)
-    make_dir("out", opts.out)
-    fd, why, log_made, made = None, None, False, tr.any(made_here)
-    if tr.rank == 0:
-        fd, why, log_made = _claim_here(opts, need)
-    why, locked, log = tr.bcast((why, _identity(opts.out) if fd is not None else None,
-                                 _identity(opts.log_file) if log_made else None))
+    made_here = not os.path.isdir(config.out)
+    make_dir("out", config.out)
+    fd, why, log_made, made = None, None, False, transport.any(made_here)
+    if transport.rank == 0:
+        fd, why, log_made = _claim_here(config, need)
+    why, locked, log = transport.bcast((why, _identity(config.out) if fd is not None else None,
+                                 _identity(config.log_file) if log_made else None))
     claimed = (fd, made, locked, log)
     if why:
-        unmake(opts, tr, claimed)
+        unmake(config, transport, claimed)
         if fd is not None:
             os.close(fd)
         raise CupyGPTError(why[2], why[0], why[1])
     return claimed
 
 
-def _claim_here(opts, need):
+def _claim_here(config, need):
     """claim's work on rank 0: (-o's lock fd, the refusal as (field, path, why) or None,
     whether it made the log, empty, to hold it). The log, written for the run's life, is
     held as -o is, until the process ends (hold): a second run given the same --log-file
     (another -o) would interleave its lines with this one's. What an earlier run left is
     replaced last, once nothing refuses."""
-    fd, why = lock(opts.out)
+    fd, why = lock(config.out)
     if why:
-        return None, ("out", opts.out, why), False
-    real = os.path.realpath(opts.out)  # a resume continues its own directory:
-    own = opts.resume and os.path.commonpath([os.path.realpath(opts.resume), real]) == real
-    found = [] if own else earlier_output(opts.out, opts.log_file)
-    if found and not opts.overwrite:
+        return None, ("out", config.out, why), False
+    real = os.path.realpath(config.out)  # a resume continues its own directory:
+    own = config.resume and os.path.commonpath([os.path.realpath(config.resume), real]) == real
+    found = [] if own else earlier_output(config.out, config.log_file)
+    if found and not config.overwrite:
         why = (f"holds an earlier run's output ({'; '.join(found)}); " +
-               (f"add --resume {opts.out} to continue that run, " if listed(opts.out)
+               (f"add --resume {config.out} to continue that run, " if listed(config.out)
                 else "") + "add --overwrite to replace it, or give another -o")
-    why = why or room(opts.out, need)
+    why = why or room(config.out, need)
     if why:
-        return fd, ("out", opts.out, why), False
-    log = opts.log_file
+        return fd, ("out", config.out, why), False
+    log = config.log_file
     log_fd, log_made, why = hold(log)
     if why:
         return fd, ("log_file", log, why), False
-    if log_elsewhere(opts.out, log) and not log_made and not opts.overwrite:
+    if log_elsewhere(config.out, log) and not log_made and not config.overwrite:
         os.close(log_fd)
         link = f", a link to {os.readlink(log)!r}" if os.path.islink(log) else ""
         return fd, ("log_file", log, f"exists{link}; add --overwrite to replace it, or "
                                      f"give another --log-file"), False
     if found:
-        replace_earlier(opts.out)
+        replace_earlier(config.out)
     return fd, None, log_made
 
 
@@ -172,7 +172,7 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
-def unmake(opts, tr, claimed):
+def unmake(config, transport, claimed):
     """A run that failed before its first step: the log claim made goes, when empty (its
     first line comes later), and the -o it made, when empty (its lock held, so no other
     run's). claimed: claim's answer. Any rank that sees them (a filesystem the ranks share)
@@ -180,7 +180,7 @@ def unmake(opts, tr, claimed):
     settled: a rank failing alone aborts the others before they could, and until that
     abort rank 0 may still be writing there."""
     _, made, locked, log = claimed
-    for path, ident in ((opts.out, locked if made else None), (opts.log_file, log)):
+    for path, ident in ((config.out, locked if made else None), (config.log_file, log)):
         path = os.path.abspath(path)  # (-o first: the log in it goes before it)
         if ident is not None and _identity(path) == ident and path not in MADE:
             MADE.append(path)

@@ -37,8 +37,8 @@ def before_step(trainer, step, x, y):
     kind, at, *rank = parse(FAULT)
     if kind == "targets" and step == at:
         y = np.full_like(y, trainer.sess.shape.V - 1)
-    if kind == "raise" and (step, trainer.tr.rank) == (at, *rank):
-        raise RuntimeError(f"injected fault on rank {trainer.tr.rank} at step {step}")
+    if kind == "raise" and (step, trainer.transport.rank) == (at, *rank):
+        raise RuntimeError(f"injected fault on rank {trainer.transport.rank} at step {step}")
     return x, y
 
 

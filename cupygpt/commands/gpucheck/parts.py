@@ -1,5 +1,5 @@
-"""The GPU check's parts (cupygpt.commands.gpucheck.check runs them): each a generator of results that
-the check merges into its report as they come. Every run is a process of its own, started
+"""The GPU check's parts (cupygpt.commands.gpucheck.check runs them): each a generator of
+results that the check merges into its report as they come. Every run is a process of its own, started
 in the check's temporary work directory with this very cupygpt (`python -m cupygpt`, the
 packaged reference files), so it works the same from a clone and from an installed wheel;
 only the tests part needs a clone (its tests/) and runs there. Every run is bounded by
