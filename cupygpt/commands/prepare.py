@@ -121,12 +121,20 @@ def tasks(inputs):
 _tok = None
 
 
+# A worker starts with these blocked (write_shards): until _start it has the parent's
+# handlers, and the pool's SIGTERM then raised inside the fork's own bookkeeping, leaving a
+# worker that never ended and a parent joining it forever.
+WORKER_BLOCKED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def _start(tokenizer):
     global _tok
     # the parent stops the pool (terminate: SIGTERM) on a signal; a worker neither
-    # handles Ctrl-C nor unwinds: it ends quietly
+    # handles Ctrl-C or a hangup nor unwinds: it ends quietly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_BLOCKED)
     _tok = Tokenizer(tokenizer)
 
 
@@ -163,7 +171,12 @@ def write_shards(inputs, out, name, shard_size, tokenizer, progress, processes):
         while pending:
             yield pending.popleft().get()
 
-    with multiprocessing.get_context("fork").Pool(processes, _start, (tokenizer,)) as pool:
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_BLOCKED)  # (the parent's wait)
+    try:
+        pool = multiprocessing.get_context("fork").Pool(processes, _start, (tokenizer,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    with pool:
         for toks, done in results(pool, 2 * processes):
             total += toks.size
             while toks.size:  # a document longer than the shard's room goes on in the next

@@ -145,3 +145,21 @@ def test_a_corpus_of_50m_characters_uses_every_core(tmp_path, big_corpus):
     assert [s.size for s in shards[:-1]] == [4_000_000] * (n - 1) and n >= 3
     assert np.array_equal(np.concatenate(shards), want)
     assert f"tokens/s, {os.cpu_count()} worker(s) on {os.cpu_count()} cores)" in res.stdout
+
+
+def test_a_failure_as_the_workers_start_ends_them_all(tmp_path):
+    """The pool's SIGTERM reaching a worker before its own handlers were set (here: held in
+    the fork's bookkeeping for half a second) raised there and left a worker no signal
+    ended, its parent joining it forever; the workers start with the stop signals blocked."""
+    bad = tmp_path / "r.jsonl"
+    bad.write_text('{"t": 1}\n')
+    script = ("import os, sys, time\n"
+              "os.register_at_fork(after_in_child=lambda: time.sleep(0.5))\n"
+              "sys.argv = ['cli.py', *sys.argv[1:]]\n"
+              "from cupygpt.__main__ import run\n"
+              "run()\n")
+    res = subprocess.run([sys.executable, "-c", script, "prepare", str(bad), "--workers", "2",
+                          "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 1 and "not a JSON object with a string `text`" in res.stderr, \
+        res.stderr
