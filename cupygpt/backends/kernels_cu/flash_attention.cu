@@ -346,20 +346,43 @@ __device__ __forceinline__ void online_softmax(float (&s)[FC / 8][4], float (&m)
         for (int e = 0; e < 4; e++) o[j][e] *= alpha[e / 2];
 }
 
+// Before tile j of a walk: its copies are in, and every warp is past tile j - 1, whose
+// buffer is free (one barrier a tile).
+__device__ __forceinline__ void tile_arrived(int j) {
+    if (j > 0) {
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+}
+
+// After tile j of a walk with one buffer (S = 1): refilled once every warp is done with it.
+// (With two, tile j + 1's copies were issued before tile j computed.)
+template <int S, class Walk>
+__device__ __forceinline__ void refill_single(int j, int n, Walk& walk) {
+    if (S == 1 && j + 1 < n) {
+        __syncthreads();
+        walk(j + 1);
+    }
+}
+
 // A forward or dq block's query tile: rows r0.. of head h of batch row b (the longest
-// rows first), and the key tiles it walks: tile j's K and V into buffer j % S, one cp.async
-// group.
+// rows first), their q issued into Qs as it is made (cp.async, committed with tile 0), and
+// the key tiles it walks: tile j's K and V into buffer j % S, one cp.async group. w and g:
+// this thread's warp and its row group in the warp's 16 rows.
 template <int HSP>
 struct QueryTile {
     static constexpr int LD = HSP + SKEW, FC = cols<HSP>(), S = stages<HSP>();
-    int r0, b, h, n;
+    int w, g, r0, b, h, n;
     long long C;
     const floatX* base;
     bool wide;
-    __device__ QueryTile(const floatX* qkv, int T, int NH, int HS)
-        : r0(((T + FR - 1) / FR - 1 - blockIdx.y) * FR), b(blockIdx.x / NH),
+    __device__ QueryTile(floatX* Qs, const floatX* qkv, int T, int NH, int HS)
+        : w(threadIdx.x / WARP), g(threadIdx.x % WARP / 4),
+          r0(((T + FR - 1) / FR - 1 - blockIdx.y) * FR), b(blockIdx.x / NH),
           h(blockIdx.x % NH), n((min(T, r0 + FR) + FC - 1) / FC), C((long long)NH * HS),
-          base(qkv + (long long)b * T * 3 * C + h * HS), wide(aligned16(qkv)) {}
+          base(qkv + (long long)b * T * 3 * C + h * HS), wide(aligned16(qkv)) {
+        load_rows<HSP, FR>(Qs, base, 3 * C, r0, T, HS, wide);
+    }
     __device__ void walk(floatX* Ks, floatX* Vs, int j, int T, int HS) const {
         load_rows<HSP, FC>(Ks + j % S * FC * LD, base + C, 3 * C, j * FC, T, HS, wide);
         load_rows<HSP, FC>(Vs + j % S * FC * LD, base + 2 * C, 3 * C, j * FC, T, HS, wide);
@@ -375,12 +398,10 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     check_launch<HSP, M>(1, 0);
     floatX *Qs = reinterpret_cast<floatX*>(smem), *Ks = Qs + FR * LD, *Vs = Ks + S * FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
-    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
-    const QueryTile<HSP> t(qkv, T, NH, HS);
-    const int r0 = t.r0, b = t.b, h = t.h, n = t.n;
+    const QueryTile<HSP> t(Qs, qkv, T, NH, HS);
+    const int w = t.w, g = t.g, r0 = t.r0, b = t.b, h = t.h, n = t.n;
     const long long C = t.C;
     auto walk = [&](int j) { t.walk(Ks, Vs, j, T, HS); };
-    load_rows<HSP, FR>(Qs, t.base, 3 * C, r0, T, HS, t.wide);
     walk(0);
     cp_async_wait<0>();
     __syncthreads();
@@ -389,10 +410,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[HSP / 8][4] = {};
     float sl = scale * LOG2E;  // scores in log2 units: each exponential one exp2_ftz
     for (int j = 0; j < n; j++) {
-        if (j > 0) {
-            cp_async_wait<0>();
-            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
-        }
+        tile_arrived(j);
         if (S == 2 && j + 1 < n) walk(j + 1);  // in flight while this tile computes
         int k0 = j * FC;
         const floatX *Kt = Ks + j % S * FC * LD, *Vt = Vs + j % S * FC * LD;
@@ -403,10 +421,7 @@ __device__ void flash_forward(floatX* out, float* lse, const floatX* qkv,
             else online_softmax<false, FC, HSP>(s, m, l, o, k0, row, sl);
             tile_nn<M, FC, HSP>(o, s, Vt, LD, pw);
         }
-        if (S == 1 && j + 1 < n) {
-            __syncthreads();  // every warp is done with the one buffer
-            walk(j + 1);
-        }
+        refill_single<S>(j, n, walk);
     }
     #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -475,12 +490,10 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
     floatX *Qs = reinterpret_cast<floatX*>(smem), *dYs = Qs + FR * LD, *Ks = dYs + FR * LD,
            *Vs = Ks + S * FC * LD;
     float* pw = reinterpret_cast<float*>(Vs + S * FC * LD) + threadIdx.x / WARP * 16 * (FC + 4);
-    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
-    const QueryTile<HSP> t(qkv, T, NH, HS);
-    const int r0 = t.r0, b = t.b, h = t.h, n = t.n;
+    const QueryTile<HSP> t(Qs, qkv, T, NH, HS);
+    const int w = t.w, g = t.g, r0 = t.r0, b = t.b, h = t.h, n = t.n;
     const long long C = t.C;
     auto walk = [&](int j) { t.walk(Ks, Vs, j, T, HS); };
-    load_rows<HSP, FR>(Qs, t.base, 3 * C, r0, T, HS, t.wide);
     load_rows<HSP, FR>(dYs, dy + (long long)b * T * C + h * HS, C, r0, T, HS, aligned16(dy));
     walk(0);
     cp_async_wait<0>();
@@ -494,10 +507,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
         L[i] = row[i] < T ? lse[(long long)blockIdx.x * T + row[i]] * LOG2E : 0.f;
     WarpRows<HSP, M == BF16MMA, floatX> Q(Qs + 16 * w * LD, LD), dY(dYs + 16 * w * LD, LD);
     for (int j = 0; j < n; j++) {
-        if (j > 0) {
-            cp_async_wait<0>();
-            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
-        }
+        tile_arrived(j);
         if (S == 2 && j + 1 < n) walk(j + 1);
         int k0 = j * FC;
         const floatX *Kt = Ks + j % S * FC * LD, *Vt = Vs + j % S * FC * LD;
@@ -509,10 +519,7 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
             else query_ds<false, FC>(dp, s, k0, row, L, D, sl, scale);
             tile_nn<M, FC, HSP>(dq, dp, Kt, LD, pw);
         }
-        if (S == 1 && j + 1 < n) {
-            __syncthreads();
-            walk(j + 1);
-        }
+        refill_single<S>(j, n, walk);
     }
     __syncthreads();
     stage<HSP>(Qs, dq);
@@ -577,10 +584,7 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
     int key[2] = {k0 + 16 * w + g, k0 + 16 * w + g + 8};
     float dk[HSP / 8][4] = {}, dv[HSP / 8][4] = {}, sl = scale * LOG2E;
     for (int j = 0; j < n; j++) {
-        if (j > 0) {
-            cp_async_wait<0>();
-            __syncthreads();  // tile j is in; every warp is past tile j - 1, whose buffer is free
-        }
+        tile_arrived(j);
         if (S == 2 && j + 1 < n) walk(j + 1);
         int t0 = k0 + j * FC, u = j % S;
         const floatX *Qt = Qs + u * FC * LD, *dYt = dYs + u * FC * LD;
@@ -605,10 +609,7 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
                     dp[jj][e] = (dp[jj][e] - Dc[8 * jj + 2 * q + e % 2]) * s[jj][e] * scale;
             tile_nn<M, SUB, HSP>(dk, dp, Qc, LD, pw);
         }
-        if (S == 1 && j + 1 < n) {
-            __syncthreads();
-            walk(j + 1);
-        }
+        refill_single<S>(j, n, walk);
     }
     __syncthreads();
     stage<HSP>(Ks, dk);
