@@ -133,5 +133,10 @@ def format_report(r):
         exp = (f"  expected {s['expected']:.6f}  |diff| {s['abs_diff']:.3e}  {mark(s['ok'])}"
                if "expected" in s else "" if s.get("ok", True) else "  FAIL (not finite)")
         lines.append(f"step {s['step']}: loss {s['loss']:.6f}{exp}")
+    compared = sum("expected" in s for s in r["steps"])
+    if compared < len(r["steps"]):  # a PASS that checked fewer steps says so
+        lines.append(f"step losses: {compared} of {len(r['steps'])} compared" + (
+            "" if compared else " (no --expected: the shipped losses are for the default "
+                                "--lr and --weight-decay; give a file made at these)"))
     lines.append(f"verify: {'PASS' if r['ok'] else 'FAIL'}")
     return "\n".join(lines)
