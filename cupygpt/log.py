@@ -130,7 +130,7 @@ def emit(text):
         sys.stdout.flush()
         return
     sys.stdout.flush()  # what click.echo left in the buffer goes first
-    write_fd(fd, text.encode())
+    write_fd(fd, text.encode(errors="surrogateescape"))  # (a path's bytes, as given)
 
 
 def open_log(path, start):

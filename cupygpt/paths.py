@@ -71,6 +71,11 @@ def json_object(path, kind):
     return obj
 
 
+def shown(path):
+    """A path as text to draw or print (a name that is not UTF-8: its bytes replaced)."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
 def files_of(path):
     """The files a path argument is read from: a directory's entries (a transformers
     model), else the path itself."""

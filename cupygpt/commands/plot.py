@@ -3,8 +3,7 @@ import json
 import math
 
 from .. import CupyGPTError
-from ..paths import atomic_write
-from ..paths import read_bounded
+from ..paths import atomic_write, read_bounded, shown
 
 
 def number(x):
@@ -69,7 +68,7 @@ def plot(log_path, out_path):
             ax.plot(*zip(*pts), style, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(log_path)
+    ax.set_title(shown(log_path))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -7,8 +7,7 @@ import os
 import textwrap
 
 from .. import CupyGPTError
-from ..paths import atomic_write
-from ..paths import read_bounded
+from ..paths import atomic_write, read_bounded, shown
 from ..parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from ..parallel.pipeline.simulate import simulate
 
@@ -148,7 +147,7 @@ def _draw(ax, rows, title, colours):
     ax.set_yticks(sorted(rows))
     ax.set_yticklabels([f"rank {r}" for r in sorted(rows)])
     ax.invert_yaxis()
-    ax.set_title(textwrap.fill(title, 140), fontsize=9)  # a line as wide as the figure
+    ax.set_title(textwrap.fill(shown(title), 140), fontsize=9)  # a line as wide as the figure
 
 
 def timeline(path, out, schedule=None):

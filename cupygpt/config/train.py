@@ -148,6 +148,9 @@ class TrainConfig:
             existing("tokenizer", c.tokenizer)
         for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
             shard_files(getattr(c, name), name)
+        if c.resume == "":  # (not a resume that quietly became a fresh run)
+            raise CupyGPTError("is empty; give a checkpoint directory (or a run's -o), or "
+                               "leave --resume out for a fresh run", "resume", "")
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         c = place(c, be, world, shape, c.seq, c.batch, ("init", c.init))

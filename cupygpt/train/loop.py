@@ -76,6 +76,11 @@ def train(sess):
             t.close()
 
 
+# batches read between two looks for a stop signal: a look is a collective over the ranks,
+# so not one a batch
+READ_BETWEEN_STOPS = 4096
+
+
 class Trainer:
     """A training run's state: the runner, the data, the RNG, the log and the newest
     checkpoint; each part of a step is a method."""
@@ -228,16 +233,21 @@ class Trainer:
             x, y = data.next_batch()
             data.set_state(at)
             return np.concatenate([x] * n), np.concatenate([y] * n)
-        return (np.concatenate(a) for a in zip(*(data.next_batch() for _ in range(n))))
+        read = []
+        for i in range(n):  # (millions of batches take seconds: a signal is heard between)
+            if i and i % READ_BETWEEN_STOPS == 0 and self.stopping():
+                raise Abandoned(f"the step stopped while reading its {n} batches")
+            read.append(data.next_batch())
+        return (np.concatenate(a) for a in zip(*read))
 
     def train_step(self, step):
         config, transport = self.config, self.transport
         at = self.train_data.state()
-        x, y = self.before_step(step + 1, *self.batches())
         lr = lr_at(step, config.lr, config.warmup, config.steps, config.final_lr_frac,
                    config.lr_schedule)
-        t0 = time.perf_counter()
         try:  # with several batches a step, a signal is heard between them
+            x, y = self.before_step(step + 1, *self.batches())
+            t0 = time.perf_counter()
             loss = self.run.step(x, y, lr, self.gate.keep if self.run.settings.gated else None,
                                  stop=self.stopping if config.micro_steps > 1 else None)
         except Abandoned:  # (this step's batches are read again by a resume)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import FIX, ROOT, cli, one_line
+from harness import CLI, FIX, ROOT, cli, one_line
 
 
 def test_log_plot_and_checkpoint_model(tmp_path):
@@ -107,3 +107,17 @@ def test_plot_leaves_out_what_it_cannot_draw_and_refuses_nothing_to_draw(tmp_pat
     log.write_text('{"step": 1, "train_loss": ' + "9" * 5000 + "}\n")
     one_line(cli("plot", log, "--out", tmp_path / "c.png"), "line 1 is not JSON")
     assert sorted(os.listdir(tmp_path)) == ["a.png", "log.jsonl"]
+
+
+def test_plot_draws_a_log_whose_name_is_not_utf8(tmp_path):
+    """The log's name is the plot's title: a name in other bytes is drawn with them
+    replaced, not matplotlib's TypeError."""
+    pytest.importorskip("matplotlib")
+    res = cli("train", "-n", "2", "-v", "1", "-g", "0", "-o", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    log = os.path.join(os.fsencode(tmp_path), b"log\xfe.jsonl")
+    os.rename(tmp_path / "o" / "log.jsonl", log)
+    out = subprocess.run([sys.executable, CLI, "plot", log, "--out", tmp_path / "p.png"],
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

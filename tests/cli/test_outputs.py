@@ -212,3 +212,29 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0, (0, "model.bin"))))
     unmake_dirs()  # (the CLI's, once the job's end is settled)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("redirect", list(WRITE_ERROR))
+def test_help_to_a_failing_stdout_says_so_once_and_exits_1(redirect):
+    """click writes --help itself, outside a command's own guard: the same one line."""
+    res = shell(["train", "--help"], redirect)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(WRITE_ERROR[redirect]), lines[0]
+
+
+def test_a_run_into_a_directory_named_in_other_bytes_than_utf8_trains(tmp_path):
+    """A -o whose name is not UTF-8 (a file system's bytes) is printed as given, not a
+    traceback after the model is written."""
+    out = os.path.join(os.fsencode(tmp_path), b"out\xff")
+    res = subprocess.run([sys.executable, CLI, *TINY, "-n", "2", "-o", out],
+                         capture_output=True, timeout=300)
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
+    assert os.fsencode(os.path.join(out, b"model.bin")) in res.stdout
+    assert os.path.getsize(os.path.join(out, b"model.bin")) > 0
+
+
+def test_an_empty_resume_is_refused_not_a_fresh_run(tmp_path):
+    res = cli(*TINY, "-n", "1", "--resume", "", "-o", tmp_path / "o")
+    one_line(res, "--resume '': is empty; give a checkpoint directory")
+    assert not (tmp_path / "o").exists()

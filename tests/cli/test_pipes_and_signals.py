@@ -141,3 +141,14 @@ def test_a_signal_during_an_accumulated_step_stops_between_its_batches(tmp_path,
                     "-o", str(tmp_path / "one")], check=True, capture_output=True, timeout=300)
     assert loader_state(tmp_path / "o" / "ckpt_00000001") == loader_state(
         tmp_path / "one" / "ckpt_00000001")
+
+
+def test_a_signal_while_a_step_reads_its_many_batches_stops_within_seconds(tmp_path):
+    """-d with hundreds of thousands of batches a step: reading them takes seconds before
+    the first pass; a signal then is heard between reads, nothing trained or written."""
+    rc, took, out, err = signalled(signal.SIGINT, "+--", *TINY, "-d", 16 * 600_000, "-n", 2,
+                                   "-o", tmp_path / "o")
+    assert (rc, err) == (130, ""), err
+    # (reading them all first took about 6 s on this 2-core machine; between two looks: ms)
+    assert took < 3 and "interrupted after step 0; nothing trained" in out, (took, out)
+    assert not (tmp_path / "o").exists()
