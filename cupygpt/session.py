@@ -7,7 +7,8 @@ from dataclasses import replace
 from . import CupyGPTError
 from .backends import FusedAttentionUnsupported, get_backend
 from .comm import make_transport
-from .comm.launch import host_names, launched_ranks, world_rank
+from .comm.launch import disagreement, host_names, launched_ranks, world_rank
+from .config.fields import values
 from .config.sections import attention_path
 from .formats.llmc import is_model_file, read_model
 from .log import Log
@@ -35,6 +36,14 @@ class Session:
         self.be, self.backend_note = get_backend(config.device.backend)
         world = launched_ranks()
         self.config, self.shape = config.validate(self.be, world)
+        # the same flags resolve alike only on alike machines (a rank seeing a GPU takes
+        # the GPU's defaults): ranks that would run different steps stop here, together
+        found = disagreement({"backend in use": repr(self.be.name),
+                              **dict(values(self.config))})
+        if found:
+            raise CupyGPTError(f"the ranks' settings differ once each resolved its defaults "
+                               f"on its own machine ({found[0]}: {found[1]}); give every rank "
+                               f"the same kind of machine, or the setting itself")
         dev = self.config.device
         g = self.config.grid
         self.mesh = Mesh(rank=world_rank(), pp=g.pp, dp=g.dp, tp=g.tp, hosts=host_names())

@@ -10,8 +10,9 @@ import typing
 import click
 
 from .. import CupyGPTError
-from ..comm.launch import (Stopped, every_rank, fail, launched_ranks, on_signals, start_mpi,
-                           stop_job)
+from ..comm.launch import (Stopped, disagreement, fail, launched_ranks, on_signals,
+                           start_mpi, stop_job)
+from ..config.fields import values
 from ..config.sections import FLAG, Device, Grid, Pipeline
 from ..log import FAILED, guard_streams
 from ..paths import unmake_dirs
@@ -125,35 +126,17 @@ def config(cls, kw):
     return agreed(cls(**args))
 
 
-def settings(config):
-    """A config's (field, value's repr) pairs, its sections' fields in their place."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from settings(value)
-        else:
-            yield f.name, repr(value)
-
-
 def agreed(config):
     """config, once every rank has the same (collective under mpiexec, before it is validated
     or anything allocated): an MPMD launch (`mpiexec -n 1 cupygpt train -b 4 : -n 1 cupygpt
     train -b 8`) gives each rank flags of its own, and ranks exchanging tensors of other
     shapes die inside MPI, at other learning rates or -o's train apart."""
     ctx = click.get_current_context(silent=True)
-    mine = {"command": repr(ctx.info_name if ctx else type(config).__name__), **dict(settings(config))}
-    every = every_rank(mine)
-    for name in mine:
-        seen = [theirs.get(name, "nothing") for theirs in every]
-        if len(set(seen)) > 1:
-            held = {}
-            for rank, value in enumerate(seen):
-                held.setdefault(value, []).append(str(rank))
-            said = ", ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
-                             f"ranks {', '.join(ranks)} have {value}"
-                             for value, ranks in held.items())
-            raise CupyGPTError(f"ranks disagree on {flag_of(name)}: {said}; give every rank "
-                               f"the same flags")
+    found = disagreement({"command": repr(ctx.info_name if ctx else type(config).__name__),
+                          **dict(values(config))})
+    if found:
+        raise CupyGPTError(f"ranks disagree on {flag_of(found[0])}: {found[1]}; give every "
+                           f"rank the same flags")
     return config
 
 

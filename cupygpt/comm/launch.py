@@ -52,6 +52,22 @@ def every_rank(value: object) -> list:
     return MPI.COMM_WORLD.allgather(value)
 
 
+def disagreement(mine: dict) -> tuple[str, str] | None:
+    """Collective under mpiexec: the first key whose value differs between the ranks and who
+    holds what ("rank 0 has 4, rank 1 has 8"); None where every rank has mine."""
+    every = every_rank(mine)
+    for name in mine:
+        seen = [theirs.get(name, "nothing") for theirs in every]
+        if len(set(seen)) > 1:
+            held = {}
+            for rank, value in enumerate(seen):
+                held.setdefault(value, []).append(str(rank))
+            return name, ", ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
+                                   f"ranks {', '.join(ranks)} have {value}"
+                                   for value, ranks in held.items())
+    return None
+
+
 def start_mpi(timeout: float) -> None:
     """Collective, at the start of every command under mpiexec. MPI's start waits for
     every rank: when one never starts (a host in the hostfile that does not answer), the

@@ -2,6 +2,7 @@
 choices) in its metadata, and cli/ makes every click option from the fields, so a default
 is written in one place and the library's defaults are the CLI's. The factories below are
 the flags several commands share (-b, -t, --dtype, --trace, ...), each declared here once."""
+import dataclasses
 from dataclasses import MISSING, field
 
 
@@ -59,3 +60,12 @@ def as_json(help="print one JSON object"):
     return flag("--json", default=False, help=help)
 
 
+def values(config):
+    """A config's (field, value's repr) pairs, its sections' fields in their place: what
+    ranks compare to know they run one command alike."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from values(value)
+        else:
+            yield f.name, repr(value)

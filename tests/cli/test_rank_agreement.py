@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import error_line, CLI, ROOT, mpiexec
+from harness import SIM, error_line, requires_sim, CLI, ROOT, mpiexec
 
 TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]  # a short run
 SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")
@@ -15,11 +15,13 @@ SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")
 
 # --- M009-M016: ranks given other flags; a rank failing alone --------------------------
 
-def mpmd(*per_rank, cwds=(None, None), timeout=120):
-    """`mpiexec -n 1 ARGS0 : -n 1 ARGS1`, each rank in its own directory when given."""
+def mpmd(*per_rank, cwds=(None, None), envs=({}, {}), timeout=120):
+    """`mpiexec -n 1 ARGS0 : -n 1 ARGS1`, each rank in its own directory and with its own
+    environment variables when given."""
     cmd = [mpiexec()]
-    for i, (args, cwd) in enumerate(zip(per_rank, cwds)):
+    for i, (args, cwd, env) in enumerate(zip(per_rank, cwds, envs)):
         cmd += ([":"] if i else []) + ["-n", "1"] + (["-wdir", str(cwd)] if cwd else []) + \
+            [a for k, v in env.items() for a in ("-env", k, v)] + \
             [sys.executable, CLI, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -76,3 +78,20 @@ def test_ranks_failing_together_print_the_first_failure(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and res.stderr.strip() == "[pe1] error: rank 1 failed", \
         res.stderr
+
+
+@requires_sim
+def test_ranks_whose_machines_resolve_the_same_flags_differently_refuse_together(tmp_path):
+    """Rank 1 sees a GPU (cudasim's), rank 0 none: the same flags choose another backend,
+    model and T. They refused nothing and waited on each other until --peer-timeout; the
+    settings as resolved are compared too."""
+    base = [*TRAIN, "-n", "2", "--micro-batches", "2", "-o", tmp_path / "o"]
+    gpu = {"PYTHONPATH": os.pathsep.join([SIM, ROOT]),
+           "PATH": os.pathsep.join([os.path.join(SIM, "bin"), os.environ["PATH"]])}
+    res = mpmd(base, base, envs=({}, gpu))
+    line = error_line(res)
+    assert line == ("error: the ranks' settings differ once each resolved its defaults on its "
+                    "own machine (backend in use: rank 0 has 'numpy', rank 1 has 'cuda'); give "
+                    "every rank the same kind of machine, or the setting itself"), line
+    assert os.listdir(tmp_path) == []
+    no_rank_left(str(tmp_path))
