@@ -158,8 +158,8 @@ class BenchConfig:
     recompute: int = fields.recompute("activation recomputation, as train's -r")
     dtype: Optional[str] = fields.dtype(RUN_DTYPES + ("both",), help=(
         "as train's; both: fp32 and bf16 side by side  [default: the backend's]"))
-    grad_clip: float = flag("--grad-clip", default=1.0, help=(
-        "the timed step clips at this global norm, as train's (0: off)"))
+    grad_clip: float = fields.grad_clip(
+        "the timed step clips at this global norm, as train's (0: off)")
     profile: bool = flag("--profile", default=False, help=(
         "add a time-per-op table (GPU: CUDA events, also per kernel, eager steps; CPU: wall "
         "time per op)"))

@@ -46,6 +46,10 @@ def recompute(help="activation recomputation (llm.c's -r): 1 keeps no GELU outpu
     return flag("-r", default=0, help=help)
 
 
+def grad_clip(help="clip the gradient at this global norm (0: off)"):
+    return flag("--grad-clip", default=1.0, help=help)
+
+
 def trace():
     return flag("--trace", default=None, metavar="PATH", help=(
         "write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "

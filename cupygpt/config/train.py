@@ -58,8 +58,7 @@ class TrainConfig:
         "sample every N steps and at the end; 0: never  [default: at the end]"))
     gen_tokens: int = flag("-g", default=48, help="tokens to generate")
     weight_decay: float = flag("--weight-decay", default=0.0, help="AdamW weight decay")
-    grad_clip: float = flag("--grad-clip", default=1.0,
-                            help="clip the gradient at this global norm (0: off)")
+    grad_clip: float = fields.grad_clip()
     seed: int = flag("--seed", default=1337, help="initialisation and sampling seed")
     tokenizer: str = flag("--tokenizer", default=TOKENIZER)
     checkpoint_every: int = flag("--checkpoint-every", default=0, help=(

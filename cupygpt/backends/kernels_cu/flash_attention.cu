@@ -36,6 +36,13 @@ static_assert(FR % FLASH_COLS == 0 && FLASH_COLS % 32 == 0, "a block's rows are 
 constexpr int SKEW = PACK;  // shared rows padded by 16 bytes: fewer bank conflicts
 enum Math { FMA, TF32, BF16MMA };
 
+// Where accumulator element e of 8-column tile j sits in a warp's 16 x N block (mma.sync's
+// layout above): this lane's row, and its column.
+__device__ __forceinline__ int acc_row(int e) { return threadIdx.x % WARP / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int acc_col(int j, int e) {
+    return 8 * j + 2 * (threadIdx.x % 4) + e % 2;
+}
+
 // Columns per walked tile and buffers per walked tile, by head size (kernels.py's flash_cols
 // and flash_stages, which size the launch's shared memory): 64-wide tiles where the
 // registers hold them (bf16 up to 64 dimensions), two buffers where two blocks per SM fit
@@ -91,7 +98,7 @@ __device__ __forceinline__ void tile_nt(float (&acc)[N / 8][4], const Rows& A, c
         for (int j = 0; j < N / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const X *a = A.rows + (g + 8 * (e / 2)) * ld, *b = B + (8 * j + 2 * q + e % 2) * ld;
+                const X *a = A.rows + acc_row(e) * ld, *b = B + acc_col(j, e) * ld;
                 float s = 0.f;
 #pragma unroll 8
                 for (int k = 0; k < K; k++) s = fmaf(load(a[k]), load(b[k]), s);
@@ -143,14 +150,14 @@ __device__ __forceinline__ void tile_nn(float (&acc)[N / 8][4], const float (&a)
         for (int t = 0; t < K / 8; t++)
             #pragma unroll
             for (int e = 0; e < 4; e++)
-                pw[(g + 8 * (e / 2)) * LP + 8 * t + 2 * q + e % 2] = a[t][e];
+                pw[acc_row(e) * LP + acc_col(t, e)] = a[t][e];
         __syncwarp();
         #pragma unroll
         for (int j = 0; j < N / 8; j++)
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const float* x = pw + (g + 8 * (e / 2)) * LP;
-                const X* b = B + 8 * j + 2 * q + e % 2;
+                const float* x = pw + acc_row(e) * LP;
+                const X* b = B + acc_col(j, e);
                 float s = acc[j][e];
 #pragma unroll 8
                 for (int k = 0; k < K; k++) s = fmaf(x[k], load(b[k * ld]), s);
@@ -287,13 +294,12 @@ __device__ void store_rows(floatX* dst, long long stride, const floatX* src, int
 template <int HSP>
 __device__ void stage(floatX* tile, const float (&acc)[HSP / 8][4]) {
     constexpr int LD = HSP + SKEW;
-    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
+    int w = threadIdx.x / WARP;
     #pragma unroll
     for (int j = 0; j < HSP / 8; j++)
         #pragma unroll
         for (int e = 0; e < 4; e++)
-            store(&tile[(16 * w + g + 8 * (e / 2)) * LD + 8 * j + 2 * q + e % 2],
-                  acc[j][e]);
+            store(&tile[(16 * w + acc_row(e)) * LD + acc_col(j, e)], acc[j][e]);
 }
 
 // Shared memory: the block's own rows (own tiles of FR rows), the walked tiles (2 of FC
@@ -315,14 +321,13 @@ template <bool MASK, int FC, int HSP>
 __device__ __forceinline__ void online_softmax(float (&s)[FC / 8][4], float (&m)[2],
                                                float (&l)[2], float (&o)[HSP / 8][4], int k0,
                                                const int (&row)[2], float sl) {
-    int q = threadIdx.x % 4;
     float mx[2] = {m[0], m[1]}, sum[2] = {0.f, 0.f}, alpha[2];
     #pragma unroll
     for (int j = 0; j < FC / 8; j++)
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             s[j][e] *= sl;
-            if (MASK && k0 + 8 * j + 2 * q + e % 2 > row[e / 2]) s[j][e] = -INFINITY;
+            if (MASK && k0 + acc_col(j, e) > row[e / 2]) s[j][e] = -INFINITY;
             mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
         }
     #pragma unroll
@@ -466,14 +471,13 @@ template <bool MASK, int FC>
 __device__ __forceinline__ void query_ds(float (&dp)[FC / 8][4], const float (&s)[FC / 8][4],
                                          int k0, const int (&row)[2], const float (&L)[2],
                                          const float (&D)[2], float sl, float scale) {
-    int q = threadIdx.x % 4;
     #pragma unroll
     for (int j = 0; j < FC / 8; j++)
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             int i = e / 2;
             float p = exp2_ftz(fmaf(s[j][e], sl, -L[i]));
-            if (MASK && k0 + 8 * j + 2 * q + e % 2 > row[i]) p = 0.f;
+            if (MASK && k0 + acc_col(j, e) > row[i]) p = 0.f;
             dp[j][e] = (dp[j][e] - D[i]) * p * scale;
         }
 }
@@ -533,12 +537,11 @@ __device__ void flash_dq(floatX* dqkv, float* Dbuf, const floatX* dy, const floa
 template <bool MASK, int FC>
 __device__ __forceinline__ void key_probs(float (&s)[FC / 8][4], const float* Ls, int t0,
                                           const int (&key)[2], int T, float sl) {
-    int q = threadIdx.x % 4;
     #pragma unroll
     for (int j = 0; j < FC / 8; j++)
         #pragma unroll
         for (int e = 0; e < 4; e++) {
-            int c = 8 * j + 2 * q + e % 2;
+            int c = acc_col(j, e);
             s[j][e] = exp2_ftz(fmaf(s[j][e], sl, -Ls[c] * LOG2E));
             if (MASK && (t0 + c < key[e / 2] || t0 + c >= T)) s[j][e] = 0.f;
         }
@@ -558,7 +561,7 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
            *dYs = Qs + S * FC * LD;
     float *Ls = reinterpret_cast<float*>(dYs + S * FC * LD), *Ds = Ls + S * FC,
           *pw = Ds + S * FC + threadIdx.x / WARP * 16 * (FC + 4);
-    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4, q = threadIdx.x % 4;
+    int w = threadIdx.x / WARP, g = threadIdx.x % WARP / 4;
     int k0 = blockIdx.y * FR;  // the first key tiles see the most queries: launched first
     int b = blockIdx.x / NH, h = blockIdx.x % NH, n = (T - k0 + FC - 1) / FC;
     long long C = (long long)NH * HS;
@@ -606,7 +609,7 @@ __device__ void flash_dkdv(floatX* dqkv, const float* Dbuf, const floatX* dy, co
             for (int jj = 0; jj < SUB / 8; jj++)
                 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    dp[jj][e] = (dp[jj][e] - Dc[8 * jj + 2 * q + e % 2]) * s[jj][e] * scale;
+                    dp[jj][e] = (dp[jj][e] - Dc[acc_col(jj, e)]) * s[jj][e] * scale;
             tile_nn<M, SUB, HSP>(dk, dp, Qc, LD, pw);
         }
         refill_single<S>(j, n, walk);
