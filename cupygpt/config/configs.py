@@ -21,7 +21,7 @@ from ..formats.llmc import is_model_file, model_shape, read_expected, read_state
 from ..formats.hellaswag import check_fits, longest_row, read_eval
 from .sections import (Device, Grid, Pipeline, default, existing, fits, graphs_on, out_file,
                        place, positive, recompute_level, run_dtype, RUN_DTYPES, VERIFY_DTYPES)
-from ..paths import DATA, REFERENCE, TOKENIZER, check_outputs, files_of
+from ..paths import DATA, REFERENCE, check_outputs, files_of
 from ..model.shape import PRESETS, preset
 
 
@@ -127,8 +127,8 @@ class SampleConfig:
     dtype: Optional[str] = fields.dtype(RUN_DTYPES, help=(
         "bf16: llm.c's mixed precision (fp32 master weights)  [default: the backend's: fp32 "
         "on the CPU]"))
-    seed: int = flag("--seed", default=1337, help="sampling seed")
-    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    seed: int = fields.seed("sampling seed")
+    tokenizer: str = fields.tokenizer()
     kv_cache: bool = flag("--kv-cache/--no-kv-cache", default=True, help=(
         "one position per token on cached keys and values, or a whole pass"))
     device: Device = fields.section(Device)
@@ -148,7 +148,7 @@ class SampleConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    init: Optional[str] = flag("-e", default=None, help=(
+    init: Optional[str] = fields.init((
         "descriptor to benchmark (as train's -e)  [default: d12 on a GPU, tiny on the CPU]"))
     batch: int = fields.batch(help=None)
     seq: Optional[int] = fields.seq()

@@ -5,6 +5,9 @@ the flags several commands share (-b, -t, --dtype, --trace, ...), each declared 
 import dataclasses
 from dataclasses import MISSING, field
 
+from ..parallel.pipeline.schedule import SCHEDULES
+from ..paths import TOKENIZER
+
 
 def flag(*decls, default=MISSING, help=None, choices=None, shown=None, metavar=None,
          argument=False, required=False, nargs=None, multiple=False, path=False):
@@ -50,14 +53,38 @@ def grad_clip(help="clip the gradient at this global norm (0: off)"):
     return flag("--grad-clip", default=1.0, help=help)
 
 
+def tokenizer(help=None):
+    return flag("--tokenizer", default=TOKENIZER, help=help)
+
+
+def schedule(*aliases):
+    return flag("--schedule", *aliases, default="1f1b", choices=tuple(SCHEDULES))
+
+
+def virtual_stages(*aliases):
+    return flag("--virtual-stages", *aliases, default=None, help=(
+        "model chunks per rank (interleaved; zbv holds 2)  [default: 2 with interleaved, "
+        "else 1]"))  # None: the schedule's own (chunks_per_rank)
+
+
 def trace():
     return flag("--trace", default=None, metavar="PATH", help=(
         "write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
         "(open in Perfetto or chrome://tracing)"))
 
 
-def overwrite(help="replace the files this command writes (--out, --trace) where they exist"):
-    return flag("--overwrite", default=False, help=help)
+def overwrite(help="replace the files this command writes (--out, --trace) where they exist",
+              *aliases):
+    """(aliases: convert's and prepare's --force, the older name they still take)"""
+    return flag("--overwrite", *aliases, default=False, help=help)
+
+
+def init(help):
+    return flag("-e", default=None, help=help)
+
+
+def seed(help):
+    return flag("--seed", default=1337, help=help)
 
 
 def as_json(help="print one JSON object"):

@@ -13,6 +13,7 @@ from ..comm.launch import YEAR_S
 from ..model.layout import RECOMPUTED
 from ..paths import check_dir, file_dir, not_regular
 from ..precision import DTYPES, dtype_name
+from . import fields
 from .fields import flag
 from ..parallel.pipeline.plan import plan_split
 from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
@@ -115,10 +116,8 @@ class Pipeline:
     """How one step is cut across the pipeline's stages and micro-batches."""
     micro_batches: int = flag("--micro-batches", default=1, help=(
         "micro-batches per step (must divide the batch; per replica with --dp)"))
-    schedule: str = flag("--schedule", default="1f1b", choices=tuple(SCHEDULES))
-    virtual_stages: Optional[int] = flag("--virtual-stages", default=None, help=(
-        "model chunks per rank (interleaved; zbv holds 2)  [default: 2 with interleaved, "
-        "else 1]"))  # None: the schedule's
+    schedule: str = fields.schedule()
+    virtual_stages: Optional[int] = fields.virtual_stages()
     split: Optional[str] = flag("--split", default=None, help=(
         "layers per model chunk (a stage's, but with interleaved or zbv), e.g. 6,6 (default: "
         "balanced by counted cost)"))  # validate resolves it into counts

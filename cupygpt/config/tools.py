@@ -9,7 +9,6 @@ from . import fields
 from .fields import flag
 from .sections import RUN_DTYPES
 from ..parallel.pipeline.schedule import SCHEDULES
-from ..paths import TOKENIZER
 
 # gpucheck's parts in the order they run, the most valuable first so that a short budget
 # drops the least (commands/gpucheck/check.py maps each name to what it runs)
@@ -20,14 +19,14 @@ GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sa
 class PrepareConfig:
     inputs: tuple[str, ...] = flag(argument=True, nargs=-1, required=True)
     out: str = flag("--out", default="data", help="output directory")
-    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    tokenizer: str = fields.tokenizer()
     name: Optional[str] = flag("--name", default=None, help=(
         "shard name prefix  [default: the first input's file name without its extension]"))
     shard_size: Optional[int] = flag("--shard-size", default=None, help=(
         "tokens per shard: the corpus mode, llm.c's FineWeb script (its default with several "
         "inputs or jsonl/parquet: 100,000,000)"))  # None: commands/prepare.py's SHARD_SIZE
-    force: bool = flag("--overwrite", "--force", default=False,
-                       help="replace shards already there (--force: its older name)")
+    force: bool = fields.overwrite("replace shards already there (--force: its older name)",
+                                  "--force")
     workers: Optional[int] = flag("--workers", default=None, help=(
         "tokenizing processes in the corpus mode  [default: one per core]"))
     hellaswag: bool = flag("--hellaswag", default=False, help=(
@@ -40,20 +39,17 @@ class ConvertConfig:
     src: str = flag(argument=True, required=True)
     dst: str = flag(argument=True, required=True)
     dtype: str = fields.dtype(RUN_DTYPES, default="fp32", help="the llm.c file's")
-    tokenizer: str = flag("--tokenizer", default=TOKENIZER,
-                          help="its vocab.json, merges.txt go beside a model with its vocab")
-    force: bool = flag("--overwrite", "--force", default=False, help=(
-        "replace an existing llm.c model file DST (--force: its older name)"))
+    tokenizer: str = fields.tokenizer("its vocab.json, merges.txt go beside a model with its vocab")
+    force: bool = fields.overwrite(
+        "replace an existing llm.c model file DST (--force: its older name)", "--force")
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
     stages: int = flag("--stages", "-p", default=4)
     micro_batches: int = flag("--micro-batches", "-m", default=8)
-    schedule: str = flag("--schedule", default="1f1b", choices=tuple(SCHEDULES))
-    virtual_stages: Optional[int] = flag("--virtual-stages", "-v", default=None, help=(
-        "model chunks per rank (interleaved; zbv holds 2)  [default: 2 with interleaved, "
-        "else 1]"))  # None: the schedule's own (chunks_per_rank)
+    schedule: str = fields.schedule()
+    virtual_stages: Optional[int] = fields.virtual_stages("-v")
     backward_cost: float = flag("--backward-cost", default=2.0, help=(
         "time of a backward relative to a forward (split: half B, half W)"))
 

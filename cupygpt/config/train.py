@@ -16,7 +16,7 @@ from .configs import hellaswag_seq
 from .sections import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
                        out_file, place, positive, recompute_level, run_dtype, RUN_DTYPES)
 from ..model.optim import LR_SCHEDULES
-from ..paths import DATA, TOKENIZER, check_dir, check_outputs, files_of
+from ..paths import DATA, check_dir, check_outputs, files_of
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class TrainConfig:
     shuffle: bool = flag("--shuffle/--no-shuffle", default=True, help=(
         "train shards and the batches in each in a seeded random order per epoch (llm.c's); "
         "--no-shuffle: in file order"))
-    init: Optional[str] = flag("-e", default=None, help=(
+    init: Optional[str] = fields.init((
         "llm.c model file, or one of llm.c's descriptors for a fresh model: d6, d12 .. d84 "
         "(GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), or tiny  [default: d12 "
         "on a GPU, tiny on the CPU]"))  # None: the backend's DEFAULT_RUN
@@ -59,8 +59,8 @@ class TrainConfig:
     gen_tokens: int = flag("-g", default=48, help="tokens to generate")
     weight_decay: float = flag("--weight-decay", default=0.0, help="AdamW weight decay")
     grad_clip: float = fields.grad_clip()
-    seed: int = flag("--seed", default=1337, help="initialisation and sampling seed")
-    tokenizer: str = flag("--tokenizer", default=TOKENIZER)
+    seed: int = fields.seed("initialisation and sampling seed")
+    tokenizer: str = fields.tokenizer()
     checkpoint_every: int = flag("--checkpoint-every", default=0, help=(
         "write OUT/ckpt_STEP every K steps and at the end (0: never)"))
     keep: int = flag("--keep", default=2,

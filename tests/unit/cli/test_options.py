@@ -121,3 +121,29 @@ def test_a_hand_written_option_is_found():
     changed.params[1].help = "another help"
     assert problems(changed) and "help" in problems(changed)[0]
     assert problems(click.command("bare")(click.option("--x")(lambda x: None)))
+
+
+def declared_twice(sources):
+    """(spelling, default) pairs that flag(...) calls in sources write more than once: a
+    default written twice, where a shared factory in config/fields.py should stand."""
+    import ast
+    seen = {}
+    for text in sources:
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "flag"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                default = [ast.unparse(k.value) for k in node.keywords if k.arg == "default"]
+                key = (node.args[0].value, default[0] if default else None)
+                seen[key] = seen.get(key, 0) + 1
+    return sorted(k for k, n in seen.items() if n > 1)
+
+
+def test_no_flag_and_default_are_written_twice():
+    """Two commands sharing a flag with the same default take it from one factory."""
+    import glob
+    import os
+    import cupygpt.config as package
+    paths = glob.glob(os.path.join(os.path.dirname(package.__file__), "*.py"))
+    assert paths and declared_twice(open(p).read() for p in paths) == []
+    copy = 'a = flag("--seed", default=1)\nb = flag("--seed", default=1)\nc = flag("--seed", default=2)'
+    assert declared_twice([copy]) == [("--seed", "1")]
