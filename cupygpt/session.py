@@ -39,7 +39,7 @@ class Session:
         # the same flags resolve alike only on alike machines (a rank seeing a GPU takes
         # the GPU's defaults): ranks that would run different steps stop here, together
         found = disagreement({"backend in use": repr(self.be.name),
-                              **dict(values(self.config))})
+                              **dict(values(self.config, contents=False))})
         if found:
             raise CupyGPTError(f"the ranks' settings differ once each resolved its defaults "
                                f"on its own machine ({found[0]}: {found[1]}); give every rank "

@@ -131,12 +131,14 @@ def agreed(config):
     or anything allocated): an MPMD launch (`mpiexec -n 1 cupygpt train -b 4 : -n 1 cupygpt
     train -b 8`) gives each rank flags of its own, and ranks exchanging tensors of other
     shapes die inside MPI, at other learning rates or -o's train apart."""
+    if launched_ranks() == 1:
+        return config
     ctx = click.get_current_context(silent=True)
     found = disagreement({"command": repr(ctx.info_name if ctx else type(config).__name__),
                           **dict(values(config))})
     if found:
         raise CupyGPTError(f"ranks disagree on {flag_of(found[0])}: {found[1]}; give every "
-                           f"rank the same flags")
+                           f"rank the same flags and the same files")
     return config
 
 

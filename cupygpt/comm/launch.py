@@ -54,7 +54,9 @@ def every_rank(value: object) -> list:
 
 def disagreement(mine: dict) -> tuple[str, str] | None:
     """Collective under mpiexec: the first key whose value differs between the ranks and who
-    holds what ("rank 0 has 4, rank 1 has 8"); None where every rank has mine."""
+    holds what ("rank 0 has 4, rank 1 has 8"); None where every rank has mine. A value in
+    bytes (a string as the command line gave it: one name under any locale) is shown as
+    this rank's string."""
     every = every_rank(mine)
     for name in mine:
         seen = [theirs.get(name, "nothing") for theirs in every]
@@ -62,9 +64,10 @@ def disagreement(mine: dict) -> tuple[str, str] | None:
             held = {}
             for rank, value in enumerate(seen):
                 held.setdefault(value, []).append(str(rank))
-            return name, ", ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
-                                   f"ranks {', '.join(ranks)} have {value}"
-                                   for value, ranks in held.items())
+            shown = {v: repr(os.fsdecode(v)) if isinstance(v, bytes) else v for v in held}
+            return name, ", ".join(f"rank {ranks[0]} has {shown[v]}" if len(ranks) == 1 else
+                                   f"ranks {', '.join(ranks)} have {shown[v]}"
+                                   for v, ranks in held.items())
     return None
 
 

@@ -50,8 +50,8 @@ def hellaswag_seq(path, batch, seq, shape, option="hellaswag_file"):
 
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str = flag(argument=True, default=None, required=True)
-    hellaswag: str = flag("--hellaswag", default=None, required=True, metavar="FILE",
+    model: str = flag(argument=True, default=None, required=True, file="in")
+    hellaswag: str = flag("--hellaswag", default=None, required=True, metavar="FILE", file="in",
                           help="llm.c's eval file (hellaswag_val.bin; `prepare --hellaswag` "
                                "makes it)")
     batch: int = fields.batch(16, "rows per forward: B // 4 examples")
@@ -78,15 +78,16 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    model: str = flag("--model", default=os.path.join(REFERENCE, "tiny_model.bin"), help=(
-        "llm.c model file (default: the shipped one made by llm.c's PyTorch reference)"))
-    state: Optional[str] = flag("--state", default=None, help=(
+    model: str = flag("--model", default=os.path.join(REFERENCE, "tiny_model.bin"), file="in",
+                      help="llm.c model file (default: the shipped one made by llm.c's "
+                           "PyTorch reference)")
+    state: Optional[str] = flag("--state", default=None, file="in", help=(
         "llm.c debug state file for that model  [default: NAME_debug_state.bin beside a "
         "NAME_model.bin]"))
     steps: int = flag("--steps", default=10, help="AdamW steps on the state's batch")
     lr: float = flag("--lr", default=1e-4)
     weight_decay: float = flag("--weight-decay", default=0.01, help="AdamW weight decay")
-    expected: Optional[str] = flag("--expected", default=None, help=(
+    expected: Optional[str] = flag("--expected", default=None, file="in", help=(
         "JSON with a 'losses' list to check the steps  [default: NAME_expected.json beside a "
         "NAME_model.bin, at the default --lr and --weight-decay]"))
     dtype: str = fields.dtype(VERIFY_DTYPES, "fp32", help=(
@@ -119,7 +120,7 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class SampleConfig:
-    model: str = flag("--model", default=os.path.join("out", "model.bin"))
+    model: str = flag("--model", default=os.path.join("out", "model.bin"), file="in")
     prompt: str = flag("--prompt", default="", help="text to continue (default: start of text)")
     max_new_tokens: int = flag("--max-new-tokens", default=64)
     temperature: float = flag("--temperature", default=1.0)
@@ -166,7 +167,7 @@ class BenchConfig:
     comm: bool = flag("--comm", default=False, help=(
         "under mpiexec: time the transport's collectives and a stage handoff from 1 KiB to "
         "64 MiB and at this model's step sizes, instead"))
-    out: str = flag("--out", default="bench.json", help="JSON to write")
+    out: str = flag("--out", default="bench.json", help="JSON to write", file="out")
     device: Device = fields.section(Device)
     trace: Optional[str] = fields.trace()
     overwrite: bool = fields.overwrite()  # --out and --trace may replace existing files

@@ -3,6 +3,9 @@ choices) in its metadata, and cli/ makes every click option from the fields, so 
 is written in one place and the library's defaults are the CLI's. The factories below are
 the flags several commands share (-b, -t, --dtype, --trace, ...), each declared here once."""
 import dataclasses
+import glob
+import hashlib
+import os
 from dataclasses import MISSING, field
 
 from ..parallel.pipeline.schedule import SCHEDULES
@@ -10,16 +13,19 @@ from ..paths import TOKENIZER
 
 
 def flag(*decls, default=MISSING, help=None, choices=None, shown=None, metavar=None,
-         argument=False, required=False, nargs=None, multiple=False, path=False):
+         argument=False, required=False, nargs=None, multiple=False, path=False, file=None):
     """A field that is also a command-line parameter: decls are click's spellings
     ("-b", "--graphs/--no-graphs", aliases "--overwrite", "--force"; none for an argument),
     shown the [default: ...] text where the default is worked out later (None until
     validate resolves it); nargs=-1 an argument taking every word left, multiple an option
     given again for each value (both a tuple), path a file path (click checks one that
-    exists is readable)."""
+    exists is readable); file what ranks compare of a path (values): "in" an input's
+    content, "out" the real path of an output, "model" -e's (a file's content, or a
+    descriptor as given)."""
     return field(default=default, metadata=dict(
         decls=decls, help=help, choices=choices, shown=shown, metavar=metavar,
-        argument=argument, required=required, nargs=nargs, multiple=multiple, path=path))
+        argument=argument, required=required, nargs=nargs, multiple=multiple, path=path,
+        file=file))
 
 
 def section(cls, flags=True):
@@ -54,7 +60,7 @@ def grad_clip(help="clip the gradient at this global norm (0: off)"):
 
 
 def tokenizer(help=None):
-    return flag("--tokenizer", default=TOKENIZER, help=help)
+    return flag("--tokenizer", default=TOKENIZER, help=help, file="in")
 
 
 def schedule(*aliases):
@@ -68,7 +74,7 @@ def virtual_stages(*aliases):
 
 
 def trace():
-    return flag("--trace", default=None, metavar="PATH", help=(
+    return flag("--trace", default=None, metavar="PATH", file="out", help=(
         "write every rank's pipeline actions (start, end) as one Chrome trace-event JSON "
         "(open in Perfetto or chrome://tracing)"))
 
@@ -80,7 +86,7 @@ def overwrite(help="replace the files this command writes (--out, --trace) where
 
 
 def init(help):
-    return flag("-e", default=None, help=help)
+    return flag("-e", default=None, help=help, file="model")
 
 
 def seed(help):
@@ -91,12 +97,47 @@ def as_json(help="print one JSON object"):
     return flag("--json", default=False, help=help)
 
 
-def values(config):
-    """A config's (field, value's repr) pairs, its sections' fields in their place: what
-    ranks compare to know they run one command alike."""
+def values(config, contents=True):
+    """A config's (field, value) pairs as ranks compare them to know they run one command
+    alike, its sections' fields in their place: a string as the bytes it was given (one
+    name under any locale), an output as the real path it names (-o run and -o $PWD/run
+    agree), an input file by what it holds (copies on each node that differ are found; the
+    same data under two names agrees), or left out (contents=False: compared before).
+    Bytes are shown as the string, a str is shown as it is."""
     for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
+        value, kind = getattr(config, f.name), f.metadata.get("file")
         if dataclasses.is_dataclass(value):
-            yield from values(value)
-        else:
+            yield from values(value, contents)
+        elif not isinstance(value, str):
             yield f.name, repr(value)
+        elif kind == "out" and value:
+            yield f.name, os.fsencode(os.path.realpath(value))
+        elif kind == "in" and value and os.path.isdir(value):
+            yield f.name, os.fsencode(os.path.realpath(value))  # (a checkpoint directory)
+        elif value and (kind == "in" or kind == "model" and os.path.isfile(value)):
+            if contents:
+                yield f.name, held(value)
+        else:
+            yield f.name, os.fsencode(value)
+
+
+def held(pattern, ends=1 << 16):
+    """What the files a path or glob names hold: their count, bytes and a hash of each one's
+    size, first and last 64 KiB (the rest unread: a start-up cost of 128 KiB a shard); the
+    path as given where it names no readable file (validation says why)."""
+    paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    digest, size = hashlib.blake2b(digest_size=4), 0
+    try:
+        for path in paths:
+            with open(path, "rb") as f:
+                n = os.fstat(f.fileno()).st_size
+                digest.update(n.to_bytes(8, "little") + f.read(ends))
+                f.seek(max(ends, n - ends))
+                digest.update(f.read(ends))
+                size += n
+    except OSError:
+        return os.fsencode(pattern)
+    if not paths:
+        return os.fsencode(pattern)
+    return (f"<{len(paths)} file{'s' * (len(paths) > 1)}: {size:,} bytes, sampled hash "
+            f"{digest.hexdigest()}>")

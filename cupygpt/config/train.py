@@ -22,9 +22,9 @@ from ..paths import DATA, check_dir, check_outputs, files_of
 @dataclass(frozen=True)
 class TrainConfig:
     train_pattern: str = flag("-i", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
-                              help="train shards (glob)")
+                              help="train shards (glob)", file="in")
     val_pattern: str = flag("-j", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
-                            help="val shards (glob)")
+                            help="val shards (glob)", file="in")
     shuffle: bool = flag("--shuffle/--no-shuffle", default=True, help=(
         "train shards and the batches in each in a seeded random order per epoch (llm.c's); "
         "--no-shuffle: in file order"))
@@ -32,7 +32,7 @@ class TrainConfig:
         "llm.c model file, or one of llm.c's descriptors for a fresh model: d6, d12 .. d84 "
         "(GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), or tiny  [default: d12 "
         "on a GPU, tiny on the CPU]"))  # None: the backend's DEFAULT_RUN
-    out: str = flag("-o", default="out", help="output directory")
+    out: str = flag("-o", default="out", help="output directory", file="out")
     batch: int = fields.batch()
     seq: Optional[int] = fields.seq("sequence length T  [default: 1024 on a GPU, 64 on the "
                                     "CPU]")  # None: the backend's DEFAULT_RUN
@@ -74,15 +74,16 @@ class TrainConfig:
                             help="the same for the gradient's global norm (0: off)")
     overfit: int = flag("-a", "--overfit-single-batch", default=0,
                         help="1: every step trains on the first batch (llm.c's debugging check)")
-    resume: Optional[str] = flag("--resume", default=None,
+    resume: Optional[str] = flag("--resume", default=None, file="in",
                                  help="checkpoint dir (or a run's -o dir) to continue")
-    log_file: Optional[str] = flag("--log-file", default=None,
+    log_file: Optional[str] = flag("--log-file", default=None, file="out",
                                    help="JSON lines per step (default OUT/log.jsonl)")
     hellaswag: int = flag("-h", default=0, help=(
         "1: HellaSwag accuracy at every val step and at the end (needs -b 4 or more)"))
     hellaswag_file: str = flag("--hellaswag-file", default=os.path.join("data",
                                                                         "hellaswag_val.bin"),
-                               help="llm.c's eval file for -h 1 (`prepare --hellaswag`)")
+                               help="llm.c's eval file for -h 1 (`prepare --hellaswag`)",
+                               file="in")
     overwrite: bool = fields.overwrite(
         "a fresh run may replace what an earlier run left in -o (its model.bin, log and "
         "checkpoints) and an existing --trace file")

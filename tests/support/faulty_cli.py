@@ -3,6 +3,8 @@ into train's loop through its seam, Trainer.before_step, so a test can make what
 meets mid-way happen on cue, with nothing in the package reading a setting of the tests:
 
     raise:STEP:RANK   rank RANK raises as step STEP starts (a rank failing mid-run)
+    start:RANK        rank RANK refuses the run as its loop is made, -o made (a rank failing
+                      alone at the start: its own memory, disk or files)
     targets:STEP      step STEP's targets all the vocabulary's last token (a loss spike,
                       for -sl/-sg)
 
@@ -27,8 +29,8 @@ def parse(spec):
         numbers = tuple(map(int, rest.split(":")))
     except ValueError:
         numbers = ()
-    if (kind, len(numbers)) not in (("raise", 2), ("targets", 1)):
-        raise CupyGPTError(f"fault {spec!r}: give raise:STEP:RANK or targets:STEP "
+    if (kind, len(numbers)) not in (("raise", 2), ("targets", 1), ("start", 1)):
+        raise CupyGPTError(f"fault {spec!r}: give raise:STEP:RANK, targets:STEP or start:RANK "
                            f"(whole numbers)")
     return (kind, *numbers)
 
@@ -42,7 +44,17 @@ def before_step(trainer, step, x, y):
     return x, y
 
 
+def made(init):
+    def start(trainer, sess, *args):
+        kind, *rank = parse(FAULT)
+        if kind == "start" and sess.mesh.rank == rank[0]:
+            raise CupyGPTError(f"rank {sess.mesh.rank} cannot start (an injected fault)")
+        init(trainer, sess, *args)
+    return start
+
+
 Trainer.before_step = before_step
+Trainer.__init__ = made(Trainer.__init__)
 sys.argv[0] = "cli.py"  # (the name the CLI's usage lines give)
 from cupygpt.__main__ import run  # noqa: E402 (after the fault is in place, as cli.py would)
 
