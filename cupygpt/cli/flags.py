@@ -23,7 +23,8 @@ from ..session import Session
 def flag_of(name):
     """The command's flag of a config field (the field's name where it has none)."""
     ctx = click.get_current_context(silent=True)
-    params = {p.name: p.opts[0] for p in (ctx.command.params if ctx else [])}
+    params = {p.name: p.human_readable_name if isinstance(p, click.Argument) else p.opts[0]
+              for p in (ctx.command.params if ctx else [])}
     return params.get(name, name)
 
 
@@ -118,12 +119,24 @@ def one_process(command):
 def config(cls, kw):
     """cls (a config dataclass) from the flags: each field is the flag's parameter name;
     the device and pipeline parts are filled the same way."""
+    named(cls, kw)
     args = {f.name: kw[f.name] for f in dataclasses.fields(cls) if f.name in kw}
     for name, part in SECTIONS.items():
         if name in {f.name for f in dataclasses.fields(cls)}:
             args[name] = part(**{f.name: kw[f.name] for f in dataclasses.fields(part)
                                  if f.name in kw})
     return agreed(cls(**args))
+
+
+def named(cls, kw):
+    """Refuses '' for a path (a variable left unset, --resume "$CKPT", names nothing; a
+    reader would say only that '' cannot be opened), where '' means nothing else."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section") is not None:
+            named(f.default_factory, kw)
+        given, empty = kw.get(f.name), f.metadata.get("empty")
+        if empty and (given == "" or isinstance(given, tuple) and "" in given):
+            raise CupyGPTError(f"is empty; give {empty}", f.name, "")
 
 
 def agreed(config):

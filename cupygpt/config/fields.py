@@ -13,7 +13,8 @@ from ..paths import TOKENIZER
 
 
 def flag(*decls, default=MISSING, help=None, choices=None, shown=None, metavar=None,
-         argument=False, required=False, nargs=None, multiple=False, path=False, file=None):
+         argument=False, required=False, nargs=None, multiple=False, path=False, file=None,
+         empty="a file name"):
     """A field that is also a command-line parameter: decls are click's spellings
     ("-b", "--graphs/--no-graphs", aliases "--overwrite", "--force"; none for an argument),
     shown the [default: ...] text where the default is worked out later (None until
@@ -21,11 +22,13 @@ def flag(*decls, default=MISSING, help=None, choices=None, shown=None, metavar=N
     given again for each value (both a tuple), path a file path (click checks one that
     exists is readable); file what ranks compare of a path (values): "in" an input's
     content, "out" the real path of an output, "model" -e's (a file's content, or a
-    descriptor as given)."""
+    descriptor as given); empty what to give instead of '' for a path (a variable left unset,
+    --resume "$CKPT", names nothing: refused by cli/), None where '' means something (-j '':
+    no validation)."""
     return field(default=default, metadata=dict(
         decls=decls, help=help, choices=choices, shown=shown, metavar=metavar,
         argument=argument, required=required, nargs=nargs, multiple=multiple, path=path,
-        file=file))
+        file=file, empty=empty if file else None))
 
 
 def section(cls, flags=True):

@@ -17,8 +17,9 @@ GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sa
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    inputs: tuple[str, ...] = flag(argument=True, nargs=-1, required=True)
-    out: str = flag("--out", default="data", help="output directory")
+    inputs: tuple[str, ...] = flag(argument=True, nargs=-1, required=True, file="in")
+    out: str = flag("--out", default="data", help="output directory", file="out",
+                    empty="a directory name")
     tokenizer: str = fields.tokenizer()
     name: Optional[str] = flag("--name", default=None, help=(
         "shard name prefix  [default: the first input's file name without its extension]"))
@@ -36,8 +37,8 @@ class PrepareConfig:
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    src: str = flag(argument=True, required=True)
-    dst: str = flag(argument=True, required=True)
+    src: str = flag(argument=True, required=True, file="in", empty="a path")
+    dst: str = flag(argument=True, required=True, file="out", empty="a path")
     dtype: str = fields.dtype(RUN_DTYPES, default="fp32", help="the llm.c file's")
     tokenizer: str = fields.tokenizer("its vocab.json, merges.txt go beside a model with its vocab")
     force: bool = fields.overwrite(
@@ -56,11 +57,13 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class GpucheckConfig:
-    out: str = flag("--out", default="gpu_report", help="report directory")
+    out: str = flag("--out", default="gpu_report", help="report directory", file="out",
+                    empty="a directory name")
     budget: float = flag("--budget", default=420.0, help=(
         "seconds the whole check may take: each run gets what is left, and a part that "
         "cannot fit is skipped, the report saying why"))
-    peers_dir: Optional[str] = flag("--peers", default=None, help=(
+    peers_dir: Optional[str] = flag("--peers", default=None, file="in", empty="a directory",
+                                    help=(
         "a copy of shared/peers: llm.c's build starts at once, in the background, and the "
         "peers (llm.c, PyTorch) run after bench at its B and T, for ratios measured side by "
         "side"))
@@ -73,15 +76,15 @@ class GpucheckConfig:
 
 @dataclass(frozen=True)
 class PlotConfig:
-    log: str = flag(argument=True, required=True, path=True)
-    out: str = flag("--out", default="loss.png", help="PNG to write")
+    log: str = flag(argument=True, required=True, path=True, file="in")
+    out: str = flag("--out", default="loss.png", help="PNG to write", file="out")
     overwrite: bool = fields.overwrite()
 
 
 @dataclass(frozen=True)
 class TimelineConfig:
-    trace: str = flag(argument=True, required=True, path=True)
-    out: str = flag("--out", default="timeline.png", help="PNG to write")
+    trace: str = flag(argument=True, required=True, path=True, file="in")
+    out: str = flag("--out", default="timeline.png", help="PNG to write", file="out")
     schedule: Optional[str] = flag("--schedule", default=None, choices=tuple(SCHEDULES),
                                    help="the run's schedule, for the prediction  [default: "
                                         "the trace's]")

@@ -24,7 +24,7 @@ class TrainConfig:
     train_pattern: str = flag("-i", default=os.path.join(DATA, "tiny_shakespeare_train.bin"),
                               help="train shards (glob)", file="in")
     val_pattern: str = flag("-j", default=os.path.join(DATA, "tiny_shakespeare_val.bin"),
-                            help="val shards (glob)", file="in")
+                            help="val shards (glob; '': no validation)", file="in", empty=None)
     shuffle: bool = flag("--shuffle/--no-shuffle", default=True, help=(
         "train shards and the batches in each in a seeded random order per epoch (llm.c's); "
         "--no-shuffle: in file order"))
@@ -32,7 +32,8 @@ class TrainConfig:
         "llm.c model file, or one of llm.c's descriptors for a fresh model: d6, d12 .. d84 "
         "(GPT-2 by depth), gpt3:c768 .. (GPT-3 by channels, T 2048), or tiny  [default: d12 "
         "on a GPU, tiny on the CPU]"))  # None: the backend's DEFAULT_RUN
-    out: str = flag("-o", default="out", help="output directory", file="out")
+    out: str = flag("-o", default="out", help="output directory", file="out",
+                    empty="a directory name")
     batch: int = fields.batch()
     seq: Optional[int] = fields.seq("sequence length T  [default: 1024 on a GPU, 64 on the "
                                     "CPU]")  # None: the backend's DEFAULT_RUN
@@ -74,7 +75,8 @@ class TrainConfig:
                             help="the same for the gradient's global norm (0: off)")
     overfit: int = flag("-a", "--overfit-single-batch", default=0,
                         help="1: every step trains on the first batch (llm.c's debugging check)")
-    resume: Optional[str] = flag("--resume", default=None, file="in",
+    resume: Optional[str] = flag("--resume", default=None, file="in", empty=(
+        "a checkpoint directory (or a run's -o), or leave --resume out for a fresh run"),
                                  help="checkpoint dir (or a run's -o dir) to continue")
     log_file: Optional[str] = flag("--log-file", default=None, file="out",
                                    help="JSON lines per step (default OUT/log.jsonl)")
@@ -148,9 +150,6 @@ class TrainConfig:
             existing("tokenizer", c.tokenizer)
         for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
             shard_files(getattr(c, name), name)
-        if c.resume == "":  # (not a resume that quietly became a fresh run)
-            raise CupyGPTError("is empty; give a checkpoint directory (or a run's -o), or "
-                               "leave --resume out for a fresh run", "resume", "")
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         c = place(c, be, world, shape, c.seq, c.batch, ("init", c.init))

@@ -147,3 +147,30 @@ def test_no_flag_and_default_are_written_twice():
     assert paths and declared_twice(open(p).read() for p in paths) == []
     copy = 'a = flag("--seed", default=1)\nb = flag("--seed", default=1)\nc = flag("--seed", default=2)'
     assert declared_twice([copy]) == [("--seed", "1")]
+
+
+def empty_paths():
+    """(command words, the parameter, its field's advice) of every path whose '' is refused."""
+    for name, cmd in commands(cli):
+        fields = flagged(cmd.callback.config)
+        for p in cmd.params:
+            if fields[p.name].metadata.get("empty"):
+                yield name, cmd, p, fields[p.name].metadata["empty"]
+
+
+@pytest.mark.parametrize("name,cmd,param,advice", list(empty_paths()),
+                         ids=lambda x: x if isinstance(x, str) and " " not in x else "")
+def test_an_empty_path_is_refused_naming_its_flag(name, cmd, param, advice):
+    """'' (a variable left unset: --resume "$CKPT") names nothing: one line naming the flag,
+    before anything is read ("error: : cannot open ..." named neither)."""
+    args = []
+    for p in cmd.params:
+        if p is param:
+            args += ([] if isinstance(p, click.Argument) else [p.opts[0]]) + [""]
+        elif p.required:
+            args += ([] if isinstance(p, click.Argument) else [p.opts[0]]) + ["x"]
+    res = CliRunner().invoke(cmd, args, prog_name=name)
+    shown = param.human_readable_name if isinstance(param, click.Argument) else param.opts[0]
+    assert res.exit_code == 1 and res.output.strip() == \
+        f"error: {shown} '': is empty; give {advice}", (args, res.output)
+    assert len(list(empty_paths())) >= 20
