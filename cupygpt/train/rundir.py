@@ -79,19 +79,29 @@ def over_limit(size):
             f"raise it (ulimit -f unlimited)")
 
 
-def room(out, need):
+def on_disk(path):
+    """The bytes path's regular files take on their filesystem (blocks, not lengths)."""
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
+               for d, _, files in os.walk(path) for f in files)
+
+
+def room(out, need, resumed=False, keep=0):
     """Refuses a run whose files will not fit on out's filesystem, or whose largest file
-    the file-size limit (ulimit -f) would cut off after hours of training."""
+    the file-size limit (ulimit -f) would cut off after hours of training. resumed: a run
+    continuing in out, whose newest keep checkpoints there are among those need counts
+    (a run stopped by a full disk resumes with the room its checkpoints already take)."""
     held, need, (largest, name) = need
     over = over_limit(largest)
     if over:
         return (f"this run writes {name} of {largest / 2**20:.1f} MiB, {over}, or train a "
                 f"smaller model")
     st = os.statvfs(out)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        return (f"its filesystem has {free / 2**20:.1f} MiB free and this run writes "
-                f"{need / 2**20:.1f} MiB (the final model" + (
+    there = listed(out)[-min(keep, held - 1):] if resumed and held > 1 and keep else []
+    free, own = st.f_bavail * st.f_frsize, sum(on_disk(os.path.join(out, c)) for c in there)
+    if free + own < need:
+        return (f"its filesystem has {free / 2**20:.1f} MiB free" + (
+                    f" (and {own / 2**20:.1f} MiB in the checkpoints it keeps)" if own else "") +
+                f" and this run writes {need / 2**20:.1f} MiB (the final model" + (
                     f" and the {held} checkpoint(s) it holds at once: --keep's newest, the "
                     f"one being written, -nm's" if held else "") +
                 "); free some space, give another -o" + (
@@ -147,7 +157,7 @@ def _claim_here(config, need):
         why = (f"holds an earlier run's output ({'; '.join(found)}); " +
                (f"add --resume {config.out} to continue that run, " if listed(config.out)
                 else "") + "add --overwrite to replace it, or give another -o")
-    why = why or room(config.out, need)
+    why = why or room(config.out, need, own, config.keep)
     if why:
         return fd, ("out", config.out, why), False
     log = config.log_file

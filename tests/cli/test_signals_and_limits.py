@@ -216,6 +216,13 @@ def test_the_disk_check_counts_the_checkpoints_keep_holds(tmp_path):
         assert os.listdir(small) == []
         res = cli(*TINY, *preset, "--keep", "1", "-o", small / "b")
         assert res.returncode == 0, res.stderr
+        # resumed: its kept checkpoint (87 MB) is one of the 2 counted, already on the disk
+        # (134 MB free of the 203 it needs: refused, as a run a full disk stopped was)
+        res = cli(*TINY, *preset[:-4], "-n", "4", "--checkpoint-every", "1", "--keep", "1",
+                  "-o", small / "b", "--resume", small / "b")
+        assert res.returncode == 0, res.stderr
+        assert sorted(os.listdir(small / "b")) == ["ckpt_00000004", "latest", "log.jsonl",
+                                                   "model.bin"]
     finally:
         subprocess.run(["umount", str(small)])
 
