@@ -12,7 +12,7 @@ from ..backends import gpu_available
 from .flags import config, entry, one_process, options_of, progress
 from ..config.sections import at_most_a_year, out_file
 from ..config.tools import (ConvertConfig, GpucheckConfig, PlotConfig, PrepareConfig,
-                            ScheduleConfig, TimelineConfig)
+                            ScheduleConfig, TimelineConfig, image_format)
 from ..commands.convert import convert as run_convert
 from ..paths import check_outputs, claim, json_object, make_dir, make_parent
 from ..commands.gpucheck.check import REPORT as GPUCHECK_REPORT, gpucheck as run_check, verdict
@@ -124,9 +124,10 @@ def gpucheck(**kw):
 @options_of(PlotConfig)
 @entry
 def plot(**kw):
-    """Plot train and val loss from a train log (OUT/log.jsonl) to a PNG."""
+    """Plot train and val loss from a train log (OUT/log.jsonl) to an image (PNG)."""
     one_process("plot")
     c = config(PlotConfig, kw)
+    image_format(c.out)
     check_outputs([("out", c.out)], [c.log])
     out_file("out", c.out, c.overwrite)
     make_parent("out", c.out)
@@ -144,6 +145,7 @@ def timeline(**kw):
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     one_process("timeline")
     c = config(TimelineConfig, kw)
+    image_format(c.out)
     check_outputs([("out", c.out)], [c.trace])
     out_file("out", c.out, c.overwrite)
     make_parent("out", c.out)

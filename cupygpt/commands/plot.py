@@ -3,6 +3,7 @@ import json
 import math
 
 from .. import CupyGPTError
+from ..config.tools import image_format
 from ..paths import atomic_write, read_bounded, shown
 
 
@@ -73,6 +74,6 @@ def plot(log_path, out_path):
     ax.legend()
     fig.tight_layout()
     with atomic_write(out_path) as f:
-        fig.savefig(f, format="png")
+        fig.savefig(f, format=image_format(out_path))
     plt.close(fig)
     return len(train), len(val), sum(map(len, given.values())) - len(train) - len(val)

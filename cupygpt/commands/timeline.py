@@ -7,6 +7,7 @@ import os
 import textwrap
 
 from .. import CupyGPTError
+from ..config.tools import image_format
 from ..paths import atomic_write, read_bounded, shown
 from ..parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from ..parallel.pipeline.simulate import simulate
@@ -151,7 +152,7 @@ def _draw(ax, rows, title, colours):
 
 
 def timeline(path, out, schedule=None):
-    """Draws the trace and the prediction into the PNG `out`; returns (measured bubble,
+    """Draws the trace and the prediction into the image `out`; returns (measured bubble,
     predicted bubble, schedule name)."""
     try:
         import matplotlib
@@ -179,6 +180,6 @@ def timeline(path, out, schedule=None):
     bottom.set_xlabel("ms")
     fig.tight_layout()
     with atomic_write(out) as f:
-        fig.savefig(f, format="png")
+        fig.savefig(f, format=image_format(out))
     plt.close(fig)
     return measured, sim["bubble"], name

@@ -2,8 +2,11 @@
 timeline), one frozen dataclass each: every field declares its flag as configs.py's do, so
 each option and its default are written here once and cli/tools.py makes them from the
 fields. Their checks stay with the commands' work (nothing here depends on a device)."""
+import os
 from dataclasses import dataclass
 from typing import Optional
+
+from .. import CupyGPTError
 
 from . import fields
 from .fields import flag
@@ -13,6 +16,19 @@ from ..parallel.pipeline.schedule import SCHEDULES
 # gpucheck's parts in the order they run, the most valuable first so that a short budget
 # drops the least (commands/gpucheck/check.py maps each name to what it runs)
 GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sanitizer")
+# what plot and timeline draw into, by --out's extension (matplotlib's writers; none: PNG)
+IMAGES = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
+IMAGE_HELP = "image to write, its kind by its extension (png, pdf, svg, jpg, webp, tiff, eps)"
+
+
+def image_format(out):
+    """matplotlib's format for an image written to out: its extension's (a .jpg file holding
+    PNG data fooled every reader that trusts the name), PNG without one; another refused."""
+    ext = os.path.splitext(out)[1][1:].lower()
+    if ext and ext not in IMAGES:
+        raise CupyGPTError(f"cannot write .{ext} images; give --out an extension of "
+                           f"{', '.join(IMAGES)}", "out", out)
+    return ext or "png"
 
 
 @dataclass(frozen=True)
@@ -77,14 +93,14 @@ class GpucheckConfig:
 @dataclass(frozen=True)
 class PlotConfig:
     log: str = flag(argument=True, required=True, path=True, file="in")
-    out: str = flag("--out", default="loss.png", help="PNG to write", file="out")
+    out: str = flag("--out", default="loss.png", help=IMAGE_HELP, file="out")
     overwrite: bool = fields.overwrite()
 
 
 @dataclass(frozen=True)
 class TimelineConfig:
     trace: str = flag(argument=True, required=True, path=True, file="in")
-    out: str = flag("--out", default="timeline.png", help="PNG to write", file="out")
+    out: str = flag("--out", default="timeline.png", help=IMAGE_HELP, file="out")
     schedule: Optional[str] = flag("--schedule", default=None, choices=tuple(SCHEDULES),
                                    help="the run's schedule, for the prediction  [default: "
                                         "the trace's]")

@@ -121,3 +121,20 @@ def test_plot_draws_a_log_whose_name_is_not_utf8(tmp_path):
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_the_kind_of_image_its_name_says(tmp_path):
+    """--out x.jpg held PNG data; an extension matplotlib has no writer for is refused
+    before the log is read (timeline takes --out through the same image_format)."""
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 3.0}\n{"step": 2, "train_loss": 2.5}\n')
+    heads = {"a.jpg": b"\xff\xd8\xff", "a.svg": b"<?xml", "a.pdf": b"%PDF", "a": b"\x89PNG"}
+    for name, head in heads.items():
+        res = cli("plot", log, "--out", tmp_path / name)
+        assert res.returncode == 0, res.stderr
+        assert (tmp_path / name).read_bytes().startswith(head), name
+    one_line(cli("plot", log, "--out", tmp_path / "a.gif"),
+             f"--out {tmp_path / 'a.gif'}: cannot write .gif images; give --out an extension of "
+             f"png, pdf")
+    assert sorted(os.listdir(tmp_path)) == sorted([*heads, "log.jsonl"])
