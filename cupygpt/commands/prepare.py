@@ -272,9 +272,10 @@ def prepare_hellaswag(jsonl, path, tokenizer, force):
 def prepare_corpus(c, progress, note):
     """The corpus mode, for c (its name and shard size given)."""
     inputs, out, name, shard_size = c.inputs, c.out, c.name, c.shard_size
-    if shard_size < 1:
-        raise CupyGPTError(f"must be a positive number of tokens per shard (llm.c's FineWeb "
-                           f"script: {SHARD_SIZE})", "shard_size", shard_size)
+    if shard_size < 2:  # (1: a shard a token, which train cannot read a sample from)
+        raise CupyGPTError(f"must be at least 2 tokens per shard, the least a training "
+                           f"sample reads (llm.c's FineWeb script: {SHARD_SIZE})", "shard_size",
+                           shard_size)
     cores = len(os.sched_getaffinity(0))
     if c.workers is not None and c.workers < 1:
         raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
