@@ -9,6 +9,7 @@ One module, the root layer's checks on files: the package root holds six at most
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import stat
@@ -234,11 +235,40 @@ def file_dir(act, name, path):
         raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
 
 
-def make_parent(name, path):
+def make_parent(name, path, writer=True):
     """The directory of a file the command writes (None: not asked for), made at the
-    command's start: its validate checked it (config/sections.out_file) and made nothing."""
+    command's start: its validate checked it (config/sections.out_file) and made nothing;
+    then the file claimed (claim_file) by the process that writes it (writer: under
+    mpiexec, rank 0; every rank makes the directory, a disk of its own perhaps)."""
     if path is not None:
         file_dir(make_dir, name, path)
+        if writer:
+            claim_file(name, path)
+
+
+def claim_file(name, path):
+    """A file the command writes (at its end: atomic_write), claimed at its start as a
+    directory is (claim): a second command writing it is refused, naming the first's PID
+    (two bench --trace X ran, and the last to end won). The lock is on a file of its own
+    in a directory of this user's beside the system's temporary files, named by the
+    path's real name, so the command leaves nothing beside its output; where that
+    directory cannot be made (no writable temporary directory), nothing is claimed."""
+    key = claim_key(path)
+    try:
+        os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)
+        fd = os.open(key, os.O_RDONLY | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    fd, why = lock(key, fd)
+    if why:
+        raise CupyGPTError(why, name, path)
+    HELD.append(fd)
+
+
+def claim_key(path):
+    """The file whose lock claims path (claim_file)."""
+    return os.path.join(tempfile.gettempdir(), f"cupygpt-{os.getuid()}-claims", hashlib.blake2b(
+        os.fsencode(os.path.realpath(path)), digest_size=12).hexdigest())
 
 
 def holder(path):

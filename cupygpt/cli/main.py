@@ -15,6 +15,7 @@ from .flags import HellaSwagH, entry, options_of, progress, session
 from .tools import TOOLS
 from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
 from ..paths import atomic_write, make_parent
+from ..comm.launch import world_rank
 from ..train.evaluate import eval_command
 from ..paths import check_outputs
 from ..train.sample import sample_text
@@ -70,7 +71,7 @@ def bench(**kw):
     out = kw["out"]
     check_outputs([("out", out), ("trace", kw["trace"])], [BenchConfig.data])
     out_file("out", out, kw["overwrite"])
-    make_parent("out", out)
+    make_parent("out", out, world_rank() == 0)  # (rank 0 writes it)
     sess = session(BenchConfig, kw, tf32_default=True)
     if sess.config.comm:
         with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq, sess.be)),

@@ -17,7 +17,7 @@ def bench(sess, on_step=None):
     "bf16_speedup"}, with --attention both: {"cudnn": ..., "own": ..., "cudnn_speedup"},
     each timed by a runner of its own (the first freed first)."""
     c = sess.config
-    make_parent("trace", c.trace)  # (validate checked it and made nothing)
+    make_parent("trace", c.trace, sess.transport.rank == 0)  # (validate made nothing)
     if c.device.attention == "both":  # (validated: not with --dtype both)
         out = {kind: _bench(sess, c.dtype, on_step, kind) for kind in ATTENTIONS}
         out["cudnn_speedup"] = (out["own"]["ms_per_step_median"]

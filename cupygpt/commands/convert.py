@@ -17,7 +17,7 @@ from ..formats import hf
 from ..paths import UMASK, disk_full, full
 from ..formats.llmc import model_shape, read_model, write_model
 from ..formats.hf_tokenizer import write_tokenizer
-from ..paths import check_outputs, claim, files_of
+from ..paths import check_outputs, claim_file, files_of
 from ..formats.tokenizer import Tokenizer
 
 
@@ -35,7 +35,7 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
             raise CupyGPTError(f"{dst}: a directory; from a transformers directory convert "
                                f"writes an llm.c model file: name the file")
         writable_parent(dst)
-        claim("dst", os.path.dirname(os.path.abspath(dst)))
+        claim_file("dst", dst)
         if os.path.lexists(dst) and not force:
             raise CupyGPTError(f"{dst}: already exists; add --overwrite to replace it, or name "
                                f"another file")
@@ -50,7 +50,7 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
                            f"directory (an llm.c file is written from a directory SRC)")
     tok = Tokenizer(tokenizer) if tokenizer else None
     writable_parent(dst)
-    claim("dst", os.path.dirname(os.path.abspath(dst)))
+    claim_file("dst", dst)
     free_directory(dst)  # (claimed: no other convert makes it meanwhile)
     return write_hf(dst, shape, read_model(src, mmap=True)[1], tok)
 

@@ -46,7 +46,7 @@ def train(sess):
     config, t = sess.config, None
     # read here, not kept by the config: validate read them only to check them
     examples = read_eval(config.hellaswag_file) if config.hellaswag else ()
-    rundir.make_parents(config)
+    rundir.make_parents(config, sess.transport.rank)
     # -sl/-sg: the update waits on the step's loss and norm (an eager step)
     settings = sess.step_settings(
         batch=config.batch, seq=config.seq, recompute=config.recompute,

@@ -109,12 +109,12 @@ def room(out, need, resumed=False, keep=0):
     return None
 
 
-def make_parents(config):
+def make_parents(config, rank):
     """--trace's directory and a --log-file's outside -o, made (claim makes -o), in the
     order validate checked them."""
-    make_parent("trace", config.trace)
+    make_parent("trace", config.trace, rank == 0)
     if config.log_file != os.path.join(config.out, "log.jsonl"):  # (the default's is -o)
-        make_parent("log_file", config.log_file)
+        make_parent("log_file", config.log_file, rank == 0)
 
 
 def claim(config, transport, need):

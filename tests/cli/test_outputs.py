@@ -238,3 +238,34 @@ def test_an_empty_resume_is_refused_not_a_fresh_run(tmp_path):
     res = cli(*TINY, "-n", "1", "--resume", "", "-o", tmp_path / "o")
     one_line(res, "--resume '': is empty; give a checkpoint directory")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_file_another_command_writes_is_refused_naming_it(tmp_path):
+    """Every file a command writes at its end (bench --out and --trace, verify --trace,
+    plot --out, convert's DST) is claimed at its start: a second command writing it is
+    refused, naming the first's PID, and writes nothing (two bench --trace X ran, the last
+    to end won). convert's siblings in one directory are not each other's."""
+    import fcntl
+    from cupygpt.paths import claim_key
+    from harness import cli, fixture
+    out = tmp_path / "x.json"
+    os.makedirs(os.path.dirname(claim_key(out)), exist_ok=True)
+    fd = os.open(claim_key(out), os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (as the first command holds it)
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 3.0}\n')
+    try:
+        for flag, args in (("--out", ["bench", "--out", out]),
+                           ("--trace", ["bench", "--trace", out, "--out", tmp_path / "b.json"]),
+                           ("--trace", ["verify", "--trace", out]),
+                           ("DST", ["convert", fixture("tiny_model.bin"), out])):
+            one_line(cli(*args), f"{flag} {out}: another command (pid {os.getpid()}) is "
+                                 f"writing this file; wait for it to end, or give another path")
+        png = os.open(claim_key(tmp_path / "p.png"), os.O_RDONLY | os.O_CREAT)
+        fcntl.flock(png, fcntl.LOCK_EX)
+        one_line(cli("plot", log, "--out", tmp_path / "p.png"), "another command (pid")
+        os.close(png)
+        assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
+        assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
+    finally:
+        os.close(fd)
