@@ -35,10 +35,12 @@ def simulate(p, m, schedule, v=1, t_fwd=1.0, t_bwd=2.0, t_wgt=None, t_comm=0.0,
     ranks = [_Rank(r, fn(p, m, r, v), _costs(_of(t_fwd, r), _of(t_bwd, r), _of(t_wgt, r)),
                    _of(t_send, r), _of(t_recv, r)) for r in range(p)]
     net = _Network(name, p, v, t_comm, capacity)
+    # each rank runs until it waits (the clocks follow from the messages' times, not from
+    # the order the ranks are run in); a sweep in which none moves is a deadlock
     while any(rk.pc < len(rk.actions) for rk in ranks):
         progressed = False
         for rk in ranks:
-            if rk.pc < len(rk.actions) and net.advance(rk, rk.actions[rk.pc], v):
+            while rk.pc < len(rk.actions) and net.advance(rk, rk.actions[rk.pc], v):
                 rk.pc += 1
                 progressed = True
         if not progressed:
