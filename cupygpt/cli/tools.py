@@ -120,6 +120,15 @@ def gpucheck(**kw):
     sys.exit(0 if verdict(report) == "PASS" else 1)
 
 
+def image_out(c, source):
+    """plot's and timeline's --out, checked (its kind, not its source, not replaced unasked),
+    its directory made and the file claimed, before source is read."""
+    image_format(c.out)
+    check_outputs([("out", c.out)], [source])
+    out_file("out", c.out, c.overwrite)
+    make_parent("out", c.out)
+
+
 @click.command()
 @options_of(PlotConfig)
 @entry
@@ -127,10 +136,7 @@ def plot(**kw):
     """Plot train and val loss from a train log (OUT/log.jsonl) to an image (PNG)."""
     one_process("plot")
     c = config(PlotConfig, kw)
-    image_format(c.out)
-    check_outputs([("out", c.out)], [c.log])
-    out_file("out", c.out, c.overwrite)
-    make_parent("out", c.out)
+    image_out(c, c.log)
     n_train, n_val, left_out = run_plot(c.log, c.out)
     click.echo(f"wrote {c.out} ({n_train} train, {n_val} val points" + (
         f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
@@ -145,10 +151,7 @@ def timeline(**kw):
     bubble, and beneath it the simulator's prediction from the measured mean op times."""
     one_process("timeline")
     c = config(TimelineConfig, kw)
-    image_format(c.out)
-    check_outputs([("out", c.out)], [c.trace])
-    out_file("out", c.out, c.overwrite)
-    make_parent("out", c.out)
+    image_out(c, c.trace)
     measured, predicted, name = draw(c.trace, c.out, c.schedule)
     click.echo(f"wrote {c.out}: {name}, measured bubble {measured:.4f}, simulated from each "
                f"rank's op and transfer times {predicted:.4f}")
