@@ -12,7 +12,7 @@ from .. import CupyGPTError
 from ..formats.checkpoint import LATEST, STATE, listed
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
-from ..paths import MADE, hold, lock, make_dir, make_parent
+from ..paths import MADE, hold, lock, make_dir, make_parent, not_regular
 
 MODEL = "model.bin"
 
@@ -29,6 +29,27 @@ def earlier_output(out, log_file):
     return found
 
 
+def misshapen(out):
+    """What in out the run would write over that is not of the kind it writes (a directory
+    or FIFO named model.bin or latest, a file named as a checkpoint): one line at the
+    start, resumed, replaced or fresh (the run died at its first write, the trained model
+    lost). A link is judged by what it names; one that names nothing is replaced."""
+    for name in (MODEL, LATEST):
+        try:
+            what = not_regular(os.stat(os.path.join(out, name)))
+        except FileNotFoundError:
+            continue
+        if what:
+            return (f"{os.path.join(out, name)} is {what}, where this run writes its "
+                    f"{'model' if name == MODEL else 'newest checkpoint name'}; move it away, "
+                    f"or give another -o")
+    for name in listed(out):
+        if not os.path.isdir(os.path.join(out, name)):
+            return (f"{os.path.join(out, name)} is not a directory, and is named as this "
+                    f"run's checkpoints are; move it away, or give another -o")
+    return None
+
+
 def log_elsewhere(out, log_file):
     """Whether the log is not in out (a --log-file of its own): refused by that name."""
     return os.path.realpath(os.path.dirname(os.path.abspath(log_file))) != os.path.realpath(out)
@@ -37,7 +58,7 @@ def log_elsewhere(out, log_file):
 def replace_earlier(out):
     """--overwrite: the earlier run's checkpoints go (a resume would take them for this
     run's); its model and log are replaced as this run writes its own."""
-    for name in listed(out):
+    for name in listed(out):  # (directories: misshapen refused any other kind)
         shutil.rmtree(os.path.join(out, name))
     if os.path.exists(os.path.join(out, LATEST)):
         os.unlink(os.path.join(out, LATEST))
@@ -153,7 +174,8 @@ def _claim_here(config, need):
     real = os.path.realpath(config.out)  # a resume continues its own directory:
     own = config.resume and os.path.commonpath([os.path.realpath(config.resume), real]) == real
     found = [] if own else earlier_output(config.out, config.log_file)
-    if found and not config.overwrite:
+    why = misshapen(config.out)
+    if found and not config.overwrite and not why:
         why = (f"holds an earlier run's output ({'; '.join(found)}); " +
                (f"add --resume {config.out} to continue that run, " if listed(config.out)
                 else "") + "add --overwrite to replace it, or give another -o")

@@ -269,3 +269,19 @@ def test_a_file_another_command_writes_is_refused_naming_it(tmp_path):
         assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("name,kind", [("model.bin", "dir"), ("latest", "dir"),
+                                       ("ckpt_00000001", "file")])
+def test_what_a_run_writes_over_of_another_kind_is_refused_at_the_start(tmp_path, name, kind):
+    """-o holding a directory named model.bin or latest, or a file named as a checkpoint:
+    the run died at its first write (a traceback, the trained model lost) even with
+    --overwrite; now one line before step 1, and -o as it was."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / name).mkdir() if kind == "dir" else (out / name).write_text("x")
+    for extra in ([], ["--overwrite"]):
+        res = cli(*TINY, "-n", "1", "--checkpoint-every", "1", "-o", out, *extra)
+        one_line(res, f"-o {out}: {out / name} is ")
+        assert "move it away, or give another -o" in res.stderr
+        assert os.listdir(out) == [name]
