@@ -141,7 +141,8 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     except (KeyError, TypeError, ValueError):
         raise damaged(f, path, "its step, RNG or data position is missing or malformed") \
             from None
-    if not all(isinstance(x, int) and x >= 0 for x in (step, t, shard, pos, epoch, seed)):
+    if not all(type(x) is int and x >= 0 for x in (step, t, shard, pos, epoch, seed)):  # (true
+        # is an int to isinstance: a step of true resumed as step 1)
         raise damaged(f, path, "its step or data position is not a count")
     if not outliers_ok(meta.get("outliers")):
         raise damaged(f, path, "its outlier detectors' window (-sl, -sg) is malformed")

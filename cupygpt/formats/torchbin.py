@@ -62,7 +62,9 @@ def torch_weights(file):
         item = np.dtype(t.dtype[1]).itemsize
         buf = np.frombuffer(z.read(f"{root}data/{t.key}"), t.dtype[1])
         last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride))
-        if min(t.shape, default=1) > 0 and not 0 <= last < buf.size:
+        # (torch has no negative strides: one here reached memory before the storage)
+        if min(t.shape, default=1) > 0 and (min(t.stride, default=0) < 0 or t.offset < 0
+                                            or not 0 <= last < buf.size):
             raise CupyGPTError(f"{file}: tensor {name} lies outside its storage")
         view = np.lib.stride_tricks.as_strided(buf[t.offset:], t.shape,
                                                [s * item for s in t.stride])

@@ -204,6 +204,9 @@ CASES += [
     ("adamw loader past the end", lambda t: ["train", "--resume", a_ckpt(t, loader=[0, 10**9]),
                                              "-b", "4", "-t", "32", *NEVER, t / "never"],
      "(shard 0, token 1,000,000,000) lies outside"),
+    ("adamw step true", lambda t: ["train", "--resume", a_ckpt(t, step=True), "-b", "4", "-t",
+                                   "32", *NEVER, t / "never"],
+     "adamw.npz: damaged checkpoint file (its step or data position is not a count)"),
     ("adamw rng", lambda t: ["train", "--resume", a_ckpt(t, rng=7), "-b", "4", "-t", "32",
                              *NEVER, t / "never"], "its step, RNG or data position is missing"),
     ("resume another shape", lambda t: ["train", "--resume", a_ckpt(t), "-e", "tiny", "-b", "4",
@@ -390,7 +393,7 @@ def a_trace(tmp_path, pipeline, dur=5):
     return str(p)
 
 
-def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None):
+def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None, step=1):
     """A checkpoint of the tiny reference model at B=4, T=32, step 1, made by hand."""
     from cupygpt.formats.llmc import read_model_header
     shape = read_model_header(MODEL)[0]
@@ -398,7 +401,8 @@ def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None):
     d.mkdir()
     shutil.copy(MODEL, d / "model.bin")
     n = m_len or shape.num_parameters()
-    meta = {"config": shape.__dict__, "B": 4, "T": 32, "step": 1, "adam_t": 1, "grid": [1, 1, 1],
+    meta = {"config": shape.__dict__, "B": 4, "T": 32, "step": step, "adam_t": 1,
+            "grid": [1, 1, 1],
             "train_loader": list(loader),
             "rng": rng or np.random.default_rng(0).bit_generator.state}
     np.savez(d / "adamw.npz", m=np.zeros(n, np.float32), v=np.zeros(n, np.float32),

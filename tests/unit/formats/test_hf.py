@@ -261,3 +261,39 @@ def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(CupyGPTError, match=r"hf: disk full \(or over quota\) while writing it; nothing was"):
         convert.convert(fixture("tiny_model.bin"), str(tmp_path / "hf"))
     assert os.listdir(tmp_path) == []
+
+
+def a_torch_zip(path, offset, shape, stride):
+    """A torch.save zip of one float32 tensor "w" over a 12-element storage, its pickle
+    written by hand (any strides, as a crafted file has them)."""
+    import struct
+    import zipfile
+
+    def ints(xs):
+        return b"(" + b"".join(b"J" + struct.pack("<i", x) for x in xs) + b"t"
+
+    def text(s):
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+    storage = b"(" + text("storage") + b"ctorch\nFloatStorage\n" + text("0") + text("cpu") + \
+        b"K\x0ctQ"
+    pkl = (b"\x80\x02}(" + text("w") + b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage +
+           b"J" + struct.pack("<i", offset) + ints(shape) + ints(stride) + b"\x89" +
+           b"ccollections\nOrderedDict\n)RtRu.")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/data/0", np.arange(12, dtype="<f4").tobytes())
+
+
+def test_a_tensor_reaching_outside_its_storage_is_refused(tmp_path):
+    """Strides torch never writes (negative: memory before the storage, read by as_strided
+    into the converted model), an offset or last element past the storage."""
+    from cupygpt import CupyGPTError
+    from cupygpt.formats.torchbin import torch_weights
+    a_torch_zip(tmp_path / "ok.bin", 1, [2, 3], [4, 1])
+    shapes, read = torch_weights(tmp_path / "ok.bin")
+    assert shapes == {"w": ((2, 3), "F32")}
+    assert read("w").tolist() == [[1, 2, 3], [5, 6, 7]]
+    for offset, stride in ((0, [4, -1]), (2, [-2, 1]), (-1, [3, 1]), (3, [8, 1])):
+        a_torch_zip(tmp_path / "bad.bin", offset, [2, 3], stride)
+        with pytest.raises(CupyGPTError, match="tensor w lies outside its storage"):
+            torch_weights(tmp_path / "bad.bin")[1]("w")
