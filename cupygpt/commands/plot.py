@@ -1,6 +1,7 @@
 """Train and val loss curves from a `train` JSON-lines log."""
 import json
 import math
+import os
 
 from .. import CupyGPTError
 from ..config.tools import image_format
@@ -46,14 +47,21 @@ def read_log(path):
     return recs
 
 
-def plot(log_path, out_path):
+def pyplot(command):
+    """matplotlib.pyplot drawing into files (Agg), or command's one line saying what to
+    install. MPLBACKEND is set to Agg first: matplotlib's import refuses a value it does not
+    know (a traceback), and these commands draw into files whatever the display."""
+    os.environ["MPLBACKEND"] = "Agg"
     try:
-        import matplotlib
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CupyGPTError("plot needs matplotlib: pip install 'cupygpt[plot]' (in a clone: "
-                           "pip install -e '.[plot]')") from None
+        raise CupyGPTError(f"{command} needs matplotlib: pip install 'cupygpt[plot]' (in a "
+                           f"clone: pip install -e '.[plot]')") from None
+    return plt
+
+
+def plot(log_path, out_path):
+    plt = pyplot("plot")
     recs = read_log(log_path)
     given = {k: [(r["step"], r[k]) for r in recs if k in r] for k in ("train_loss", "val_loss")}
     if not any(given.values()):

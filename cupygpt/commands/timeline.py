@@ -8,6 +8,7 @@ import textwrap
 
 from .. import CupyGPTError
 from ..config.tools import image_format
+from .plot import pyplot
 from ..paths import atomic_write, read_bounded, shown
 from ..parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from ..parallel.pipeline.simulate import simulate
@@ -154,13 +155,7 @@ def _draw(ax, rows, title, colours):
 def timeline(path, out, schedule=None):
     """Draws the trace and the prediction into the image `out`; returns (measured bubble,
     predicted bubble, schedule name)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CupyGPTError("timeline needs matplotlib: pip install 'cupygpt[plot]' (in a "
-                           "clone: pip install -e '.[plot]')") from None
+    plt = pyplot("timeline")
     rows, transfers, pipe = read_trace(path)
     measured = bubble(rows)
     name, p, m, v, times, sim = predict(rows, transfers, pipe, schedule)

@@ -125,7 +125,8 @@ def test_plot_draws_a_log_whose_name_is_not_utf8(tmp_path):
 
 def test_plot_writes_the_kind_of_image_its_name_says(tmp_path):
     """--out x.jpg held PNG data; an extension matplotlib has no writer for is refused
-    before the log is read (timeline takes --out through the same image_format)."""
+    before the log is read (timeline takes --out through the same image_format); drawn
+    whatever MPLBACKEND says."""
     pytest.importorskip("matplotlib")
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "train_loss": 3.0}\n{"step": 2, "train_loss": 2.5}\n')
@@ -134,6 +135,11 @@ def test_plot_writes_the_kind_of_image_its_name_says(tmp_path):
         res = cli("plot", log, "--out", tmp_path / name)
         assert res.returncode == 0, res.stderr
         assert (tmp_path / name).read_bytes().startswith(head), name
+    res = cli("plot", log, "--out", tmp_path / "b.png", "--overwrite",
+              env={"MPLBACKEND": "nonsense"})  # (matplotlib's import refused it)
+    assert res.returncode == 0 and (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG", \
+        res.stderr
+    os.unlink(tmp_path / "b.png")
     one_line(cli("plot", log, "--out", tmp_path / "a.gif"),
              f"--out {tmp_path / 'a.gif'}: cannot write .gif images; give --out an extension of "
              f"png, pdf")

@@ -51,7 +51,7 @@ def mpiexec():
 def cli(*args, ranks=None, timeout=300, env=None, cwd=None, fault=None):
     """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given), in the test's own
     directory unless told; returns the result. fault: train's loop fails as it says
-    (faulty_cli.py: raise:STEP:RANK, targets:STEP)."""
+    (faulty_cli.py: raise:STEP:RANK, targets:STEP, start:RANK)."""
     cmd = [sys.executable, *((FAULTY_CLI, fault) if fault else (CLI,)), *map(str, args)]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks), *cmd]
