@@ -1,8 +1,10 @@
 """How the commands are built: the shipped files' paths, the one error line, a config from
 the flags, the options several commands share, and progress bars."""
 import dataclasses
+import errno
 import functools
 import os
+import resource
 import sys
 import traceback
 import typing
@@ -64,16 +66,41 @@ def entry(fn):
             # once the other ranks are done with them)
             if isinstance(e, CupyGPTError):
                 fail(f"error: {as_flag(e)}", unmake_dirs)
-            if isinstance(e, MemoryError):  # past the check at start: another process
-                fail("error: out of memory while running (there was room at the start: "
-                     "another process took it, or a temporary outgrew the plan); lower the "
-                     "batch size or sequence length", unmake_dirs)
+            if short_of(e):
+                fail(f"error: {short_of(e)}", unmake_dirs)
             if isinstance(e, Exception):
                 fail(traceback.format_exc().rstrip(), unmake_dirs)
             unmake_dirs()
             raise
         wrote()
     return wrapper
+
+
+# what to lower when memory runs out, by command (train's is checked at its start: another
+# process took memory since, or a temporary outgrew the plan)
+LOWER = {"train": "the batch size or sequence length", "bench": "the batch size or sequence "
+         "length", "verify": "nothing: the reference's shapes are fixed; free memory",
+         "eval": "the batch size", "sample": "--max-new-tokens", "prepare": "--workers or "
+         "--shard-size", "convert": "nothing: convert holds the whole model; free memory"}
+
+
+def short_of(e):
+    """The line for a machine's limit the command met while running (memory, open files,
+    processes), naming what to change; None for any other exception."""
+    ctx = click.get_current_context(silent=True)
+    command = ctx.info_name if ctx else ""
+    if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+        return (f"out of memory while running; lower {LOWER.get(command, 'what it holds')}"
+                + (" (there was room at its start: another process took it, or a temporary "
+                   "outgrew the plan)" if command == "train" else ""))
+    if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return (f"too many open files (ulimit -n {limit}); raise the limit (ulimit -n 4096)"
+                + (", or give --workers 1" if command == "prepare" else ""))
+    if isinstance(e, BlockingIOError) and e.errno == errno.EAGAIN:  # (fork past ulimit -u)
+        return ("cannot start another process (ulimit -u, or the system's limit); raise it"
+                + (", or give --workers 1" if command == "prepare" else ""))
+    return None
 
 
 def in_a_directory():

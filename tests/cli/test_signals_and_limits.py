@@ -179,6 +179,24 @@ def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
     assert not os.path.exists(tmp_path / "o")
 
 
+@pytest.mark.parametrize("limit,args,said", [
+    (resource.RLIMIT_NOFILE, 10, "too many open files (ulimit -n 10); raise the limit (ulimit -n "
+                                 "4096), or give --workers 1"),
+    (resource.RLIMIT_AS, 600 << 20, "out of memory while running; lower --workers or "
+                                    "--shard-size")])
+def test_prepare_meeting_a_limit_of_the_machine_names_what_to_change(tmp_path, limit, args,
+                                                                      said):
+    """Its pool past ulimit -n (a traceback), a shard past ulimit -v (advice to lower the
+    batch size, which prepare has not): one line, nothing written."""
+    text = os.path.join(ROOT, "README.md")
+    res = subprocess.run([sys.executable, CLI, "prepare", text, text, "--shard-size",
+                          "100000000", "--workers", "2", "--out", tmp_path / "o"],
+                         capture_output=True, text=True,
+                         timeout=300, preexec_fn=lambda: resource.setrlimit(limit, (args, args)))
+    one_line(res, said)
+    assert not os.path.exists(tmp_path / "o")
+
+
 def a_small_filesystem(path, size):
     path.mkdir()
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
