@@ -252,7 +252,15 @@ def claim_file(name, path):
     (two bench --trace X ran, and the last to end won). The lock is on a file of its own
     in a directory of this user's beside the system's temporary files, named by the
     path's real name, so the command leaves nothing beside its output; where that
-    directory cannot be made (no writable temporary directory), nothing is claimed."""
+    directory cannot be made (no writable temporary directory), nothing is claimed. A file
+    or directory another command holds as train holds its log and -o is refused too (plot
+    --out RUN/log.jsonl replaced a live run's log)."""
+    for held, what in ((path, "this file"), (os.path.dirname(os.path.abspath(path)),
+                                             "into its directory")):
+        pid = holder(held) if os.path.exists(held) else None  # (a run's log, its -o)
+        if pid and pid != os.getpid():
+            raise CupyGPTError(f"another command (pid {pid}) is writing {what}; wait for it "
+                               f"to end, or give another path", name, path)
     key = claim_key(path)
     try:
         os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)

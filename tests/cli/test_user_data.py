@@ -186,6 +186,29 @@ def test_one_run_per_output_directory(tmp_path):
         assert last > 1 and steps == list(range(1, last + 1))
 
 
+def test_another_command_writing_into_a_live_runs_output_is_refused(tmp_path):
+    """bench --out RUN/log.jsonl --overwrite replaced a live run's log with its JSON, plot
+    --out RUN/x.png wrote into its -o: both are refused naming the run's PID."""
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *TINY, "-n",
+                              "1000000", "-o", str(out)], text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        while not first.stdout.readline().startswith("step"):  # (its locks are held by then)
+            assert first.poll() is None, first.communicate()
+        log = tmp_path / "log.jsonl"
+        log.write_text('{"step": 1, "train_loss": 3.0}\n')
+        for args, what in ((["bench", "--out", out / "log.jsonl", "--overwrite"], "this file"),
+                           (["plot", log, "--out", out / "x.png"], "into its directory")):
+            one_line(cli(*args), f"another command (pid {first.pid}) is writing {what}; wait "
+                                 f"for it to end, or give another path")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=300)
+    assert sorted(os.listdir(out)) == ["log.jsonl", "model.bin"]
+    assert all(json.loads(line)["step"] for line in open(out / "log.jsonl"))
+
+
 def test_a_fresh_run_does_not_replace_another_runs_output_unasked(tmp_path):
     assert cli(*TINY, "-n", "2", "-o", tmp_path).returncode == 0
     before = digest(tmp_path)
