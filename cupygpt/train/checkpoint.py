@@ -112,6 +112,10 @@ def restore(run, path):
             master = z["master"] if "master" in z.files else None
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
+    if not (np.isfinite(m).all() and np.isfinite(v).all() and v.min(initial=0) >= 0):
+        # (the first update would make the parameters NaN: "lower the learning rate")
+        raise damaged(f, path, "AdamW's m or v holds values no run writes: not finite, or a "
+                               "negative v")
     run.load_state_dict(read_model(os.path.join(path, "model.bin"), mmap=True)[1], m, v,
                         meta["adam_t"], master)
     return meta

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from .. import CupyGPTError
 from ..formats.hellaswag import COMPLETIONS, read_eval
 from ..formats.llmc import check_finite, read_model
 
@@ -62,6 +63,11 @@ def eval_command(sess):
     run = sess.runner(shape, params, sess.step_settings(batch=c.batch, seq=c.seq))
     t0 = time.perf_counter()
     acc, losses = evaluate(run, examples, c.batch, c.seq)
+    bad = int((~np.isfinite(losses)).any(1).sum())
+    if bad:  # (argmin over NaN picks completion 0: a score of label 0's share)
+        raise CupyGPTError(f"{c.model}: its losses are not finite on {bad} of {len(examples)} "
+                           f"examples (weights that, though finite, overflow float32 in its "
+                           f"forward); it cannot be scored")
     return {"model": c.model, "hellaswag": c.hellaswag, "examples": len(examples),
             "correct": int(round(acc * len(examples))), "accuracy": acc,
             "B": c.batch, "T": c.seq, "dtype": c.dtype, "ranks": sess.mesh.size,

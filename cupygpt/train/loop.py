@@ -305,6 +305,12 @@ class Trainer:
         raise SystemExit(self.stop.code(self.transport))
 
     def stop_on_nan(self, step, loss):
+        if step == self.start:  # before any update of this run: its weights' forward
+            raise CupyGPTError(
+                f"step {step + 1}: train loss is {loss} with the weights this run started "
+                f"from ({self.config.resume or self.config.init}), before any update: their "
+                f"forward is not finite (a model whose weights, though finite, overflow "
+                f"float32); give another model (-l cannot help)")
         ckpt = self.ckpt
         if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != self.config.resume:
             # its parameters gave this loss

@@ -9,6 +9,9 @@ from ..formats.tokenizer import Tokenizer
 def next_token(logits, rng, temperature=1.0, top_k=None):
     """Samples from logits (V,) on the host; temperature 0 is greedy."""
     z = np.array(logits, dtype=np.float64)  # a copy: top-k edits it
+    if not np.isfinite(z).all():
+        raise CupyGPTError("the model's logits are not finite (weights that, though finite, "
+                           "overflow float32 in its forward): it cannot be sampled from")
     if temperature == 0:
         return int(z.argmax())
     if top_k:

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from harness import ROOT, cli, fixture, gpu_available, one_line
+from harness import ROOT, cli, fixture, gpu_available, one_line, small_shard
 
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
 TRAIN = os.path.join(ROOT, "data", "tiny_shakespeare_train.bin")
@@ -207,6 +207,11 @@ CASES += [
     ("adamw step true", lambda t: ["train", "--resume", a_ckpt(t, step=True), "-b", "4", "-t",
                                    "32", *NEVER, t / "never"],
      "adamw.npz: damaged checkpoint file (its step or data position is not a count)"),
+    *[(f"adamw m, v {mv}", lambda t, mv=mv: [
+        "train", "--resume", a_ckpt(t, mv=mv), "-b", "4", "-t", "32", "-i",
+        small_shard(t / "s.bin"), "-j", "", *NEVER, t / "never"],
+       "adamw.npz: damaged checkpoint file (AdamW's m or v holds values no run writes")
+      for mv in ((np.nan, 0.0), (0.0, -1.0), (0.0, np.inf))],
     ("adamw rng", lambda t: ["train", "--resume", a_ckpt(t, rng=7), "-b", "4", "-t", "32",
                              *NEVER, t / "never"], "its step, RNG or data position is missing"),
     ("resume another shape", lambda t: ["train", "--resume", a_ckpt(t), "-e", "tiny", "-b", "4",
@@ -393,7 +398,7 @@ def a_trace(tmp_path, pipeline, dur=5):
     return str(p)
 
 
-def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None, step=1):
+def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None, step=1, mv=(0.0, 0.0)):
     """A checkpoint of the tiny reference model at B=4, T=32, step 1, made by hand."""
     from cupygpt.formats.llmc import read_model_header
     shape = read_model_header(MODEL)[0]
@@ -405,7 +410,7 @@ def a_ckpt(tmp_path, m_len=None, loader=(0, 0), rng=None, step=1):
             "grid": [1, 1, 1],
             "train_loader": list(loader),
             "rng": rng or np.random.default_rng(0).bit_generator.state}
-    np.savez(d / "adamw.npz", m=np.zeros(n, np.float32), v=np.zeros(n, np.float32),
+    np.savez(d / "adamw.npz", m=np.full(n, mv[0], np.float32), v=np.full(n, mv[1], np.float32),
              meta=np.array(json.dumps(meta)))
     return str(d)
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from harness import CLI, ROOT, cli, fixture, mpiexec
-from test_user_data import SHIPPED, TINY, one_line, shard, small_shard  # noqa: F401 (fixture)
+from harness import CLI, ROOT, cli, fixture, mpiexec, small_shard
+from test_user_data import SHIPPED, TINY, one_line, shard  # noqa: F401 (fixture)
 from test_rank_failures import rank_pids
 from test_resume import log_losses
 
@@ -295,6 +295,26 @@ def test_non_finite_weights_are_named_by_every_command(tmp_path):
     one_line(cli("train", "-e", bad, "-t", "32", "-i", small_shard(tmp_path / "s.bin"), "-j",
                  "", "-n", "1", "-o", tmp_path / "o"), said)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_whose_forward_overflows_is_named_by_every_command(tmp_path):
+    """Finite weights of 3e38 give NaN logits: sample raised NumPy's ValueError, eval scored
+    the share of label 0 (argmin over NaN) with bare NaN in its JSON, train told to lower
+    -l."""
+    from cupygpt.formats.llmc import read_model, write_model
+    from test_hellaswag import write_llmc_eval
+    for src, dst in ((MODEL, "huge.bin"), (fixture("gpt2v_model.bin"), "huge_v.bin")):
+        shape, params = read_model(src)
+        write_model(tmp_path / dst, shape, np.full_like(params, 3e38))
+    one_line(cli("sample", "--model", tmp_path / "huge_v.bin", "--max-new-tokens", "8"),
+             "the model's logits are not finite")
+    write_llmc_eval(tmp_path / "h.bin", [(0, [1, 2], [[2], [3], [4], [5]])] * 4)
+    one_line(cli("eval", tmp_path / "huge.bin", "--hellaswag", tmp_path / "h.bin"),
+             f"{tmp_path / 'huge.bin'}: its losses are not finite on 4 of 4 examples")
+    one_line(cli("train", "-e", tmp_path / "huge.bin", "-t", "32", "-i",
+                 small_shard(tmp_path / "s.bin"), "-j", "", "-n", "1", "-o", tmp_path / "o"),
+             f"step 1: train loss is nan with the weights this run started from "
+             f"({tmp_path / 'huge.bin'}), before any update")
 
 
 def test_a_resume_from_a_non_finite_checkpoint_renames_it_and_names_the_last_good(tmp_path):

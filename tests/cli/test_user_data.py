@@ -9,10 +9,9 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from harness import CLI, ROOT, cli, fixture
+from harness import CLI, ROOT, cli, fixture, small_shard
 from test_bad_input import a_ckpt
 
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
@@ -48,13 +47,6 @@ def one_line(res, expect):
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert expect in lines[0], lines[0]
     return lines[0]
-
-
-def small_shard(path, n=5000):
-    """Tokens inside the tiny reference model's vocab (300)."""
-    from cupygpt.formats.llmc import write_shard
-    write_shard(path, np.arange(n) % 300)
-    return str(path)
 
 
 def an_hf_dir(t):

@@ -38,6 +38,14 @@ FILES = [("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json"),
          ("gpt2v_model_bf16.bin", "gpt2v_debug_state.bin", "gpt2v_expected.json")]
 
 
+def small_shard(path, n=5000):
+    """A token shard of n tokens inside the tiny reference model's vocab (300)."""
+    import numpy as np
+    from cupygpt.formats.llmc import write_shard
+    write_shard(path, np.arange(n) % 300)
+    return str(path)
+
+
 def fixture(name):
     return os.path.join(FIX, name)
 
