@@ -47,9 +47,9 @@ def test_eval_of_an_example_past_the_context_says_the_models_limit(tmp_path):
 
 
 def test_a_missing_model_is_named_as_one_without_descriptors(tmp_path):
-    for model in ("", "nope"):
+    for model, said in (("", "is empty; give a file name"), ("nope", "no such model")):
         one_line(cli("sample", "--backend", "numpy", "--model", model),
-                 f"--model {model or repr('')}: no such model", absent=("descriptor",))
+                 f"--model {model or repr('')}: {said}", absent=("descriptor",))
 
 
 def test_a_log_file_link_is_refused_as_the_log_file_before_the_run(tmp_path):
