@@ -49,6 +49,8 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
                            f"transformers directory (config.json, model.safetensors); name a "
                            f"directory (an llm.c file is written from a directory SRC)")
     tok = Tokenizer(tokenizer) if tokenizer else None
+    if tok:
+        tok.byte_level()  # (vocab.json would hold only its distinct tokens)
     writable_parent(dst)
     claim_file("dst", dst)
     free_directory(dst)  # (claimed: no other convert makes it meanwhile)

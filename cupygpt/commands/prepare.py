@@ -201,6 +201,7 @@ def prepare(c, progress, note):
     if not c.name or c.name in (".", "..") or "/" in c.name or os.sep in c.name:
         raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
                            "directory in --out", "name", repr(c.name))
+    Tokenizer(c.tokenizer).byte_level()  # (damaged, or no BPE: its one line, before any input)
     if c.hellaswag:  # (before the corpus mode, which takes a .jsonl too)
         if len(c.inputs) != 1:
             raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
@@ -291,7 +292,6 @@ def prepare_corpus(c, progress, note):
                            f"{free / 2**30:,.1f} GiB free; give a smaller one (llm.c's "
                            f"FineWeb script: {SHARD_SIZE})", "shard_size", shard_size)
     check_outputs([("out", out)], [*inputs, c.tokenizer])
-    Tokenizer(c.tokenizer)  # (a damaged tokenizer: its one line here, not from every worker)
     before = claim_out(out, lambda: sorted(
         glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
         + glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_train_*.bin"))),

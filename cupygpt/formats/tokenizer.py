@@ -41,13 +41,26 @@ class Tokenizer:
     def decode(self, ids):
         return b"".join(self.tokens[int(i)] for i in ids).decode("utf-8", errors="replace")
 
+    def byte_level(self):
+        """Refuses a vocabulary that is not a byte-level BPE's as GPT-2's (distinct tokens,
+        every single byte among them): tiktoken panics on one (a Rust backtrace), and
+        transformers' vocab.json would hold only its distinct tokens. Returns the ranks."""
+        ranks = {t: i for i, t in enumerate(self.tokens) if i != self.eot}
+        missing = 256 - len({bytes([b]) for b in range(256)} & ranks.keys())
+        if len(ranks) < len(self.tokens) - 1 or missing:
+            raise CupyGPTError(f"{self.path}: not a byte-level BPE vocabulary as GPT-2's ("
+                               + (f"{len(self.tokens) - 1 - len(ranks)} of its tokens repeat "
+                                  f"others" if len(ranks) < len(self.tokens) - 1 else
+                                  f"{missing} of the 256 single bytes are not tokens") +
+                               "); it cannot encode text: give GPT-2's tokenizer file")
+        return ranks
+
     def encode(self, text):
         """Ordinary BPE encoding (special tokens are not parsed)."""
         if self._encoding is None:
             import tiktoken
-            ranks = {t: i for i, t in enumerate(self.tokens) if i != self.eot}
             self._encoding = tiktoken.Encoding(
-                "gpt2-from-file", pat_str=GPT2_SPLIT, mergeable_ranks=ranks,
+                "gpt2-from-file", pat_str=GPT2_SPLIT, mergeable_ranks=self.byte_level(),
                 special_tokens={"<|endoftext|>": self.eot})
         return self._encoding.encode_ordinary(text)
 

@@ -30,6 +30,12 @@ def set_int(i, v):
     return edit
 
 
+def repeat_first_token(raw):
+    """GPT-2's token 1 (a byte) made token 0's: a vocabulary tiktoken panicked on."""
+    raw[1024 + 3] = raw[1024 + 1]
+    return raw
+
+
 def short_shard(tmp_path):
     from cupygpt.formats.llmc import write_shard
     write_shard(tmp_path / "short.bin", np.arange(100))
@@ -264,6 +270,12 @@ CASES += [
         "sample", "--model", fixture("gpt2v_model.bin"), "--tokenizer",
         corrupt(t, TOK, "tok.bin", lambda r: set_int(3, eot)(set_int(1, 2)(r)))],
        f"its end-of-text id {eot} is outside its 50257 tokens") for eot in (10 ** 9, -1)],
+    *[(f"tokenizer not a byte-level BPE: {cmd[0]}", lambda t, cmd=cmd: [
+        *cmd, "--tokenizer", corrupt(t, TOK, "tok.bin", repeat_first_token)],
+       "tok.bin: not a byte-level BPE vocabulary as GPT-2's (1 of its tokens repeat others)")
+      for cmd in (["sample", "--model", fixture("gpt2v_model.bin"), "--prompt", "Hi"],
+                  ["prepare", TEXT, "--out", "never"],
+                  ["convert", fixture("gpt2v_model.bin"), "never"])],
     ("backward cost overflows", lambda t: ["schedule", "--backward-cost", "1e308"],
      "--backward-cost 1e+308: the simulated times overflow (not finite)"),
     *[(f"trace dur {dur}", lambda t, dur=dur: ["timeline", a_trace(t, {}, dur=dur), "--out",
