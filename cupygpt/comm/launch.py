@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import select
 import signal
 import socket
@@ -11,11 +12,14 @@ import sys
 import time
 from typing import Callable, NoReturn
 
-from .base import Transport
+import numpy as np
+
+from .base import Transport, poll
 
 YEAR_S = 365 * 86400  # the most a seconds flag takes (select and thread waits overflow
 #                      near 9.2e9 s; a wait longer than a year is never meant)
 _FAILURES = None  # a duplicate of COMM_WORLD used only by fail(), so nothing else matches
+_TIMEOUT = None   # the command's --peer-timeout, for the start's own collectives (start_mpi)
 
 
 def launched_ranks() -> int:
@@ -37,19 +41,33 @@ def world_rank() -> int:
 def host_names() -> tuple[str, ...]:
     """Every rank's host name, rank 0's first (collective under mpiexec): which ranks
     share a host, its GPUs and its memory."""
-    here = socket.gethostname()
-    if launched_ranks() == 1:
-        return (here,)
-    from mpi4py import MPI
-    return tuple(MPI.COMM_WORLD.allgather(here))
+    return tuple(every_rank(socket.gethostname()))
 
 
 def every_rank(value: object) -> list:
-    """Collective under mpiexec: each rank's value, in rank order."""
+    """Collective under mpiexec: each rank's value (picklable), in rank order; a rank that
+    never comes (stopped, hung) is waited for --peer-timeout, then the job ends naming the
+    wait (mpi4py's allgather waits for good: the ranks comparing their flags at the start
+    hung on a stopped one, before any transport's bounded waits)."""
     if launched_ranks() == 1:
         return [value]
     from mpi4py import MPI
-    return MPI.COMM_WORLD.allgather(value)
+    comm, mine = MPI.COMM_WORLD, np.frombuffer(pickle.dumps(value), np.uint8)
+    sizes = np.zeros(comm.size, np.int64)
+    _bounded(comm.Iallgather(np.array([mine.size], np.int64), sizes))
+    at = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    every = np.empty(int(sizes.sum()), np.uint8)
+    _bounded(comm.Iallgatherv(mine, [every, sizes, at, MPI.BYTE]))
+    return [pickle.loads(every[a:a + n].tobytes()) for a, n in zip(at, sizes)]
+
+
+def _bounded(request) -> None:
+    """Waits for a nonblocking collective of the start within --peer-timeout (unbounded
+    before start_mpi, or for a timeout the command's checks will refuse)."""
+    if _TIMEOUT is None:
+        request.Wait()
+        return
+    poll(request.Test, _TIMEOUT, world_rank(), "the other ranks at the command's start")
 
 
 def disagreement(mine: dict) -> tuple[str, str] | None:
@@ -75,12 +93,13 @@ def start_mpi(timeout: float) -> None:
     """Collective, at the start of every command under mpiexec. MPI's start waits for
     every rank: when one never starts (a host in the hostfile that does not answer), the
     ranks that did give up after timeout seconds, the first of each host saying why."""
-    global _FAILURES
+    global _FAILURES, _TIMEOUT
     # (a timeout not above 0, or above a year, is refused by the command's checks, once MPI
     # has started: select could not wait that long)
     with _watchdog(timeout) if 0 < timeout <= YEAR_S else contextlib.nullcontext():
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
+    _TIMEOUT = timeout if 0 < timeout <= YEAR_S else None
 
 
 @contextlib.contextmanager

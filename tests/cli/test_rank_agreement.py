@@ -138,3 +138,21 @@ def test_ranks_under_other_locales_agree_on_one_name(tmp_path):
     res = mpmd(args, args, envs=({}, c_locale))
     assert res.returncode == 0, res.stderr[-3000:]
     assert os.listdir(tmp_path / "ü") and os.listdir(tmp_path) == ["ü"]
+
+
+def test_a_rank_that_never_comes_to_the_starts_comparison_ends_the_job_in_the_peer_timeout():
+    """Rank 1 stopped (here asleep) before the ranks compare their flags: mpi4py's
+    allgather waited for good, --peer-timeout bounded only MPI's own start."""
+    import time
+    script = ("import time; from cupygpt import CupyGPTError; from cupygpt.comm.launch import "
+              "every_rank, fail, start_mpi, world_rank; start_mpi(2); r = world_rank()\n"
+              "if r == 1: time.sleep(60)\n"
+              "try: every_rank(r)\n"
+              "except CupyGPTError as e: fail(f'error: {e}')")
+    t0 = time.monotonic()
+    res = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and res.stderr.strip().splitlines()[0] == (
+        "[pe0] error: rank 0: timed out after 2s waiting for the other ranks at the command's "
+        "start (the peer timeout); is every rank alive?"), res.stderr
+    assert time.monotonic() - t0 < 20
