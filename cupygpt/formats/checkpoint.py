@@ -26,9 +26,17 @@ UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 STATE = "adamw.npz"
 
 
-def listed(out):
-    """The complete checkpoints in out, oldest first."""
+def named(out):
+    """Everything in out named as a checkpoint is (ckpt_STEP), oldest first."""
     return sorted(d for d in os.listdir(out) if NAME.match(d))
+
+
+def listed(out):
+    """The complete checkpoints in out, oldest first: directories holding a model and
+    AdamW's state (an empty one, or a file of that name, is passed over: a resume took the
+    newest name and failed on it)."""
+    return [d for d in named(out)
+            if all(os.path.isfile(os.path.join(out, d, f)) for f in ("model.bin", STATE))]
 
 
 def resolve(path):

@@ -9,7 +9,7 @@ import resource
 import shutil
 
 from .. import CupyGPTError
-from ..formats.checkpoint import LATEST, STATE, listed
+from ..formats.checkpoint import LATEST, STATE, listed, named
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
 from ..paths import MADE, hold, lock, make_dir, make_parent, not_regular
@@ -43,7 +43,7 @@ def misshapen(out):
             return (f"{os.path.join(out, name)} is {what}, where this run writes its "
                     f"{'model' if name == MODEL else 'newest checkpoint name'}; move it away, "
                     f"or give another -o")
-    for name in listed(out):
+    for name in named(out):
         if not os.path.isdir(os.path.join(out, name)):
             return (f"{os.path.join(out, name)} is not a directory, and is named as this "
                     f"run's checkpoints are; move it away, or give another -o")
@@ -58,7 +58,7 @@ def log_elsewhere(out, log_file):
 def replace_earlier(out):
     """--overwrite: the earlier run's checkpoints go (a resume would take them for this
     run's); its model and log are replaced as this run writes its own."""
-    for name in listed(out):  # (directories: misshapen refused any other kind)
+    for name in named(out):  # (directories: misshapen refused any other kind)
         shutil.rmtree(os.path.join(out, name))
     if os.path.exists(os.path.join(out, LATEST)):
         os.unlink(os.path.join(out, LATEST))

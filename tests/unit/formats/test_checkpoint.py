@@ -20,3 +20,18 @@ def test_outlier_state_is_read_strictly(damage):
         good.update(x)
     assert outliers_ok({"loss": good.state(), "norm": OutlierDetector().state()})
     assert outliers_ok(None)
+
+
+def test_only_complete_checkpoints_are_listed(tmp_path):
+    """A resume took the newest name in -o: an empty ckpt_ directory, or a file of that
+    name, and failed on it beside a whole checkpoint."""
+    from cupygpt.formats.checkpoint import listed, named, resolve
+    for step in (1, 2):
+        (tmp_path / f"ckpt_0000000{step}").mkdir()
+    for f in ("model.bin", "adamw.npz"):
+        (tmp_path / "ckpt_00000001" / f).write_bytes(b"x")
+    (tmp_path / "ckpt_00000002" / "model.bin").write_bytes(b"x")
+    (tmp_path / "ckpt_00000003").write_bytes(b"x")
+    assert named(tmp_path) == ["ckpt_00000001", "ckpt_00000002", "ckpt_00000003"]
+    assert listed(tmp_path) == ["ckpt_00000001"]
+    assert resolve(str(tmp_path)) == str(tmp_path / "ckpt_00000001")
