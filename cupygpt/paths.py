@@ -46,16 +46,17 @@ def regular(path, kind):
         raise CupyGPTError(f"{path}: is {what}, not a regular file; give a {kind} file")
 
 
-def read_bounded(path, kind, cap=JSON_CAP):
+def read_bounded(path, kind, cap=JSON_CAP, text=True):
     """A text or JSON input's bytes: a regular file of at most cap bytes (OSError for the
-    caller to word)."""
+    caller to word); text: its UTF-8 byte-order mark left out (Windows editors write one,
+    and JSON's parser refused it)."""
     regular(path, kind)
     with open(path, "rb") as f:
         data = f.read(cap + 1)
     if len(data) > cap:
         raise CupyGPTError(f"{path}: larger than {cap >> 20} MiB, more than any {kind} "
                            f"cupygpt reads; is this the right file?")
-    return data
+    return data.removeprefix(b"\xef\xbb\xbf") if text else data
 
 
 def json_object(path, kind):
@@ -157,7 +158,8 @@ def check_outputs(outputs, inputs):
         except OSError:
             continue
         if what and what != "a directory":  # (a directory: out_file says so)
-            raise CupyGPTError(f"is {what}; give a regular file's path", name, path)
+            raise CupyGPTError(f"is {what}, not a file or directory this command can write; "
+                               f"give another path", name, path)
 
 
 MADE = []  # the directories make_dir created (and claimed files), in order: a failure removes them

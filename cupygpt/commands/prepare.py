@@ -81,6 +81,7 @@ def documents(path):
     elif path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):
+                line = line.removeprefix(b"\xef\xbb\xbf") if n == 1 else line  # (a BOM)
                 if not line.strip():
                     yield None, len(line)
                     continue

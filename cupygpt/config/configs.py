@@ -95,7 +95,7 @@ class VerifyConfig:
         "fp32 reference at bf16's tolerances"))
     as_json: bool = fields.as_json()
     trace: Optional[str] = fields.trace()
-    overwrite: bool = fields.overwrite()  # --trace may replace an existing file
+    overwrite: bool = fields.overwrite("replace --trace's file where it exists")
     device: Device = fields.section(Device)
     grid: Grid = fields.section(Grid)
     pipeline: Pipeline = fields.section(Pipeline)

@@ -94,7 +94,7 @@ class GpucheckConfig:
 class PlotConfig:
     log: str = flag(argument=True, required=True, path=True, file="in")
     out: str = flag("--out", default="loss.png", help=IMAGE_HELP, file="out")
-    overwrite: bool = fields.overwrite()
+    overwrite: bool = fields.overwrite("replace --out's file where it exists")
 
 
 @dataclass(frozen=True)
@@ -104,4 +104,4 @@ class TimelineConfig:
     schedule: Optional[str] = flag("--schedule", default=None, choices=tuple(SCHEDULES),
                                    help="the run's schedule, for the prediction  [default: "
                                         "the trace's]")
-    overwrite: bool = fields.overwrite()
+    overwrite: bool = fields.overwrite("replace --out's file where it exists")

@@ -21,7 +21,7 @@ def read_eval(path):
     """The examples of an eval file, every field checked before anything is allocated for
     them (a damaged file is one CupyGPTError naming what is wrong and where)."""
     try:
-        raw = read_bounded(path, "eval", EVAL_CAP)
+        raw = read_bounded(path, "eval", EVAL_CAP, text=False)
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the eval file ({e.strerror})") from None
 
