@@ -136,11 +136,11 @@ def emit(text):
 def open_log(path, start):
     """The log, open to append: a fresh run starts it; a resume keeps what came before its
     first step (a run that went on past its checkpoint logged steps the resume repeats:
-    train records up to `start`, val records before it, since step `start` validates)."""
-    if not start:
-        return open(path, "w")
+    train records up to `start`, val records before it, since step `start` validates).
+    Either way a new file replaces the name (an earlier log hard-linked elsewhere was
+    rewritten in place, the other name's file with it)."""
     keep = []
-    if os.path.exists(path):
+    if start and os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:

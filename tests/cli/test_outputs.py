@@ -285,3 +285,16 @@ def test_what_a_run_writes_over_of_another_kind_is_refused_at_the_start(tmp_path
         one_line(res, f"-o {out}: {out / name} is ")
         assert "move it away, or give another -o" in res.stderr
         assert os.listdir(out) == [name]
+
+
+def test_an_earlier_log_hard_linked_elsewhere_is_replaced_by_name(tmp_path):
+    """--overwrite: the log was rewritten in place, and the other name's file with it."""
+    out = tmp_path / "o"
+    assert cli(*TINY, "-n", "1", "-o", out).returncode == 0
+    (tmp_path / "victim.txt").write_text("kept\n")
+    os.unlink(out / "log.jsonl")
+    os.link(tmp_path / "victim.txt", out / "log.jsonl")
+    res = cli(*TINY, "-n", "1", "-o", out, "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "victim.txt").read_text() == "kept\n"
+    assert '"step": 1' in (out / "log.jsonl").read_text()
