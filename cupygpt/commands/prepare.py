@@ -18,10 +18,9 @@ import numpy as np
 from .. import CupyGPTError
 from ..backends import host_memory
 from ..comm.launch import Stopped
-from ..paths import make_dir
 from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
-from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, not_compressed,
+from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, make_dir, not_compressed,
                      read_bounded, regular)
 from ..formats.tokenizer import Tokenizer, tokenize_tinyshakespeare
 

@@ -109,6 +109,27 @@ def write_eval(f, examples):
 LABELS = {str(i): i for i in range(COMPLETIONS)}
 
 
+def example_fields(line):
+    """(ctx, endings, label) of one jsonl line, or (None, None, what is wrong) read strictly:
+    a label 1.9 or true is no label (int() would make it 1), a string of 4 characters no 4
+    endings; the datasets library's label is a digit string."""
+    try:
+        rec = json.loads(line)
+        ctx, endings, label = rec["ctx"], rec["endings"], rec["label"]
+    except (ValueError, KeyError, TypeError):
+        return None, None, "not a JSON object with ctx, endings and label"
+    if not (isinstance(ctx, str) and ctx):
+        return None, None, "its ctx is not a non-empty string"
+    if not (isinstance(endings, list) and len(endings) == COMPLETIONS
+            and all(isinstance(x, str) and x for x in endings)):
+        return None, None, f"its endings are not {COMPLETIONS} non-empty strings"
+    number = LABELS.get(label) if isinstance(label, str) else label
+    if type(number) is not int or not 0 <= number < COMPLETIONS:
+        return None, None, (f"its label {json.dumps(label)} is not a whole number "
+                            f"0..{COMPLETIONS - 1}")
+    return ctx, endings, number
+
+
 def from_jsonl(text, encode, name):
     """HellaSwag's published jsonl (ctx, 4 endings, label) as examples, tokenized as llm.c's
     script does: the context as it is, each ending with a space before it."""
@@ -116,21 +137,9 @@ def from_jsonl(text, encode, name):
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-            ctx, endings, label = rec["ctx"], rec["endings"], rec["label"]
-            # strictly: a label 1.9 or true is no label (int() would make it 1), a string
-            # of 4 characters no 4 endings; the datasets library's label is a digit string
-            label = LABELS.get(label) if isinstance(label, str) else label
-            ok = isinstance(ctx, str) and isinstance(endings, list) and \
-                len(endings) == COMPLETIONS and all(isinstance(x, str) and x for x in endings) \
-                and type(label) is int and 0 <= label < COMPLETIONS
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok or not ctx:
-            raise CupyGPTError(f"{name}:{n}: not a HellaSwag example (a JSON object with a "
-                               f"non-empty ctx, {COMPLETIONS} non-empty endings, a label "
-                               f"0..{COMPLETIONS - 1})")
+        ctx, endings, label = example_fields(line)
+        if isinstance(label, str):
+            raise CupyGPTError(f"{name}:{n}: not a HellaSwag example ({label})")
         out.append(Example(len(out), label, encode(ctx), [encode(" " + x) for x in endings]))
     if not out:
         raise CupyGPTError(f"{name}: holds no examples")

@@ -323,8 +323,8 @@ CASES += [
     ("prepare hellaswag 1 ending", lambda t: [
         "prepare", a_file(t, '{"ctx": "A", "endings": ["b", "c", "d", "e"], "label": 1}\n'
                              '{"ctx": "A", "endings": ["b"], "label": 0}\n'), "--hellaswag",
-        "--out", t / "never"], "plain.txt:2: not a HellaSwag example (a JSON object with a "
-                               "non-empty ctx, 4 non-empty endings, a label 0..3)"),
+        "--out", t / "never"], "plain.txt:2: not a HellaSwag example (its endings are not 4 "
+                               "non-empty strings)"),
     ("train -h 2", lambda t: ["train", "-h", "2", "-o", t / "never"], "-h 2: 0 (off) or 1"),
     ("train -sl negative", lambda t: ["train", "-sl", "-1", "-o", t / "never"],
      "-sl -1.0: must not be negative"),
@@ -492,13 +492,15 @@ def test_a_prompt_too_long_is_refused_before_it_is_echoed(tmp_path):
     assert res.stdout == "", res.stdout
 
 
-@pytest.mark.parametrize("field", ['"label": 1.9', '"label": true', '"label": "x"'])
-def test_hellaswag_jsonl_is_read_strictly(tmp_path, field):
+@pytest.mark.parametrize("label", ['1.9', 'true', '"x"', '1.0'])
+def test_hellaswag_jsonl_is_read_strictly(tmp_path, label):
+    """(the field named: a label 1.0 was "not a HellaSwag example" of every field at once)"""
     from harness import cli
-    line = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], ' + field + '}\n'
+    line = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": ' + label + '}\n'
     (tmp_path / "h.jsonl").write_text(line)
     one_line(cli("prepare", "--hellaswag", tmp_path / "h.jsonl", "--out", tmp_path / "o"),
-             "h.jsonl:1: not a HellaSwag example")
+             f"h.jsonl:1: not a HellaSwag example (its label {label} is not a whole number "
+             f"0..3)")
     assert os.listdir(tmp_path) == ["h.jsonl"]
 
 
