@@ -7,6 +7,7 @@ import time
 
 import click
 
+from .. import CupyGPTError
 from ..commands.bench import ATTENTIONS, bench as run_bench, side_by_side
 from ..commands.bench_comm import comm_bench, format_rows, sizes
 from ..config.sections import out_file
@@ -97,6 +98,11 @@ def bench(**kw):
         click.echo("\n".join([bench_line(r[k], out) for k in ATTENTIONS] + [side_by_side(r)]))
     else:
         click.echo(bench_line(r, out))
+    failed = [x["trace_error"] for x in (r, *r.values()) if isinstance(x, dict)
+              and "trace_error" in x]
+    if failed:
+        raise CupyGPTError(f"could not write the trace {c.trace} ({failed[0]}); the result "
+                           f"was written: {out}")
     if c.trace:
         click.echo(f"wrote the trace {c.trace} (draw it: timeline {c.trace})")
 

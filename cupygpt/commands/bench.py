@@ -2,6 +2,7 @@
 import statistics
 import time
 
+from .. import CupyGPTError
 from ..train.loader import DataLoader
 from ..model.initialize import init_params
 from ..model.shape import flops_per_token, mfu
@@ -57,9 +58,12 @@ def _bench(sess, dtype, on_step, attention=None):
     run.load_state_dict(init_params(shape, 0))  # after the runner's memory check
     x, y = DataLoader(c.data, B, T, shape.V).next_batch()
     times, launch = _timed_steps(run, sess.transport, be, x, y, warmup, steps, on_step)
-    if c.trace:
-        run.write_trace(c.trace)
     out_extra = {}
+    if c.trace:  # (a debug output that cannot be written never costs the result: named after)
+        try:
+            run.write_trace(c.trace)
+        except (OSError, CupyGPTError) as e:  # (rank 0's write; the gather is done)
+            out_extra["trace_error"] = str(getattr(e, "strerror", None) or e)
     if run.overlap:  # the same steps with the replicas' gradient sum after the backward
         run.set_overlap(False)
         plain = _timed_steps(run, sess.transport, be, x, y, 1, steps, on_step)[0]

@@ -1,6 +1,7 @@
 """Never lose a user's data (issue 30), when a run stops or meets a limit: SIGTERM to one
 rank, a second signal, a memory cgroup and `ulimit -v`, a disk without room, a log or trace
 that cannot be written, weights that are not finite."""
+import json
 import os
 import resource
 import signal
@@ -267,13 +268,18 @@ def test_a_log_that_cannot_be_written_never_costs_the_model(tmp_path):
         subprocess.run(["umount", str(small)])
 
 
-def test_a_trace_that_cannot_be_written_never_costs_the_model(tmp_path):
+def test_a_trace_that_cannot_be_written_never_costs_the_model_or_the_result(tmp_path):
     from test_edge_cases import run
     rc, lines = run(*TINY[:1], *TINY[1:], "-n", "2", "--trace", tmp_path / "trace.json", "-o",
                     tmp_path / "o", full_disk_at="trace.json")
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: could not write the trace") and "disk full" in lines[0]
     assert (tmp_path / "o" / "model.bin").exists() and not (tmp_path / "trace.json").exists()
+    rc, lines = run("bench", "--steps", "1", "--warmup", "0", "--trace", tmp_path / "bt.json",
+                    "--out", tmp_path / "b.json", full_disk_at="bt.json")  # (bench's result)
+    assert rc == 1 and lines[-1].startswith("error: could not write the trace") and \
+        lines[-1].endswith(f"the result was written: {tmp_path / 'b.json'}"), lines
+    assert json.loads((tmp_path / "b.json").read_text())["ms_per_step_median"] > 0
 
 
 def with_nan(src, dst, where=5):
