@@ -142,6 +142,9 @@ class Trainer:
         self.train_data.set_state(meta["train_loader"])
         if self.train_data.shuffle != config.shuffle:
             self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")
+        if self.train_data.seed != config.seed:
+            self.log(f"note: --seed {config.seed}: this run continues the checkpoint's data "
+                     f"order and samples (its seed {self.train_data.seed})")
         self.rng.bit_generator.state = meta["rng"]
         self.gate = UpdateGate(self.transport, config.skip_loss, config.skip_norm, meta.get("outliers"))
         was = meta.get("train_files")

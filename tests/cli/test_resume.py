@@ -36,6 +36,12 @@ def test_resume_is_bit_identical(tmp_path, ranks, dtype):
         return re.findall(r"generating:\n(?:\[pe0\] )?---\n(.*?)\n(?:\[pe0\] )?---", out,
                           re.S)[-1]
     assert last_sample(a.stdout) == last_sample(b.stdout)
+    if ranks is None:  # another --seed: the checkpoint's order and RNG go on, and it says so
+        c = cli(*TRAIN, *samples, "-n", "8", "--resume", full / "ckpt_00000004", "--seed", "7",
+                "-o", tmp_path / "seeded")
+        assert "note: --seed 7: this run continues the checkpoint's data order and samples " \
+               "(its seed 1337)" in c.stdout, c.stdout
+        assert log_losses(tmp_path / "seeded" / "log.jsonl") == lb
 
 
 def test_resume_mismatch_is_refused(tmp_path):
