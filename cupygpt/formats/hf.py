@@ -89,6 +89,9 @@ def read_config(path):
             raise CupyGPTError(f"{file}: {key} {c[key]!r} differs from GPT-2's ({want}: "
                                f"{'4 x n_embd' if key == 'n_inner' else 'n_positions'})")
     V = c.get("vocab_size")
+    if VP_KEY in c and isinstance(V, int) and not V <= c[VP_KEY] < V + 1024:
+        raise CupyGPTError(f"{file}: {VP_KEY} {c[VP_KEY]} is not vocab_size {V} padded (llm.c "
+                           f"pads to a multiple of 128: {padded_vocab(V)})")
     try:
         return GPT2Config(maxT=maxT, V=V, Vp=c.get(VP_KEY, padded_vocab(V)),
                           L=c.get("n_layer"), NH=c.get("n_head"), C=C)

@@ -509,8 +509,11 @@ def test_transformers_config_is_read_strictly(tmp_path):
     assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
     cfg = tmp_path / "hf" / "config.json"
     good = json.loads(cfg.read_text())
+    vp = "cupygpt_padded_vocab_size"
     for bad, expect in (([1], "not a JSON object"), ({**good, "n_layer": 2.0},
-                                                      "n_layer 2.0 is not a whole number")):
+                                                      "n_layer 2.0 is not a whole number"),
+                        ({**good, vp: 10 ** 12}, f"{vp} 1000000000000 is not vocab_size 300 "
+                                                 f"padded"), ({**good, vp: 299}, f"{vp} 299")):
         cfg.write_text(json.dumps(bad))
         one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"), expect)
     assert not (tmp_path / "m.bin").exists()
