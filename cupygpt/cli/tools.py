@@ -139,8 +139,8 @@ def plot(**kw):
     image_out(c, c.log)
     n_train, n_val, left_out = run_plot(c.log, c.out)
     click.echo(f"wrote {c.out} ({n_train} train, {n_val} val points" + (
-        f"; left out {left_out} NaN, infinite or out-of-range loss(es)" if left_out else "")
-        + ")")
+        f"; left out {left_out} whose step or loss is NaN, infinite or out of range"
+        if left_out else "") + ")")
 
 
 @click.command()

@@ -98,10 +98,12 @@ def test_plot_leaves_out_what_it_cannot_draw_and_refuses_nothing_to_draw(tmp_pat
     from harness import cli
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "train_loss": 1e308}\n{"step": 2, "train_loss": -1e308}\n'
-                   '{"step": 3, "train_loss": 2.5}\n{"step": 4, "val_loss": NaN}\n')
+                   '{"step": 3, "train_loss": 2.5}\n{"step": 4, "val_loss": NaN}\n'
+                   '{"step": 1e308, "train_loss": 2.0}\n')
     res = cli("plot", log, "--out", tmp_path / "a.png")
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    assert "(1 train, 0 val points; left out 3 NaN, infinite or out-of-range" in res.stdout
+    assert "(1 train, 0 val points; left out 4 whose step or loss is NaN, infinite or out of " \
+           "range)" in res.stdout
     log.write_text('{"step": 1, "train_loss": NaN}\n{"step": 2, "val_loss": Infinity}\n')
     one_line(cli("plot", log, "--out", tmp_path / "b.png"), "no loss to plot")
     log.write_text('{"step": 1, "train_loss": ' + "9" * 5000 + "}\n")
