@@ -1,6 +1,7 @@
 """`timeline`: a --trace file drawn as the classic pipeline picture (ranks as rows, compute
 as boxes coloured by micro-batch), with the simulator's prediction for the same schedule,
 from the measured mean op times, beneath it."""
+import collections
 import json
 import math
 import os
@@ -60,21 +61,45 @@ def read_trace(path):
             raise CupyGPTError(f"{path}: slice {n} lacks tid, ts, dur or its micro_batch; "
                                f"give the file that --trace wrote") from None
     for rank, ends in steps.items():  # the last step: between its step action and the one
-        ends = sorted(ends)               # before (not the evaluation or sampling after it)
+        ends = sorted(set(ends))          # before (not the evaluation or sampling after it)
         lo = ends[-2] if len(ends) > 1 else float("-inf")
         rows[rank] = [x for x in rows[rank] if lo < x[3] < ends[-1]]
         comm[rank] = [x for x in comm[rank] if lo < x[1] < ends[-1]]
     if not any(rows.values()):
-        raise CupyGPTError(f"{path}: holds no forward or backward slices")
+        raise CupyGPTError(f"{path}: holds no forward or backward slices" + (
+            " in its last step (between its last two step actions)" if steps else ""))
     pipe = data.get("pipeline") if isinstance(data, dict) else None
     pipe = pipe if isinstance(pipe, dict) else {}
     for k in ("stages", "micro_batches", "virtual_stages"):
         if pipe.get(k) is not None and (not isinstance(pipe[k], int) or pipe[k] < 1):
             raise CupyGPTError(f"{path}: its pipeline's {k} is {json.dumps(pipe[k])}, not a "
                                f"positive integer; give the file that --trace wrote")
+    why = inconsistent(rows, pipe)
+    if why:
+        raise CupyGPTError(f"{path}: {why}; give the file that --trace wrote")
     transfers = {r: {k: [d for kind, _, d in c if kind == k] for k in ("send", "recv")}
                  for r, c in comm.items()}
     return rows, transfers, pipe
+
+
+def inconsistent(rows, pipe):
+    """What in a trace's last step no run records, else None: a slice twice, no time at
+    all, a micro-batch or a rank its "pipeline" has not (each drew a bubble from nothing)."""
+    ev = [(r, *e[:3]) for r, evs in rows.items() for e in evs]
+    twice = [e for e, n in collections.Counter(ev).items() if n > 1]
+    if twice:
+        r, op, mb, chunk = twice[0]
+        return f"rank {r}'s {LETTER[op]}{mb} (chunk {chunk}) is in its last step twice"
+    if all(e[4] == e[3] for evs in rows.values() for e in evs):
+        return "every slice of its last step lasts 0"
+    m, p = pipe.get("micro_batches"), pipe.get("stages")
+    if m and max(e[2] for e in ev) >= m:
+        return (f"a slice is of micro-batch {max(e[2] for e in ev)}, and its pipeline has "
+                f"micro_batches {m}")
+    ranks = len([r for r in rows if rows[r]])
+    if p and ranks < p:
+        return f"its pipeline has {p} stages, and slices come from {ranks} rank(s)"
+    return None
 
 
 def bubble(rows):

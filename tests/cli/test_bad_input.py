@@ -281,6 +281,17 @@ CASES += [
     *[(f"trace dur {dur}", lambda t, dur=dur: ["timeline", a_trace(t, {}, dur=dur), "--out",
                                                t / "never.png"],
        "slice 0 has ts 0 and dur") for dur in (float("nan"), -5, float("inf"))],
+    *[(f"trace {what}", lambda t, kw=kw: ["timeline", a_trace(t, **kw), "--out",
+                                           t / "never.png"], said)
+      for what, kw, said in (
+          ("a slice twice", dict(pipeline={}, slices=((0, 0, 0), (0, 0, 9))),
+           "rank 0's F0 (chunk 0) is in its last step twice"),
+          ("no time", dict(pipeline={}, dur=0), "every slice of its last step lasts 0"),
+          ("a micro-batch past the pipeline's", dict(pipeline={"micro_batches": 1}, slices=(
+              (0, 0, 0), (1, 0, 9))), "a slice is of micro-batch 1, and its pipeline has "
+                                      "micro_batches 1"),
+          ("a stage without slices", dict(pipeline={"stages": 3}, slices=(
+              (0, 0, 0), (0, 1, 9))), "its pipeline has 3 stages, and slices come from 2"))],
     ("timeline another schedule", lambda t: [
         "timeline", a_trace(t, {"schedule": "1f1b", "stages": 1, "micro_batches": 1}),
         "--schedule", "zbv", "--out", t / "never.png"],
@@ -401,12 +412,14 @@ def a_jsonl(tmp_path, text):
     return str(p)
 
 
-def a_trace(tmp_path, pipeline, dur=5):
-    """A --trace file with one forward slice and the given "pipeline" object."""
+def a_trace(tmp_path, pipeline, dur=5, slices=((0, 0, 0),)):
+    """A --trace file of forward slices (micro-batch, rank, start) and the given "pipeline"
+    object."""
     p = tmp_path / "trace.json"
     p.write_text(json.dumps({"traceEvents": [
-        {"name": "F0", "cat": "fwd", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": dur,
-         "args": {"micro_batch": 0, "chunk": 0}}], "pipeline": pipeline}))
+        {"name": f"F{mb}", "cat": "fwd", "ph": "X", "pid": 0, "tid": rank, "ts": ts,
+         "dur": dur, "args": {"micro_batch": mb, "chunk": 0}} for mb, rank, ts in slices],
+        "pipeline": pipeline}))
     return str(p)
 
 
