@@ -172,7 +172,9 @@ def _claim_here(config, need):
     if why:
         return None, ("out", config.out, why), False
     real = os.path.realpath(config.out)  # a resume continues its own directory:
-    own = config.resume and os.path.commonpath([os.path.realpath(config.resume), real]) == real
+    own = config.resume and any(  # (a ckpt_ there may be a link to another run's)
+        os.path.commonpath([os.path.realpath(p), real]) == real
+        for p in (config.resume, os.path.dirname(os.path.abspath(config.resume))))
     found = [] if own else earlier_output(config.out, config.log_file)
     why = misshapen(config.out)
     if found and not config.overwrite and not why:

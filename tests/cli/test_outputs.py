@@ -207,7 +207,7 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
             return obj
     out = tmp_path / "o"
     out.mkdir()
-    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
+    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False, keep=2,
                            log_file=str(out / "log.jsonl"))
     rundir.unmake(opts, Rank0(), rundir.claim(opts, Rank0(), (0, 0, (0, "model.bin"))))
     unmake_dirs()  # (the CLI's, once the job's end is settled)

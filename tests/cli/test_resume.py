@@ -101,3 +101,15 @@ def test_a_damaged_outlier_window_is_a_damaged_checkpoint_before_loading(tmp_pat
     res = cli(*TRAIN, "-n", "3", "--resume", out, "-o", out)
     one_line(res, f"{state}: damaged checkpoint file (its outlier detectors' window")
     assert "num_parameters" not in res.stdout, "refused after loading the model"
+
+
+def test_a_resume_in_its_own_o_whose_newest_checkpoint_links_elsewhere(tmp_path):
+    """-o D --resume D, D's newest ckpt_ a link to another run's: refused as "an earlier
+    run's output; add --resume D", which was given."""
+    for run, every in (("a", "2"), ("b", "1")):
+        assert cli(*TRAIN, "-n", "2", "--checkpoint-every", every, "-o",
+                   tmp_path / run).returncode == 0
+    os.symlink(tmp_path / "a" / "ckpt_00000002", tmp_path / "b" / "ckpt_00000003")
+    res = cli(*TRAIN, "-n", "3", "--resume", tmp_path / "b", "-o", tmp_path / "b")
+    assert res.returncode == 0, res.stderr
+    assert sorted(log_losses(tmp_path / "b" / "log.jsonl")) == [1, 2, 3]

@@ -144,7 +144,7 @@ def test_trains_start_makes_o_and_a_refusal_there_removes_it(tmp_path):
         def bcast(self, obj, root=0):
             return obj
     out = tmp_path / "o" / "run"
-    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False,
+    opts = SimpleNamespace(out=str(out), resume=None, overwrite=False, keep=2,
                            log_file=str(out / "log.jsonl"))
     fd, made, locked, log = rundir.claim(opts, One(), (0, 0, (0, "model.bin")))
     os.close(fd)
