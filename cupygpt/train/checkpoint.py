@@ -12,6 +12,7 @@ import shutil
 
 import numpy as np
 
+from .. import CupyGPTError
 from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
                                   damaged, listed)
 from ..formats.llmc import read_model, write_model
@@ -102,7 +103,19 @@ def clean_litter(out):
 
 def restore(run, path):
     """Loads this rank's part of the whole parameters (model.bin) and AdamW state; returns
-    the saved meta. Every rank reads the same files, so all report the same difference."""
+    the saved meta. Every rank reads the same files, so all report the same difference.
+    A checkpoint removed while it is read (a live run's --keep) is named as such."""
+    try:
+        return _restore(run, path)
+    except CupyGPTError:
+        if not os.path.isdir(path):
+            raise CupyGPTError(f"{path}: removed while this run read it (a run still writing "
+                               f"{os.path.dirname(path)} keeps only its newest checkpoints); "
+                               f"resume again") from None
+        raise
+
+
+def _restore(run, path):
     f = _state_file(path)
     try:
         with np.load(f) as z:
