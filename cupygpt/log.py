@@ -5,11 +5,10 @@ JSON-lines log, reopened on a resume."""
 import errno
 import fcntl
 import io
-import json
 import os
 import sys
 
-from .paths import atomic_write
+from .paths import atomic_write, loads
 
 COLORS = (34, 35, 36, 33, 32, 31, 94, 95)  # ANSI: blue, magenta, cyan, yellow, green, ...
 
@@ -144,7 +143,7 @@ def open_log(path, start):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
-                    rec = json.loads(line)
+                    rec = loads(line)
                     step = rec["step"] + ("val_loss" in rec or "hellaswag_acc" in rec)
                 except (ValueError, TypeError, KeyError):
                     continue  # (a line cut short by a kill)

@@ -59,11 +59,25 @@ def read_bounded(path, kind, cap=JSON_CAP, text=True):
     return data.removeprefix(b"\xef\xbb\xbf") if text else data
 
 
+def loads(text):
+    """json.loads of an input, every failure a json.JSONDecodeError (a ValueError): nesting
+    deeper than Python's recursion (a RecursionError) and an integer past its digit limit
+    (a bare ValueError) were tracebacks in every reader."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None
+    except ValueError as e:
+        raise json.JSONDecodeError(str(e).split(";")[0], "", 0) from None
+
+
 def json_object(path, kind):
     """A JSON file that holds an object: the dict; anything else is refused (never
     replaced: it may be the user's)."""
     try:
-        obj = json.loads(read_bounded(path, kind))
+        obj = loads(read_bounded(path, kind))
     except (OSError, ValueError) as e:
         obj = e
     if not isinstance(obj, dict):

@@ -5,7 +5,7 @@ import os
 
 from .. import CupyGPTError
 from ..config.tools import image_format
-from ..paths import atomic_write, read_bounded, shown
+from ..paths import atomic_write, loads, read_bounded, shown
 
 
 def number(x):
@@ -32,7 +32,7 @@ def read_log(path):
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rec = json.loads(line)
+                rec = loads(line)
             except ValueError as e:  # (a number of 5,000 digits is Python's ValueError)
                 raise CupyGPTError(f"{path}: line {n} is not JSON ({getattr(e, 'msg', e)}); "
                                    f"is this a train log (log.jsonl)?") from None

@@ -6,7 +6,6 @@ shorter), the first the val shard: NAME_val_000000.bin, NAME_train_000001.bin, .
 is written only whole (atomically), so an interrupted run leaves none half-written."""
 import collections
 import glob
-import json
 import multiprocessing
 import os
 import signal
@@ -20,8 +19,8 @@ from ..backends import host_memory
 from ..comm.launch import Stopped
 from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
-from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, make_dir, not_compressed,
-                     read_bounded, regular)
+from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, loads, make_dir,
+                     not_compressed, read_bounded, regular)
 from ..formats.tokenizer import Tokenizer, tokenize_tinyshakespeare
 
 SHARD_SIZE = 10 ** 8   # the corpus mode's tokens per shard, llm.c's FineWeb script's
@@ -85,7 +84,7 @@ def documents(path):
                     yield None, len(line)
                     continue
                 try:
-                    text = json.loads(line)["text"]
+                    text = loads(line)["text"]
                 except (ValueError, KeyError, TypeError):
                     text = None
                 if not isinstance(text, str):

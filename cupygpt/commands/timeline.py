@@ -10,7 +10,7 @@ import textwrap
 from .. import CupyGPTError
 from ..config.tools import image_format
 from .plot import pyplot
-from ..paths import atomic_write, read_bounded, shown
+from ..paths import atomic_write, loads, read_bounded, shown
 from ..parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from ..parallel.pipeline.simulate import simulate
 
@@ -28,7 +28,7 @@ def read_trace(path):
     bench) is cut at each rank's step actions: the last training step is the one warm and
     undisturbed by the start."""
     try:
-        data = json.loads(read_bounded(path, "trace").decode("utf-8"))
+        data = loads(read_bounded(path, "trace").decode("utf-8"))
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the trace ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -1,6 +1,5 @@
 """A checkpoint directory as a resume reads it: where the newest is, what its state file
 holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
-import json
 import math
 import os
 import re
@@ -10,6 +9,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from .llmc import read_shard, shard_order
+from ..paths import loads
 from ..model.layout import param_layout
 
 
@@ -128,7 +128,7 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     f = _state_file(path)
     try:
         with np.load(f) as z:
-            meta = json.loads(str(z["meta"]))
+            meta = loads(str(z["meta"]))
             check_matches(path, {"total_batch": B * T, "dtype": "fp32", **meta},
                           {"config": shape.__dict__, "B": B, "T": T,
                            "total_batch": total_batch, "dtype": dtype})

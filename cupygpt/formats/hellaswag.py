@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from .llmc import HEADER_BYTES, make_header
-from ..paths import read_bounded
+from ..paths import loads, read_bounded
 
 
 MAGIC, VERSION, COMPLETIONS, START = 20240522, 1, 4, 65535
@@ -114,7 +114,7 @@ def example_fields(line):
     a label 1.9 or true is no label (int() would make it 1), a string of 4 characters no 4
     endings; the datasets library's label is a digit string."""
     try:
-        rec = json.loads(line)
+        rec = loads(line)
         ctx, endings, label = rec["ctx"], rec["endings"], rec["label"]
     except (ValueError, KeyError, TypeError):
         return None, None, "not a JSON object with ctx, endings and label"

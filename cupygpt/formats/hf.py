@@ -7,7 +7,6 @@ Its vocab is V rows; llm.c pads wte to Vp with zero rows, which only llm.c's fil
 Reading checks config.json and the safetensors header (names, shapes, dtypes) before a
 parameter is read: that is what validate() calls.
 """
-import json
 import os
 
 import numpy as np
@@ -15,7 +14,7 @@ from safetensors import safe_open
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
-from ..paths import read_bounded
+from ..paths import loads, read_bounded
 from ..model.shape import GPT2_V, GPT2Config, padded_vocab
 from .torchbin import torch_weights
 
@@ -60,7 +59,7 @@ def read_config(path):
     llm.c's GPT-2 (one line naming the field)."""
     file = os.path.join(path, CONFIG)
     try:
-        c = json.loads(read_bounded(file, CONFIG, 1 << 20))
+        c = loads(read_bounded(file, CONFIG, 1 << 20))
     except FileNotFoundError:
         raise CupyGPTError(f"{path}: a directory but no {CONFIG} in it; a model is an llm.c "
                            f".bin file or a transformers GPT-2 directory") from None

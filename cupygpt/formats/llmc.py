@@ -13,7 +13,7 @@ import numpy as np
 from .. import CupyGPTError
 from . import hf
 from ..model.layout import param_layout
-from ..paths import atomic_write, read_bounded, regular
+from ..paths import atomic_write, loads, read_bounded, regular
 from ..model.shape import GPT2Config, preset
 
 HEADER_INTS = 256
@@ -193,8 +193,13 @@ def read_state(path, shape):
         grads = np.fromfile(f, np.float32, n)
     for name, t in (("x", x), ("y", y)):
         if t.min() < 0 or t.max() >= shape.V:
-            raise CupyGPTError(f"{path}: debug state {name} holds token {t.max()} outside "
-                               f"the model's vocab 0..{shape.V - 1}")
+            raise CupyGPTError(f"{path}: debug state {name} holds token "
+                               f"{t.min() if t.min() < 0 else t.max()} outside the model's "
+                               f"vocab 0..{shape.V - 1}")
+    for name, t in (("logits", logits), ("loss", np.float32(loss)), ("gradients", grads)):
+        if not np.isfinite(t).all():  # (max() over NaN differences drops them: a PASS)
+            raise CupyGPTError(f"{path}: debug state's reference {name} hold NaN or inf; it "
+                               f"checks nothing")
     return dict(B=B, T=T, x=x, y=y, logits=logits, loss=loss, grads=grads)
 
 
@@ -261,7 +266,7 @@ def write_shard(path, tokens, f=None):
 def read_expected(path):
     """The step losses of a JSON file {"losses": [numbers]} (verify --expected)."""
     try:
-        data = json.loads(read_bounded(path, "JSON losses", 1 << 20).decode("utf-8"))
+        data = loads(read_bounded(path, "JSON losses", 1 << 20).decode("utf-8"))
     except OSError as e:
         raise CupyGPTError(f"cannot read it ({e.strerror})", "expected", path) from None
     except (UnicodeDecodeError, json.JSONDecodeError):

@@ -16,7 +16,7 @@ from .. import CupyGPTError
 from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
                                   damaged, listed)
 from ..formats.llmc import read_model, write_model
-from ..paths import atomic_write
+from ..paths import atomic_write, loads
 from ..precision import dtype_name, is_narrow
 
 
@@ -119,7 +119,7 @@ def _restore(run, path):
     f = _state_file(path)
     try:
         with np.load(f) as z:
-            meta = json.loads(str(z["meta"]))
+            meta = loads(str(z["meta"]))
             check_matches(path, {"dtype": "fp32", **meta}, identity(run))
             m, v = z["m"], z["v"]
             master = z["master"] if "master" in z.files else None

@@ -60,7 +60,7 @@ def test_ranks_given_other_flags_refuse_in_one_line(tmp_path, flag, a, b):
     no_rank_left(str(tmp_path))
 
 
-@pytest.mark.parametrize("where", ["end", "start"])
+@pytest.mark.parametrize("where", [-1, 1024, 33000])  # (a byte of the end, the start, between)
 def test_ranks_reading_other_files_under_one_path_refuse_together(tmp_path, where):
     """Node-local data (here each rank's own working directory): the same -i names a shard
     of other tokens on rank 1, or the same shard with the two ranks naming it differently
@@ -70,13 +70,13 @@ def test_ranks_reading_other_files_under_one_path_refuse_together(tmp_path, wher
         (tmp_path / rank).mkdir()
     data = bytearray(open(SHARD, "rb").read())
     (tmp_path / "0" / "s.bin").write_bytes(data)
-    data[-1 if where == "end" else 1024] ^= 1  # (one token's low bit)
+    data[where] ^= 1  # (one token's low bit)
     (tmp_path / "1" / "s.bin").write_bytes(data)
     args = [*TRAIN, "-n", "2", "--micro-batches", "2", "-i", "s.bin", "-o", tmp_path / "o"]
     res = mpmd(args, args, cwds=(tmp_path / "0", tmp_path / "1"))
     line = error_line(res)
     assert line.startswith("error: ranks disagree on -i: rank 0 has <1 file: 66,560 bytes, "
-                           "sampled hash "), line
+                           "hash "), line
     assert line.count("<1 file: 66,560 bytes") == 2 and "the same files" in line, line
     assert not (tmp_path / "o").exists()
     res = mpmd([*args[:-1], "o"], [*args[:-3], tmp_path / "0" / "s.bin", "-o",
@@ -156,3 +156,14 @@ def test_a_rank_that_never_comes_to_the_starts_comparison_ends_the_job_in_the_pe
         "[pe0] error: rank 0: timed out after 2s waiting for the other ranks at the command's "
         "start (the peer timeout); is every rank alive?"), res.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_a_fifo_as_an_input_under_mpiexec_is_refused_not_opened(tmp_path):
+    """The ranks comparing their inputs opened the FIFO to hash it, and every rank blocked
+    there, before any check or timeout."""
+    os.mkfifo(tmp_path / "f.bin")
+    args = [*TRAIN, "-n", "1", "-i", tmp_path / "f.bin", "-o", tmp_path / "o"]
+    res = mpmd(args, args, timeout=60)
+    assert error_line(res) == f"error: {tmp_path / 'f.bin'}: is a FIFO, not a regular file; " \
+                              f"give a token shard file", res.stderr
+    no_rank_left(str(tmp_path))
