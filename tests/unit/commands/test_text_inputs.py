@@ -28,3 +28,23 @@ def test_a_byte_order_mark_is_left_out_of_text_and_json(tmp_path):
     (tmp_path / "t.json").write_bytes(BOM + b"{}")
     with pytest.raises(Exception, match="holds no action slices"):
         read_trace(tmp_path / "t.json")  # (past the BOM: read as JSON, refused as a trace)
+
+
+@pytest.mark.parametrize("text,says", [("[" * 100000 + "]" * 100000, "nested too deeply"),
+                                       ('{"losses": [' + "1" * 5000 + "]}", "digits")])
+def test_json_past_pythons_limits_is_refused_as_any_other_bad_json(tmp_path, text, says):
+    """A RecursionError and the integer digit limit's bare ValueError were tracebacks in
+    every reader; each reader's own line now (two of them shown)."""
+    from cupygpt import CupyGPTError
+    from cupygpt.formats.llmc import read_expected
+    from cupygpt.paths import loads
+    with pytest.raises(json.JSONDecodeError, match=says):
+        loads(text)
+    (tmp_path / "e.json").write_text(text)
+    with pytest.raises(CupyGPTError, match="not JSON"):
+        read_expected(str(tmp_path / "e.json"))
+    from cupygpt.commands.plot import read_log
+    (tmp_path / "log.jsonl").write_text(text + "\n")
+    with pytest.raises(CupyGPTError, match="line 1 is not JSON"):
+        read_log(tmp_path / "log.jsonl")
+

@@ -147,3 +147,20 @@ def test_bad_state_token_is_refused(tmp_path):
     write_state(tmp_path / "s.bin", st["x"], st["y"], st["logits"], st["loss"], st["grads"])
     with pytest.raises(CupyGPTError, match="outside the model's vocab"):
         read_state(tmp_path / "s.bin", cfg)
+
+
+def test_a_debug_state_of_non_finite_references_is_refused(tmp_path):
+    """verify passed on it: max() over NaN differences drops them."""
+    import numpy as np
+    from cupygpt import CupyGPTError
+    from cupygpt.formats.llmc import HEADER_BYTES, model_shape, read_state
+    from cupygpt.paths import REFERENCE
+    import os
+    model, state = (os.path.join(REFERENCE, f"tiny_{n}.bin") for n in ("model", "debug_state"))
+    raw = bytearray(open(state, "rb").read())
+    B, T = np.frombuffer(raw[:HEADER_BYTES], np.int32)[2:4]
+    at = HEADER_BYTES + 4 * 2 * B * T  # the first reference logit
+    raw[at:at + 4] = np.float32(np.nan).tobytes()
+    (tmp_path / "s.bin").write_bytes(raw)
+    with pytest.raises(CupyGPTError, match="reference logits hold NaN or inf"):
+        read_state(str(tmp_path / "s.bin"), model_shape(model))
