@@ -277,8 +277,8 @@ def claim_file(name, path):
         if pid and pid != os.getpid():
             raise CupyGPTError(f"another command (pid {pid}) is writing {what}; wait for it "
                                f"to end, or give another path", name, path)
-    key = claim_key(path)
-    try:
+    try:  # (no usable temporary directory: gettempdir raises FileNotFoundError)
+        key = claim_key(path)
         os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)
         fd = os.open(key, os.O_RDONLY | os.O_CREAT, 0o600)
     except OSError:

@@ -48,7 +48,7 @@ def save(run, transport, out, step, state, keep=2, major=0):
         meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
                 "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
         try:  # (made inside: a second signal at any point leaves no .partial directory)
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)  # (a killed save's, or a file of its name)
             os.makedirs(tmp)
             # a bf16 run's weights as they are (version 5), its fp32 master weights beside m, v
             write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"],
@@ -82,6 +82,7 @@ def demote(transport, out, path):
     to .nan, point latest at the one before it, and return that one (or None)."""
     prev = None
     if transport.rank == 0:
+        remove(path + ".nan")  # (an earlier run's, of the same step)
         os.replace(path, path + ".nan")
         rest = listed(out)
         prev = os.path.join(out, rest[-1]) if rest else None
@@ -92,13 +93,21 @@ def demote(transport, out, path):
     return transport.bcast(prev)
 
 
+def remove(path):
+    """A directory or file at path (none there: nothing)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def clean_litter(out):
     """What a killed run leaves: a half-written `latest` and a checkpoint never renamed."""
     for name in os.listdir(out):
         if name.startswith(LATEST + ".") and name.endswith(".tmp"):
             os.unlink(os.path.join(out, name))
         elif NAME.match(name.removesuffix(".partial")) and name.endswith(".partial"):
-            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+            remove(os.path.join(out, name))
 
 
 def restore(run, path):

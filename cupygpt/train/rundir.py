@@ -9,10 +9,10 @@ import resource
 import shutil
 
 from .. import CupyGPTError
-from ..formats.checkpoint import LATEST, STATE, listed, named
+from ..formats.checkpoint import LATEST, NAME, STATE, listed, named
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
-from ..paths import MADE, hold, lock, make_dir, make_parent, not_regular
+from ..paths import MADE, hold, holder, lock, make_dir, make_parent, not_regular
 
 MODEL = "model.bin"
 
@@ -44,9 +44,16 @@ def misshapen(out):
                     f"{'model' if name == MODEL else 'newest checkpoint name'}; move it away, "
                     f"or give another -o")
     for name in named(out):
-        if not os.path.isdir(os.path.join(out, name)):
-            return (f"{os.path.join(out, name)} is not a directory, and is named as this "
-                    f"run's checkpoints are; move it away, or give another -o")
+        path = os.path.join(out, name)
+        if not os.path.isdir(path):
+            return (f"{path} is not a directory, and is named as this run's checkpoints are; "
+                    f"move it away, or give another -o")
+        other = sorted(set(os.listdir(path)) - {MODEL, STATE})
+        pid = holder(path)
+        if other or (pid and pid != os.getpid()):  # (--overwrite would remove it)
+            return (f"{path} is named as this run's checkpoints are, and is " + (
+                f"another command's output (pid {pid})" if pid else
+                f"no checkpoint (it holds {other[0]})") + "; move it away, or give another -o")
     return None
 
 
@@ -58,8 +65,11 @@ def log_elsewhere(out, log_file):
 def replace_earlier(out):
     """--overwrite: the earlier run's checkpoints go (a resume would take them for this
     run's); its model and log are replaced as this run writes its own."""
-    for name in named(out):  # (directories: misshapen refused any other kind)
+    for name in named(out):  # (checkpoints: misshapen refused anything else)
         shutil.rmtree(os.path.join(out, name))
+    for name in os.listdir(out):  # (those a NaN loss renamed)
+        if name.endswith(".nan") and NAME.match(name.removesuffix(".nan")):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     if os.path.exists(os.path.join(out, LATEST)):
         os.unlink(os.path.join(out, LATEST))
 

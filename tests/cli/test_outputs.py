@@ -298,3 +298,41 @@ def test_an_earlier_log_hard_linked_elsewhere_is_replaced_by_name(tmp_path):
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "victim.txt").read_text() == "kept\n"
     assert '"step": 1' in (out / "log.jsonl").read_text()
+
+
+def test_leftovers_named_as_a_runs_own_are_replaced_or_refused(tmp_path):
+    """A file named ckpt_1.partial (a traceback at the first checkpoint, step 1 lost); an
+    earlier ckpt_N.nan where a run goes NaN again (a traceback, latest left on the bad
+    one); a directory named as a checkpoint that is none, which --overwrite removed (another
+    run's -o, its log lost)."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "ckpt_00000001.partial").write_text("x")
+    res = cli(*TINY, "-n", "2", "--checkpoint-every", "1", "-o", out, "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(out)) == ["ckpt_00000001", "ckpt_00000002", "latest", "log.jsonl",
+                                       "model.bin"]
+    nan = [*TINY, "-n", "4", "-l", "1e30", "-u", "0", "--grad-clip", "0",
+           "--checkpoint-every", "1", "-o", tmp_path / "n"]
+    for extra in ([], ["--overwrite"]):
+        one_line(cli(*nan, *extra), "step 2: train loss is nan")
+        assert sorted(os.listdir(tmp_path / "n")) == ["ckpt_00000001.nan", "log.jsonl"]
+    (out / "ckpt_00000009").mkdir()
+    (out / "ckpt_00000009" / "log.jsonl").write_text("another run's\n")
+    one_line(cli(*TINY, "-n", "1", "-o", out, "--overwrite"),
+             f"-o {out}: {out / 'ckpt_00000009'} is named as this run's checkpoints are, and is "
+             f"no checkpoint (it holds log.jsonl); move it away, or give another -o")
+    assert (out / "ckpt_00000009" / "log.jsonl").read_text() == "another run's\n"
+
+
+def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path):
+    """(plot's claim asked tempfile for one outside its try: a traceback)"""
+    import resource
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 3.0}\n')
+    res = subprocess.run([sys.executable, CLI, "plot", log, "--out", tmp_path / "p.png"],
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    one_line(res, "p.png: over the file-size limit (ulimit -f) while writing it; nothing was "
+                  "written there")
+    assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
