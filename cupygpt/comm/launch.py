@@ -179,7 +179,9 @@ def fail(message: str, undo: Callable[[], None] = lambda: None,
     sys.exit(1)
 
 
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: the terminal closed
+# HUP: the terminal closed; USR1: what SLURM's --signal sends ahead of a time limit; XCPU:
+# a CPU-time limit (ulimit -t) reached, SIGKILL to follow at its hard limit
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGXCPU)
 
 
 def stopping() -> list[int]:
@@ -189,8 +191,8 @@ def stopping() -> list[int]:
 
 
 def stop_at_once(signum: int, _) -> NoReturn:
-    """Every command's handler of Ctrl-C, SIGTERM and SIGHUP (what SLURM and Kubernetes send before
-    a kill) outside train's loop: Stopped unwinds through what is being written
+    """Every command's handler of the STOPPING signals (SIGTERM: what SLURM and Kubernetes
+    send before a kill) outside train's loop: Stopped unwinds through what is being written
     (atomic_write, checkpoint.save, prepare's --out remove what they half wrote or made)
     and the CLI exits 128 + the signal, quietly."""
     raise Stopped(128 + signum)
@@ -202,7 +204,7 @@ def on_signals() -> None:
 
 
 class Interrupt:
-    """train's handler: Ctrl-C, SIGTERM or SIGHUP sets a flag, which the loop's phases (each step's
+    """train's handler: a STOPPING signal sets a flag, which the loop's phases (each step's
     end, and between the batches of validation, HellaSwag and sampling) combine over the
     ranks (stopping), so a signal to one rank stops all within a batch, the run's state
     kept. A second signal stops at once (stop_at_once)."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..backends import host_memory
-from ..comm.launch import Stopped
+from ..comm.launch import STOPPING, Stopped
 from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
 from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, loads, make_dir,
@@ -123,16 +123,15 @@ _tok = None
 # A worker starts with these blocked (write_shards): until _start it has the parent's
 # handlers, and the pool's SIGTERM then raised inside the fork's own bookkeeping, leaving a
 # worker that never ended and a parent joining it forever.
-WORKER_BLOCKED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+WORKER_BLOCKED = set(STOPPING)
 
 
 def _start(tokenizer):
     global _tok
     # the parent stops the pool (terminate: SIGTERM) on a signal; a worker neither
-    # handles Ctrl-C or a hangup nor unwinds: it ends quietly
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # handles Ctrl-C, a hangup or the others nor unwinds: it ends quietly
+    for s in STOPPING:
+        signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_BLOCKED)
     _tok = Tokenizer(tokenizer)
 

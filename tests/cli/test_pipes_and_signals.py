@@ -66,12 +66,14 @@ def test_a_signal_during_a_long_validation_stops_within_seconds(tmp_path, sig):
     assert not (tmp_path / "o").exists()  # (made by this run, nothing in it)
 
 
-def test_sighup_during_training_finishes_the_step_and_writes_the_model_as_sigterm(tmp_path):
-    """A closed terminal (SIGHUP) stopped train at once, its model lost; now as SIGTERM:
-    the step finishes, the model is written, exit 128 + SIGHUP."""
-    rc, took, out, err = signalled(signal.SIGHUP, "step ", *TINY, "-n", 100000, "-o",
-                                   tmp_path / "o")
-    assert (rc, err) == (128 + signal.SIGHUP, ""), (rc, err)
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGXCPU])
+def test_sighup_during_training_finishes_the_step_and_writes_the_model_as_sigterm(tmp_path,
+                                                                                  sig):
+    """A closed terminal (SIGHUP), SLURM's warning ahead of a time limit (SIGUSR1, its
+    --signal), a CPU-time limit reached (SIGXCPU) stopped train at once, its model lost; now
+    as SIGTERM: the step finishes, the model is written, exit 128 + the signal."""
+    rc, took, out, err = signalled(sig, "step ", *TINY, "-n", 100000, "-o", tmp_path / "o")
+    assert (rc, err) == (128 + sig, ""), (rc, err)
     assert took < 5 and f"wrote {tmp_path / 'o' / 'model.bin'} of step" in out, (took, out)
     assert (tmp_path / "o" / "model.bin").stat().st_size > 0
 

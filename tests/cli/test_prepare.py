@@ -95,7 +95,8 @@ def big_corpus(tmp_path_factory):
     return corpus(tmp_path_factory.mktemp("big"), 100, 150000, seed=3)
 
 
-@pytest.mark.parametrize("sig,workers", [(signal.SIGINT, 1), (signal.SIGTERM, 2)])
+@pytest.mark.parametrize("sig,workers", [(signal.SIGINT, 1), (signal.SIGTERM, 2),
+                                         (signal.SIGUSR1, 2)])
 def test_a_signal_leaves_no_half_shard(tmp_path, big_corpus, sig, workers):
     """Ctrl-C or SIGTERM once the first shard is there: on one worker the rest of the 22M
     tokens takes seconds (4 here), against the 20 ms the signal takes to follow; the
