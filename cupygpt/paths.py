@@ -364,7 +364,9 @@ def atomic_write(path):
     d = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        # (the name cut so that its 13 more characters keep a legal name legal)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path)[:200] + ".",
+                                   suffix=".tmp")
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot write here ({e.strerror})") from None
     try:

@@ -84,8 +84,10 @@ def writable_parent(dst):
 
 def write_hf(dst, shape, params, tok):
     """config.json, generation_config.json, model.safetensors and, when tok's vocab is the
-    model's, tokenizer files; written under dst.partial, renamed to dst when complete."""
-    partial = dst.rstrip(os.sep) + ".partial"
+    model's, tokenizer files; written under dst.partial, renamed to dst when complete (its
+    name cut so that the suffix keeps a legal name legal)."""
+    head, name = os.path.split(dst.rstrip(os.sep))
+    partial = os.path.join(head, name[:200] + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a crashed conversion's leftovers
     written = [hf.CONFIG, "generation_config.json", hf.WEIGHTS]
     try:
