@@ -115,9 +115,9 @@ def _watchdog(timeout):
             if os.environ.get("MPI_LOCALRANKID",  # (hydra's; Open MPI's)
                               os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")) == "0":
                 print(f"error: --peer-timeout {timeout:g}: the job's ranks did not all start "
-                      f"within {timeout:g} s; does every host in mpiexec's hostfile answer "
-                      f"(and reach this one, {socket.gethostname()})?", file=sys.stderr,
-                      flush=True)
+                      f"within {timeout:g} s (MPI's start takes a second or more); does every "
+                      f"host in mpiexec's hostfile answer (and reach this one, "
+                      f"{socket.gethostname()})?", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # the launcher forwards the line before it tears down
                 os.kill(os.getppid(), signal.SIGKILL)
             # the launcher ends the job when one rank dies: the one saying why dies first

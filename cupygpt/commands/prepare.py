@@ -197,8 +197,9 @@ def prepare(c, progress, note):
     c = replace(c, name=os.path.splitext(os.path.basename(c.inputs[0]))[0]
                 if c.name is None else c.name)
     if not c.name or c.name in (".", "..") or "/" in c.name or os.sep in c.name:
-        raise CupyGPTError("must be a plain file-name prefix (no directory); put the "
-                           "directory in --out", "name", repr(c.name))
+        raise CupyGPTError("must be a plain file-name prefix" + (
+            " (no directory); put the directory in --out" if c.name else
+            ", or left out for the first input's name"), "name", repr(c.name))
     Tokenizer(c.tokenizer).byte_level()  # (damaged, or no BPE: its one line, before any input)
     if c.hellaswag:  # (before the corpus mode, which takes a .jsonl too)
         if len(c.inputs) != 1:

@@ -141,6 +141,10 @@ class TrainConfig:
             raise CupyGPTError("0 (off) or 1 (every step trains on the first batch)", "overfit",
                                c.overfit)
         between(c, "final_lr_frac", 0, 1, "the final lr as a fraction of -l")
+        if c.lr * c.weight_decay >= 1:  # (AdamW's decoupled decay scales weights by 1 - lr wd)
+            raise CupyGPTError(f"with -l {c.lr:g} each update scales the weights by 1 - "
+                               f"{c.lr * c.weight_decay:g}, erasing them; give a weight decay "
+                               f"below 1 / lr = {1 / c.lr:g}", "weight_decay", c.weight_decay)
         if c.keep < 1:
             raise CupyGPTError("keep at least one checkpoint", "keep", c.keep)
         if c.val_pattern and c.val_every and c.val_batches < 1:

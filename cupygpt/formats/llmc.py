@@ -96,6 +96,7 @@ def model_shape(spec, option=None):
     if option is not None and not os.path.lexists(spec):
         raise CupyGPTError("no such model: give an llm.c model file (train writes "
                            "OUT/model.bin) or a transformers GPT-2 directory", option, spec)
+    regular(spec, "model")  # (a FIFO was "not a model file and not a descriptor")
     return read_model_header(spec)[0] if option or is_model_file(spec) else preset(spec)
 
 

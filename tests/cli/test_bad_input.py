@@ -344,6 +344,13 @@ CASES += [
     ("train -nm negative", lambda t: ["train", "-nm", "-2", "-o", t / "never"],
      "-nm -2: must not be negative"),
     ("train -a 2", lambda t: ["train", "-a", "2", "-o", t / "never"], "-a 2: 0 (off) or 1"),
+    ("train weight decay past 1/lr", lambda t: ["train", "--weight-decay", "1e308", "-o",
+                                                t / "never"],
+     "--weight-decay 1e+308: with -l 0.001 each update scales the weights by 1 - 1e+305, "
+     "erasing them; give a weight decay below 1 / lr = 1000"),
+    ("train -e a FIFO", lambda t: (os.mkfifo(t / "m.fifo"), ["train", "-e", t / "m.fifo", "-o",
+                                                             t / "never"])[1],
+     "m.fifo: is a FIFO, not a regular file; give a model file"),
     *[(f"train -e {d}", lambda t, d=d: ["train", "-e", d, "-o", t / "never"],
        f"-e {d}: not a model file and not one of llm.c's descriptors: tiny, d6, d12, d24, d36, "
        f"d48, d60, d72, d84, gpt3:c384, gpt3:c768") for d in ("d13", "gpt3:c5140", "gpt3:768")],
