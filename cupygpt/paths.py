@@ -266,8 +266,8 @@ def claim_file(name, path):
     """A file the command writes (at its end: atomic_write), claimed at its start as a
     directory is (claim): a second command writing it is refused, naming the first's PID
     (two bench --trace X ran, and the last to end won). The lock is on a file of its own
-    in a directory of this user's beside the system's temporary files, named by the
-    path's real name, so the command leaves nothing beside its output; where that
+    in a directory of this user's among the system's temporary files (claim_key), named by
+    the path's real name, so the command leaves nothing beside its output; where that
     directory cannot be made (no writable temporary directory), nothing is claimed. A file
     or directory another command holds as train holds its log and -o is refused too (plot
     --out RUN/log.jsonl replaced a live run's log)."""
@@ -290,8 +290,11 @@ def claim_file(name, path):
 
 
 def claim_key(path):
-    """The file whose lock claims path (claim_file)."""
-    return os.path.join(tempfile.gettempdir(), f"cupygpt-{os.getuid()}-claims", hashlib.blake2b(
+    """The file whose lock claims path (claim_file): in /tmp, whatever $TMPDIR says (a job
+    scheduler gives each job a TMPDIR of its own, where two jobs never saw each other's
+    claims), else in the temporary directory Python finds."""
+    base = "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"cupygpt-{os.getuid()}-claims", hashlib.blake2b(
         os.fsencode(os.path.realpath(path)), digest_size=12).hexdigest())
 
 

@@ -259,8 +259,9 @@ def test_a_file_another_command_writes_is_refused_naming_it(tmp_path):
                            ("--trace", ["bench", "--trace", out, "--out", tmp_path / "b.json"]),
                            ("--trace", ["verify", "--trace", out]),
                            ("DST", ["convert", fixture("tiny_model.bin"), out])):
-            one_line(cli(*args), f"{flag} {out}: another command (pid {os.getpid()}) is "
-                                 f"writing this file; wait for it to end, or give another path")
+            one_line(cli(*args, env={"TMPDIR": str(tmp_path)}),  # (a job's own TMPDIR)
+                     f"{flag} {out}: another command (pid {os.getpid()}) is writing this "
+                     f"file; wait for it to end, or give another path")
         png = os.open(claim_key(tmp_path / "p.png"), os.O_RDONLY | os.O_CREAT)
         fcntl.flock(png, fcntl.LOCK_EX)
         one_line(cli("plot", log, "--out", tmp_path / "p.png"), "another command (pid")
