@@ -280,8 +280,15 @@ def claim_file(name, path):
     try:  # (no usable temporary directory: gettempdir raises FileNotFoundError)
         key = claim_key(path)
         os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)
-        fd = os.open(key, os.O_RDONLY | os.O_CREAT, 0o600)
+        st = os.lstat(os.path.dirname(key))
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return  # (another user's, or writable by others: claim nothing there)
+        # (a FIFO there blocked an open; a link would make its target)
+        fd = os.open(key, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError:
+        return
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         return
     fd, why = lock(key, fd)
     if why:
@@ -384,6 +391,9 @@ def atomic_write(path):
             os.unlink(tmp)
         if full(e):
             raise disk_full(path, e) from None
+        if isinstance(e, OSError):  # (the rename: a directory or link where the file goes)
+            raise CupyGPTError(f"{path}: cannot write it ({e.strerror}); nothing was "
+                               f"written there") from None
         raise
 
 

@@ -252,6 +252,8 @@ def out_file(name, path, overwrite=None):
         return
     if not path:
         raise CupyGPTError("is empty; give a file name", name, "''")
+    if path.endswith(os.sep):  # (its rename at the end was a traceback, the work lost)
+        raise CupyGPTError("ends in /, naming a directory; give a file name", name, path)
     if overwrite is False and os.path.lexists(path) and not os.path.isdir(path):
         raise CupyGPTError("exists; add --overwrite to replace it, or give another path",
                            name, path)

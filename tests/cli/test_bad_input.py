@@ -344,6 +344,11 @@ CASES += [
     ("train -nm negative", lambda t: ["train", "-nm", "-2", "-o", t / "never"],
      "-nm -2: must not be negative"),
     ("train -a 2", lambda t: ["train", "-a", "2", "-o", t / "never"], "-a 2: 0 (off) or 1"),
+    *[(f"{cmd} {flag} ending in /", lambda t, cmd=cmd, flag=flag: [
+        cmd, flag, f"{t / 'never'}/"], "never/: ends in /, naming a directory; give a file name")
+      for cmd, flag in (("bench", "--out"), ("verify", "--trace"), ("train", "--trace"))],
+    ("plot --out ending in /", lambda t: ["plot", a_log(t), "--out", f"{t / 'never'}/"],
+     "never/: ends in /, naming a directory; give a file name"),
     ("train weight decay past 1/lr", lambda t: ["train", "--weight-decay", "1e308", "-o",
                                                 t / "never"],
      "--weight-decay 1e+308: with -l 0.001 each update scales the weights by 1 - 1e+305, "

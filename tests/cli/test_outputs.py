@@ -337,3 +337,31 @@ def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path
     one_line(res, "p.png: over the file-size limit (ulimit -f) while writing it; nothing was "
                   "written there")
     assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
+
+
+def test_a_claim_file_that_is_no_file_is_passed_over(tmp_path):
+    """A FIFO at the claim's name blocked its open for good; a link made its target. (The
+    claims' directory is in /tmp, where another user could plant them.)"""
+    from cupygpt.paths import claim_key
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 3.0}\n')
+    os.makedirs(os.path.dirname(claim_key(tmp_path / "a.png")), exist_ok=True)
+    os.mkfifo(claim_key(tmp_path / "a.png"))
+    os.symlink(tmp_path / "target", claim_key(tmp_path / "b.png"))
+    try:
+        for name in ("a.png", "b.png"):
+            res = cli("plot", log, "--out", tmp_path / name, timeout=60)
+            assert res.returncode == 0, res.stderr
+        assert sorted(os.listdir(tmp_path)) == ["a.png", "b.png", "log.jsonl"]
+    finally:
+        for name in ("a.png", "b.png"):
+            os.unlink(claim_key(tmp_path / name))
+
+
+def test_an_output_the_final_rename_cannot_place_is_one_line(tmp_path):
+    """convert HF_DIR DST/: the rename of the finished file over DST/ was a traceback."""
+    from harness import fixture
+    assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
+    one_line(cli("convert", tmp_path / "hf", f"{tmp_path / 'm'}/"),
+             f"{tmp_path / 'm'}/: cannot write it (Not a directory); nothing was written there")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
