@@ -112,8 +112,11 @@ def guard_streams():
             continue  # (already guarded)
         stream.flush()
         FDS[name] = fd
+        # (a text its encoding cannot hold, PYTHONIOENCODING=latin-1 and a sample in
+        # Japanese, was a UnicodeEncodeError: escaped instead)
+        errors = "backslashreplace" if stream.errors == "strict" else stream.errors
         setattr(sys, name, io.TextIOWrapper(
-            io.BufferedWriter(_Raw(fd)), encoding=stream.encoding, errors=stream.errors,
+            io.BufferedWriter(_Raw(fd)), encoding=stream.encoding, errors=errors,
             line_buffering=stream.line_buffering or name == "stderr",
             write_through=stream.write_through))
 

@@ -50,9 +50,9 @@ def entry(fn):
     def wrapper(**kw):
         guard_streams()
         on_signals()
-        if launched_ranks() > 1:
-            start_mpi(kw.get("peer_timeout", Device.peer_timeout))
         try:
+            if launched_ranks() > 1:
+                start_mpi(kw.get("peer_timeout", Device.peer_timeout))
             in_a_directory()
             fn(**kw)
         except SystemExit as e:  # (verify and gpucheck exit 0 on success: on to wrote)

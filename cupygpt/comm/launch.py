@@ -100,6 +100,12 @@ def start_mpi(timeout: float) -> None:
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
     _TIMEOUT = timeout if 0 < timeout <= YEAR_S else None
+    if MPI.COMM_WORLD.Get_size() != launched_ranks():  # (a launcher's variable left set)
+        from .. import CupyGPTError
+        raise CupyGPTError(f"the environment says this is one of {launched_ranks()} ranks, "
+                           f"and MPI's world has {MPI.COMM_WORLD.Get_size()}: a launcher's "
+                           f"variable (PMI_SIZE, OMPI_COMM_WORLD_SIZE, ...) left set; unset it, "
+                           f"or start the command with mpiexec")
 
 
 @contextlib.contextmanager

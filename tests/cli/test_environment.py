@@ -126,3 +126,25 @@ def test_atomic_write_words_efbig_as_the_limit():
         with atomic_write("x.bin"):
             raise OSError(errno.EFBIG, "File too large")
     assert os.listdir(".") == []
+
+
+def test_a_launchers_variable_left_set_is_one_line(tmp_path):
+    """OMPI_COMM_WORLD_SIZE=2 without mpiexec: the one-process world was indexed as two (an
+    IndexError's traceback)."""
+    res = cli("train", "-n", "1", "-o", tmp_path / "o",
+              env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"})
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (  # (after mpi4py's own warning, if any)
+        "error: the environment says this is one of 2 ranks, and MPI's world has 1: a "
+        "launcher's variable (PMI_SIZE, OMPI_COMM_WORLD_SIZE, ...) left set; unset it, or "
+        "start the command with mpiexec"), res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_text_the_output_encoding_cannot_hold_is_escaped(tmp_path):
+    """PYTHONIOENCODING=latin-1 and a prompt in Japanese: a UnicodeEncodeError."""
+    from harness import fixture
+    res = cli("sample", "--model", fixture("gpt2v_model.bin"), "--prompt", "日本",
+              "--max-new-tokens", "2", env={"PYTHONIOENCODING": "latin-1"})
+    assert res.returncode == 0, res.stderr
+    assert "\\u65e5\\u672c" in res.stdout
