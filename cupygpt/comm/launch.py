@@ -26,7 +26,13 @@ def launched_ranks() -> int:
     """World size from the MPI launcher's environment (1 when not launched by mpiexec)."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
         if os.environ.get(var):
-            return int(os.environ[var])
+            value = os.environ[var].strip()
+            if not value.isdigit() or int(value) < 1:  # (int() of 'abc': a traceback)
+                from .. import CupyGPTError
+                raise CupyGPTError(f"{var}={os.environ[var]!r} is no number of ranks: a "
+                                   f"launcher's variable set by hand? unset it, or start the "
+                                   f"command with mpiexec")
+            return int(value)
     return 1
 
 

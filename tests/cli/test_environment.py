@@ -148,3 +148,12 @@ def test_text_the_output_encoding_cannot_hold_is_escaped(tmp_path):
               "--max-new-tokens", "2", env={"PYTHONIOENCODING": "latin-1"})
     assert res.returncode == 0, res.stderr
     assert "\\u65e5\\u672c" in res.stdout
+
+
+def test_a_launchers_variable_that_is_no_number_is_one_line(tmp_path):
+    """(int() of it was a ValueError's traceback)"""
+    res = cli("train", "-n", "1", "-o", tmp_path / "o", env={"OMPI_COMM_WORLD_SIZE": "abc"})
+    assert error_line(res) == ("error: OMPI_COMM_WORLD_SIZE='abc' is no number of ranks: a "
+                               "launcher's variable set by hand? unset it, or start the "
+                               "command with mpiexec"), res.stderr
+    assert not (tmp_path / "o").exists()
