@@ -41,8 +41,11 @@ def check_inputs(inputs):
         if path.endswith(".parquet"):
             parquet(path)
         else:
-            with open(path, "rb") as f:
-                not_compressed(path, f.read(8))
+            try:
+                with open(path, "rb") as f:
+                    not_compressed(path, f.read(8))
+            except OSError as e:  # (a link loop: a traceback)
+                raise CupyGPTError(f"{path}: cannot read it ({e.strerror})") from None
 
 
 def parquet(path):
@@ -120,9 +123,8 @@ def tasks(inputs):
 _tok = None
 
 
-# A worker starts with these blocked (write_shards): until _start it has the parent's
-# handlers, and the pool's SIGTERM then raised inside the fork's own bookkeeping, leaving a
-# worker that never ended and a parent joining it forever.
+# A worker starts with these blocked (write_shards): until _start it has the parent's handlers,
+# and the pool's SIGTERM raised inside the fork's bookkeeping (a worker never ending, joined).
 WORKER_BLOCKED = set(STOPPING)
 
 
@@ -197,9 +199,9 @@ def prepare(c, progress, note):
     c = replace(c, name=os.path.splitext(os.path.basename(c.inputs[0]))[0]
                 if c.name is None else c.name)
     if not c.name or c.name in (".", "..") or "/" in c.name or os.sep in c.name:
-        raise CupyGPTError("must be a plain file-name prefix" + (
-            " (no directory); put the directory in --out" if c.name else
-            ", or left out for the first input's name"), "name", repr(c.name))
+        raise CupyGPTError("must be a plain file-name prefix" + (" (no directory); put the "
+            "directory in --out" if c.name else ", or left out for the first input's name"),
+            "name", repr(c.name))
     Tokenizer(c.tokenizer).byte_level()  # (damaged, or no BPE: its one line, before any input)
     if c.hellaswag:  # (before the corpus mode, which takes a .jsonl too)
         if len(c.inputs) != 1:
@@ -273,9 +275,8 @@ def prepare_corpus(c, progress, note):
     """The corpus mode, for c (its name and shard size given)."""
     inputs, out, name, shard_size = c.inputs, c.out, c.name, c.shard_size
     if shard_size < 2:  # (1: a shard a token, which train cannot read a sample from)
-        raise CupyGPTError(f"must be at least 2 tokens per shard, the least a training "
-                           f"sample reads (llm.c's FineWeb script: {SHARD_SIZE})", "shard_size",
-                           shard_size)
+        raise CupyGPTError(f"must be at least 2 tokens per shard, the least a sample reads "
+                           f"(llm.c's FineWeb script: {SHARD_SIZE})", "shard_size", shard_size)
     cores = len(os.sched_getaffinity(0))
     if c.workers is not None and c.workers < 1:
         raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",

@@ -242,6 +242,10 @@ CASES += [
      "--transport nvshmem: carries arrays between ranks, and this is one process"),
     ("tokenizer missing", lambda t: ["train", "--tokenizer", t / "nope.bin", *NEVER,
                                      t / "never"], "nope.bin: no such file"),
+    ("prepare an input that is a link loop", lambda t: (
+        os.symlink(t / "b", t / "a"), os.symlink(t / "a", t / "b"),
+        ["prepare", t / "a", "--out", t / "never"])[2],
+     "a: cannot read it (Too many levels of symbolic links)"),
     ("prepare empty name", lambda t: ["prepare", TEXT, "--name", "", "--out", t / "never"],
      "--name '': must be a plain file-name prefix"),
     ("prepare name with a directory", lambda t: ["prepare", TEXT, "--name", "../x",
