@@ -66,8 +66,9 @@ def entry(fn):
             # once the other ranks are done with them)
             if isinstance(e, CupyGPTError):
                 fail(f"error: {as_flag(e)}", unmake_dirs)
-            if short_of(e):
-                fail(f"error: {short_of(e)}", unmake_dirs)
+            line = short_of(e)
+            if line:
+                fail(f"error: {line}", unmake_dirs)
             if isinstance(e, Exception):
                 fail(traceback.format_exc().rstrip(), unmake_dirs)
             unmake_dirs()

@@ -14,6 +14,7 @@ from typing import Callable, NoReturn
 
 import numpy as np
 
+from .. import CupyGPTError
 from .base import Transport, poll
 
 YEAR_S = 365 * 86400  # the most a seconds flag takes (select and thread waits overflow
@@ -28,7 +29,6 @@ def launched_ranks() -> int:
         if os.environ.get(var):
             value = os.environ[var].strip()
             if not value.isdigit() or int(value) < 1:  # (int() of 'abc': a traceback)
-                from .. import CupyGPTError
                 raise CupyGPTError(f"{var}={os.environ[var]!r} is no number of ranks: a "
                                    f"launcher's variable set by hand? unset it, or start the "
                                    f"command with mpiexec")
@@ -106,12 +106,12 @@ def start_mpi(timeout: float) -> None:
         from mpi4py import MPI
         _FAILURES = MPI.COMM_WORLD.Dup()
     _TIMEOUT = timeout if 0 < timeout <= YEAR_S else None
-    if MPI.COMM_WORLD.Get_size() != launched_ranks():  # (a launcher's variable left set)
-        from .. import CupyGPTError
-        raise CupyGPTError(f"the environment says this is one of {launched_ranks()} ranks, "
-                           f"and MPI's world has {MPI.COMM_WORLD.Get_size()}: a launcher's "
-                           f"variable (PMI_SIZE, OMPI_COMM_WORLD_SIZE, ...) left set; unset it, "
-                           f"or start the command with mpiexec")
+    said, size = launched_ranks(), MPI.COMM_WORLD.Get_size()
+    if size != said:  # (a launcher's variable left set)
+        raise CupyGPTError(f"the environment says this is one of {said} ranks, and MPI's "
+                           f"world has {size}: a launcher's variable (PMI_SIZE, "
+                           f"OMPI_COMM_WORLD_SIZE, ...) left set; unset it, or start the "
+                           f"command with mpiexec")
 
 
 @contextlib.contextmanager

@@ -138,7 +138,7 @@ def held(pattern, whole=WHOLE, block=1 << 16, samples=256):
         stats = [os.stat(p) for p in paths]
     except OSError:
         return os.fsencode(pattern)
-    odd = next((not_regular(st) for st in stats if not_regular(st)), None)
+    odd = next(filter(None, map(not_regular, stats)), None)
     if odd or not paths:
         return f"<{odd}>" if odd else os.fsencode(pattern)
     size, digest = sum(st.st_size for st in stats), hashlib.blake2b(digest_size=16)

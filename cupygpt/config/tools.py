@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import CupyGPTError
-
 from . import fields
 from .fields import flag
 from .sections import RUN_DTYPES

@@ -109,24 +109,25 @@ def write_eval(f, examples):
 LABELS = {str(i): i for i in range(COMPLETIONS)}
 
 
-def example_fields(line):
-    """(ctx, endings, label) of one jsonl line, or (None, None, what is wrong) read strictly:
-    a label 1.9 or true is no label (int() would make it 1), a string of 4 characters no 4
-    endings; the datasets library's label is a digit string."""
+def example_fields(line, where):
+    """(ctx, endings, label) of one jsonl line, read strictly, or a refusal naming where it
+    is and its field: a label 1.9 or true is no label (int() would make it 1), a string of 4
+    characters no 4 endings; the datasets library's label is a digit string."""
+    def refuse(why):
+        return CupyGPTError(f"{where}: not a HellaSwag example ({why})")
     try:
         rec = loads(line)
         ctx, endings, label = rec["ctx"], rec["endings"], rec["label"]
     except (ValueError, KeyError, TypeError):
-        return None, None, "not a JSON object with ctx, endings and label"
+        raise refuse("not a JSON object with ctx, endings and label") from None
     if not (isinstance(ctx, str) and ctx):
-        return None, None, "its ctx is not a non-empty string"
+        raise refuse("its ctx is not a non-empty string")
     if not (isinstance(endings, list) and len(endings) == COMPLETIONS
             and all(isinstance(x, str) and x for x in endings)):
-        return None, None, f"its endings are not {COMPLETIONS} non-empty strings"
+        raise refuse(f"its endings are not {COMPLETIONS} non-empty strings")
     number = LABELS.get(label) if isinstance(label, str) else label
     if type(number) is not int or not 0 <= number < COMPLETIONS:
-        return None, None, (f"its label {json.dumps(label)} is not a whole number "
-                            f"0..{COMPLETIONS - 1}")
+        raise refuse(f"its label {json.dumps(label)} is not a whole number 0..{COMPLETIONS - 1}")
     return ctx, endings, number
 
 
@@ -137,9 +138,7 @@ def from_jsonl(text, encode, name):
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        ctx, endings, label = example_fields(line)
-        if isinstance(label, str):
-            raise CupyGPTError(f"{name}:{n}: not a HellaSwag example ({label})")
+        ctx, endings, label = example_fields(line, f"{name}:{n}")
         out.append(Example(len(out), label, encode(ctx), [encode(" " + x) for x in endings]))
     if not out:
         raise CupyGPTError(f"{name}: holds no examples")
