@@ -10,7 +10,8 @@ needs but a capture may not do (the handle, the workspace, each shape's descript
 layouts and heuristic-chosen algorithm) is made on a matmul's first call, in the eager
 first step; a captured step only calls cublasLtMatmul. Biases are the GEMMs' epilogues:
 forward BIAS (added before the output is rounded), backward BGRADB (the bias gradient
-from the weight-gradient GEMM, into a float scratch added into the gradient buffer).
+from the weight-gradient GEMM, into a scratch of the gradient's type added into the
+gradient buffer: cuBLASLt takes no other bias type for bf16 or fp32 products).
 
 Attention keeps q, k, v and its other temporaries in backend workspaces (reused by every
 layer; backward re-permutes qkv, so the interface stays the reference's). Nothing here
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -286,9 +288,8 @@ def _plan(key, epilogue, bias_ptr):
         _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.EPILOGUE, epilogue, d)
         _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.BIAS_POINTER,
              bias_ptr, d)
-        if epilogue == lt.Epilogue.BGRADB:  # the float scratch bias_grad_add reads
-            _set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.BIAS_DATA_TYPE,
-                 CUDA_TYPE[np.dtype(np.float32)], d)
+    # (the bias type stays D's: an H100's cuBLASLt 13.1 refuses a float bias vector, for
+    # BGRADB as for BIAS, on a bf16 product with INVALID_VALUE)
     layouts = (_layout(at, *((m, k) if ta == N_ else (k, m)), lda, batch, sA),
                _layout(bt, *((k, n) if tb == N_ else (n, k)), ldb, batch, sB),
                _layout(ct, m, n, ldc, batch, sC))
@@ -304,16 +305,25 @@ def _plan(key, epilogue, bias_ptr):
              getattr(lt.MatmulPreferenceAttribute, f"MIN_ALIGNMENT_{attr}_BYTES"), align, p)
     found = np.zeros(1, lt.matmul_heuristic_result_dtype)
     count = np.zeros(1, np.int32)
-    lt.matmul_algo_get_heuristic(h, desc, layouts[0], layouts[1], layouts[2], layouts[2],
-                                 pref, 1, found.ctypes.data, count.ctypes.data)
-    lt.matmul_preference_destroy(pref)
+    refused = "cuBLASLt has no algorithm with it for this shape and these types"
+    try:
+        lt.matmul_algo_get_heuristic(h, desc, layouts[0], layouts[1], layouts[2], layouts[2],
+                                     pref, 1, found.ctypes.data, count.ctypes.data)
+    except lt.cuBLASLtError as e:  # (how a cuBLASLt refuses an epilogue it lacks here)
+        if epilogue == lt.Epilogue.DEFAULT:
+            raise
+        status = re.search(r"CUBLAS_STATUS_\w+", str(e))
+        refused = ("cuBLASLt refuses it for this shape and these types"
+                   + (f" ({status.group()})" if status else ""))
+    finally:
+        lt.matmul_preference_destroy(pref)
     if count[0] == 0 or found["state"][0] != 0:
         lt.matmul_desc_destroy(desc)
         for layout in layouts:
             lt.matrix_layout_destroy(layout)
         if epilogue == lt.Epilogue.DEFAULT:
             raise CupyGPTError(f"cuBLASLt has no algorithm for the matmul {key}")
-        return None
+        return {"refused": refused}
     return {"desc": desc, "layouts": layouts, "algo": found, "bias": bias_ptr}
 
 
@@ -322,7 +332,7 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
     """Row-major C (M,N) = alpha op(A) @ op(B) + beta * C (+ bias (N)), batched with element
     strides, through cuBLASLt: fp32 (TF32 tensor cores when tf32), or bf16 A and B with fp32
     compute and C bf16 (rounded once, the bias in first; beta's C read in) or float.
-    bias_grad (float, N): the column sums of op(A), written (BGRADB's, not added).
+    bias_grad (N, C's type): the column sums of op(A), written (BGRADB's, not added).
     Returns the epilogue that could not run (the caller adds its term), or None.
 
     cuBLASLt is column-major: a row-major matrix is its transpose there, so we ask for
@@ -337,11 +347,12 @@ def _gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, beta=0.0, batch=1, sA=0, sB=0
         epilogue = lt.Epilogue.BIAS if bias is not None else lt.Epilogue.BGRADB
         if vec.data.ptr % BIAS_ALIGN:
             why = f"its vector is not {BIAS_ALIGN}-byte aligned"
-        elif bias is not None and bias.dtype != C.dtype:
-            why = "its bias and output types differ"
+        elif vec.dtype != C.dtype:
+            why = "its vector and output types differ"
         else:
             plan = _cached(key, epilogue, vec.data.ptr)
-            why = "cuBLASLt has no algorithm with it for this shape and these types"
+            why = plan.get("refused")
+            plan = None if why else plan
         if plan is None:
             missing = epilogue
             epilogue_fallbacks[epilogue.name, why] = \
@@ -496,7 +507,7 @@ def workspace_bytes(shape: GPT2Config, batch: int, seq: int, part: Part, dtype: 
     partials (two rows of C per ROW_WARPS rows), the column sums' (COLUMN_BLOCKS blocks of
     at most 256 columns, plus a row of 4C) and their counters, the norm's, and the embedding
     backward's three int32 arrays of B*T and its int64 keys (whole runs of SORT_KEYS), the
-    bias gradients' float scratch (4C, the widest), cuBLASLt's workspace and, where bf16
+    bias gradients' scratch (4C, the widest; float at most), cuBLASLt's workspace and, where bf16
     attention goes through cuDNN, the workspace its graphs ask."""
     ln = -(-batch * seq // GEOMETRY["ROW_WARPS"]) * 2 * shape.C
     out = 4 * (batch * seq * shape.NH // part.tp + ln + COLUMN_BLOCKS * 256 + 5 * 4 * shape.C
@@ -786,11 +797,11 @@ def matmul_backward_input(dinp, dout, w) -> None:
 @_op
 def matmul_backward_weight(dw, db, dout, inp) -> None:
     """dw += dout^T inp; db += dout's column sums, from the GEMM's BGRADB epilogue (it
-    writes them: a float scratch, added into db once, as the column sums would add), or
-    the column sums' kernel where the epilogue cannot run."""
+    writes them, rounded to dw's type: a scratch added into db once, as the column sums
+    would add), or the column sums' kernel where the epilogue cannot run."""
     OC, C = dw.shape
     N = inp.size // C
-    g = None if db is None else _ws("bias_grad", OC)
+    g = None if db is None else _ws("bias_grad", OC, dw.dtype)
     if _gemm(T_, N_, OC, C, N, dout, OC, inp, C, dw, C, beta=1.0, bias_grad=g):
         _column_sum(db, dout, N, OC)
     elif db is not None:

@@ -206,6 +206,36 @@ def test_a_bias_of_another_type_than_the_descriptors_is_refused(lt):
                    cu.LT_WORKSPACE, cp.cuda.get_current_stream().ptr)
 
 
+@pytest.mark.parametrize("epilogue", ["BIAS", "BGRADB"])
+def test_a_bias_type_other_than_the_products_is_refused(lt, epilogue):
+    """A float bias vector on a bf16 product: the heuristic refuses it with INVALID_VALUE,
+    as an H100's cuBLASLt 13.1 did (the backend asked BGRADB for a float bias gradient);
+    the product's own type is taken."""
+    cp, cu, lib = lt
+    h = cu._lt_ready()
+    d = lib.get_matmul_desc_attribute_dtype
+
+    def heuristic(bias_type):
+        desc = lib.matmul_desc_create(68, 0)
+        for attr, value in (("EPILOGUE", getattr(lib.Epilogue, epilogue)), ("BIAS_DATA_TYPE",
+                                                                           bias_type)):
+            cu._set(lib.matmul_desc_set_attribute, desc,
+                    getattr(lib.MatmulDescAttribute, attr), value, d)
+        lay = lib.matrix_layout_create(14, 8, 8, 8)
+        pref = lib.matmul_preference_create()
+        cu._set(lib.matmul_preference_set_attribute, pref,
+                lib.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, cu.LT_WORKSPACE,
+                lib.get_matmul_preference_attribute_dtype)
+        found = np.zeros(1, lib.matmul_heuristic_result_dtype)
+        count = np.zeros(1, np.int32)
+        lib.matmul_algo_get_heuristic(h, desc, lay, lay, lay, lay, pref, 1,
+                                      found.ctypes.data, count.ctypes.data)
+        return count[0]
+    assert heuristic(14) == 1  # R_16BF: the product's type
+    with pytest.raises(lib.cuBLASLtError, match="INVALID_VALUE.*bias pointer type"):
+        heuristic(0)  # R_32F
+
+
 def test_graph_capture_rules(sim):
     """CuPy's own refusals in a capture (ndarray.set, get and fill, cupy#2079's host array
     in __setitem__), which leave the capture valid, and cudasim's rule against allocating

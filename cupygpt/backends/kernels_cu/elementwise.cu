@@ -61,9 +61,10 @@ extern "C" __global__ void bias_forward(floatX* out, const floatX* bias, long lo
         store(&out[j], load(out[j]) + load(bias[j % OC]));
 }
 
-// db (n) += g (n, float): a bias gradient the weight-gradient GEMM's epilogue wrote (it
-// overwrites), added into the gradient buffer as micro-batches add, rounded once.
-extern "C" __global__ void bias_grad_add(floatX* db, const float* g, int n) {
+// db (n) += g (n): a bias gradient the weight-gradient GEMM's epilogue wrote (it
+// overwrites; in the product's type, the only bias type cuBLASLt takes for it), added
+// into the gradient buffer as micro-batches add.
+extern "C" __global__ void bias_grad_add(floatX* db, const floatX* g, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) store(&db[i], load(db[i]) + g[i]);
+    if (i < n) store(&db[i], load(db[i]) + load(g[i]));
 }

@@ -20,7 +20,9 @@ class PeersBuild:
     FIRST_RUN = "tok=$((B * T))"
 
     def __init__(self, peers, work, B, T):
-        self.script = os.path.join(peers, "run-peers.sh")
+        # (absolute: the script runs in the check's work directory, and finds its folder
+        # by its own path; a lent GPU's first run was given `--peers peers`)
+        self.script = os.path.join(os.path.abspath(peers), "run-peers.sh")
         self.args, self.proc = [str(B), str(T), DATA], None
         # PEERS_WORK: the builds and the peers' logs; OUT: where the script also writes its
         # lines (else the caller's $OUT, which may be the report's directory)

@@ -290,7 +290,8 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     its stamp), the peers run after bench at its B=4 and long T, and each ratio divides
     the cupygpt run of the peer's B, T and dtype (graphs where they worked) by the peer,
     auto's attention (cuDNN's here) and the own kernels' each; a peer's failure is
-    reported and fails nothing; peers from another call get no ratio."""
+    reported and fails nothing; peers from another call get no ratio; a relative --peers
+    works (the check runs them from its own work directory)."""
     from cupygpt.commands.gpucheck import (check as gpucheck, parts as gpucheck_parts,
                                            report as gpucheck_report)
     peers_dir = tmp_path / "peers"
@@ -323,8 +324,9 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
 
     monkeypatch.setattr(gpucheck_parts, "bench", bench)
     out = tmp_path / "report"
+    monkeypatch.chdir(tmp_path)  # the peers named as README does: a relative path
     report, md = gpucheck.gpucheck(str(out), "quick", ("bench", "peers"), budget=120,
-                                   peers_dir=str(peers_dir))
+                                   peers_dir="peers")
     assert stamps[0] == [str(peers_dir), "4", "32", DATA], "built from the start"
     h200 = {"device": "NVIDIA H200", "B": 4, "T": 32}
     assert report["peers"] == {

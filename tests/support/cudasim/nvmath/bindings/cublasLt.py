@@ -12,9 +12,12 @@ Strict where cuBLASLt is, and where a mistake would only show on a GPU:
 - the algorithm must be one the heuristic returned for this very descriptor and these
   layouts, unchanged since (but for the bias pointer); the workspace must hold what it asked for (this stand-in asks
   1 MiB of every algorithm, so a missing workspace shows) and be 256-byte aligned;
-- BIAS adds a vector of the bias type (default: D's; the allocation holding it must be of
-  that type) of D's rows, before D is rounded; BGRADB writes op(B)'s column sums (D's
-  columns) in the bias type; either wants a 16-byte aligned vector;
+- BIAS adds a vector of D's type (the allocation holding it must be of that type) of D's
+  rows, before D is rounded; BGRADB writes op(B)'s column sums (D's columns) in D's type;
+  either wants a 16-byte aligned vector; a BIAS_DATA_TYPE other than D's is refused by the
+  heuristic with INVALID_VALUE, as an H100's cuBLASLt 13.1 refused a float bias gradient
+  on a bf16 product ("Unsupported config of bias pointer type for chosen precision": only
+  FP8 products take another bias type);
 - TF32 (CUBLAS_COMPUTE_32F_FAST_TF32) rounds fp32 inputs to TF32; bf16 inputs take
   CUBLAS_COMPUTE_32F only;
 - nothing but matmul may be called while the current stream captures a CUDA graph: a
@@ -22,7 +25,9 @@ Strict where cuBLASLt is, and where a mistake would only show on a GPU:
   be made before the capture), and matmul is recorded on the stream it is given (run
   there in the stream's order, under CUDASIM_ORDER=random too).
 CUDASIM_LT_NO_EPILOGUE=1 makes the heuristic find no algorithm for any epilogue (the
-backend's fallback kernels then run, as on a library without them).
+backend's fallback kernels then run, as on a library without them); =refuse makes it
+refuse every epilogue with INVALID_VALUE, as a library that does not take one for a
+product's types does.
 """
 import ctypes
 import enum
@@ -245,9 +250,14 @@ def matmul_algo_get_heuristic(light_handle, operation_desc, adesc, bdesc, cdesc,
                         matmul_heuristic_result_dtype)
     count = ctypes.c_int32.from_address(return_algo_count)
     epilogue = desc[MatmulDescAttribute.EPILOGUE]
+    if epilogue != Epilogue.DEFAULT and _bias_type(desc, layouts[3]) != _TYPES[layouts[3][0]]:
+        raise _error("CUBLAS_STATUS_INVALID_VALUE", "Unsupported config of bias pointer type "
+                     f"for chosen precision, got ({desc[MatmulDescAttribute.BIAS_DATA_TYPE]})")
+    if epilogue != Epilogue.DEFAULT and os.environ.get("CUDASIM_LT_NO_EPILOGUE") == "refuse":
+        raise _error("CUBLAS_STATUS_INVALID_VALUE", f"epilogue {epilogue} refused "
+                     "(CUDASIM_LT_NO_EPILOGUE=refuse)")
     if requested_algo_count < 1 or (epilogue != Epilogue.DEFAULT and
-                                    (os.environ.get("CUDASIM_LT_NO_EPILOGUE") or
-                                     _bias_type(desc, layouts[3]) is None)):
+                                    os.environ.get("CUDASIM_LT_NO_EPILOGUE") == "1"):
         count.value = 0
         return
     if pref[MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES] < _WORKSPACE_ASKED:
