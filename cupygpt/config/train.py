@@ -10,7 +10,8 @@ from typing import Optional
 from .. import CupyGPTError
 from . import fields
 from .fields import flag
-from ..formats.checkpoint import STATE, check_resume, resolve as resolve_checkpoint
+from ..formats.checkpoint import (STATE, check_resume, holding, newer,
+                                  resolve as resolve_checkpoint)
 from ..formats.llmc import is_model_file, model_shape, shard_files
 from .configs import hellaswag_seq
 from .sections import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
@@ -165,12 +166,35 @@ class TrainConfig:
         log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
         check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
                        ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
+        self._overwritten(c)
         # in the order train's start makes their directories (rundir)
         out_file("trace", c.trace, c.overwrite)
         out_file("log_file", c.log_file)
         check_dir("out", c.out)
         out_file("log_file", log_file)  # (the default: only not a directory)
         return replace(c, log_file=log_file), shape
+
+    def _overwritten(self, c):
+        """What --overwrite would remove must not be this run's input (-e inside one of
+        -o's checkpoints), and a resume that goes back to an earlier checkpoint of its own
+        -o leaves no later one behind (a later --resume of -o would take that, another
+        run's future): refused, or with --overwrite removed (rundir) ."""
+        own = c.resume and os.path.realpath(os.path.dirname(c.resume)) == os.path.realpath(
+            c.out)  # (a resume in its own -o keeps the earlier checkpoints)
+        for path in (self._inputs(c) if c.overwrite and not own and os.path.isdir(c.out)
+                     else []):
+            ckpt = holding(c.out, path)
+            if ckpt:
+                raise CupyGPTError(f"--overwrite removes its earlier checkpoints, {ckpt} "
+                                   f"among them, which holds this run's input {path}; copy "
+                                   f"that out of -o first, or give another -o", "out", c.out)
+        later = newer(c.out, c.resume) if c.resume and os.path.isdir(c.out) else []
+        if later and not c.overwrite:
+            raise CupyGPTError(f"holds checkpoints after the resumed "
+                               f"{os.path.basename(os.path.normpath(c.resume))} "
+                               f"({', '.join(later)}): continuing here would leave them as "
+                               f"if this run wrote them; add --overwrite to remove them, or "
+                               f"give another -o", "out", c.out)
 
     @staticmethod
     def _inputs(c):

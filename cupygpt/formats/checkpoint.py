@@ -31,6 +31,27 @@ def named(out):
     return sorted(d for d in os.listdir(out) if NAME.match(d))
 
 
+def holding(out, path):
+    """The checkpoint directory of out (ckpt_STEP, or one a NaN renamed ckpt_STEP.nan)
+    that path lies in, else None: --overwrite removes those."""
+    real, rel = os.path.realpath(out), None
+    try:
+        rel = os.path.relpath(os.path.realpath(path), real)
+    except ValueError:
+        return None
+    top = rel.split(os.sep)[0]
+    return top if rel != top and NAME.match(top.removesuffix(".nan")) else None
+
+
+def newer(out, ckpt):
+    """The checkpoints of out after ckpt (one of them) by step: another run's future when
+    a resume goes back to ckpt in its own directory."""
+    if os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) != os.path.realpath(out):
+        return []
+    step = os.path.basename(os.path.normpath(ckpt))
+    return [d for d in named(out) if NAME.match(step) and d > step]
+
+
 def listed(out):
     """The complete checkpoints in out, oldest first: directories holding a model and
     AdamW's state (an empty one, or a file of that name, is passed over: a resume took the

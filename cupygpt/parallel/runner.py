@@ -63,7 +63,8 @@ class Runner:
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
         self.graphs = s.graphable and be.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not (s.overlap and mesh.dp > 1)))
+            mesh.size == 1 or (transport.graphable and not (self._may_overlap(s.overlap)
+                                                            and mesh.dp > 1)))
         if s.attention is not None:
             be.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
         self.memory = memory_plan(shape, plan, be, s.dtype, s.adamw is not None,
@@ -75,7 +76,7 @@ class Runner:
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
-                             zero=s.zero, overlap=s.overlap)
+                             zero=s.zero, overlap=self._may_overlap(s.overlap))
         self.opt = AdamW(self.stages, s.adamw, transport, zero_slices) if s.adamw else None
         self.exec = Executor(plan, self.stages, be, transport, self.sync)
         self.exec.trace = [] if s.trace else None
@@ -185,9 +186,13 @@ class Runner:
         """Whether the replicas' gradient sum overlaps the backward."""
         return self.sync.overlap
 
+    def _may_overlap(self, on: bool) -> bool:
+        """on, unless the transport cannot overlap the replicas' sum beside tp's sums."""
+        return on and (self.mesh.tp == 1 or self.transport.overlaps_beside_tp)
+
     def set_overlap(self, on: bool) -> None:
         """Whether the replicas' sum overlaps the backward (bench times both)."""
-        self.sync.overlap = on and self.mesh.dp > 1
+        self.sync.overlap = self._may_overlap(on) and self.mesh.dp > 1
 
     # --- forward only ------------------------------------------------------------------
 

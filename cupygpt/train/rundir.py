@@ -9,7 +9,7 @@ import resource
 import shutil
 
 from .. import CupyGPTError
-from ..formats.checkpoint import LATEST, NAME, STATE, listed, named
+from ..formats.checkpoint import LATEST, NAME, STATE, listed, named, newer
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
 from ..paths import MADE, hold, holder, lock, make_dir, make_parent, not_regular
@@ -205,6 +205,11 @@ def _claim_here(config, need):
                                      f"give another --log-file"), False
     if found:
         replace_earlier(config.out)
+    later = newer(config.out, config.resume) if own else []  # (--overwrite's: validate)
+    for name in later:
+        shutil.rmtree(os.path.join(config.out, name))
+    if later:  # (it named one of them; the resumed run writes its own)
+        os.unlink(os.path.join(config.out, LATEST))
     return fd, None, log_made
 
 

@@ -113,3 +113,40 @@ def test_a_resume_in_its_own_o_whose_newest_checkpoint_links_elsewhere(tmp_path)
     res = cli(*TRAIN, "-n", "3", "--resume", tmp_path / "b", "-o", tmp_path / "b")
     assert res.returncode == 0, res.stderr
     assert sorted(log_losses(tmp_path / "b" / "log.jsonl")) == [1, 2, 3]
+
+
+def test_going_back_to_an_earlier_checkpoint_in_its_own_o(tmp_path):
+    """Resuming ckpt 1 into the -o that holds ckpts 2 and 3 would leave them as if this run
+    wrote them (a later --resume of -o takes the newest): refused, naming them; with
+    --overwrite they go, and a later --resume continues this run, its log whole."""
+    out = tmp_path / "r"
+    args = [*TRAIN, "--checkpoint-every", "1", "--keep", "5", "-o", out]
+    assert cli(*args, "-n", "3").returncode == 0
+    back = [*args, "--resume", out / "ckpt_00000001", "-n", "2"]
+    res = cli(*back)
+    one_line(res, f"error: -o {out}: holds checkpoints after the resumed ckpt_00000001 "
+                  f"(ckpt_00000002, ckpt_00000003): continuing here would leave them as if "
+                  f"this run wrote them; add --overwrite to remove them, or give another -o")
+    assert sorted(os.listdir(out)) == ["ckpt_00000001", "ckpt_00000002", "ckpt_00000003",
+                                       "latest", "log.jsonl", "model.bin"]
+    assert cli(*back, "--overwrite").returncode == 0
+    assert sorted(os.listdir(out)) == ["ckpt_00000001", "ckpt_00000002", "latest",
+                                       "log.jsonl", "model.bin"]
+    res = cli(*args, "--resume", out, "-n", "4")
+    assert res.returncode == 0 and f"{out}/ckpt_00000002" in res.stdout, res.stdout
+    assert sorted(log_losses(out / "log.jsonl")) == [1, 2, 3, 4]
+
+
+def test_overwrite_never_removes_the_runs_own_input(tmp_path):
+    """-e inside one of -o's checkpoints with --overwrite (which removes them): refused
+    before anything is removed."""
+    out = tmp_path / "r"
+    args = [*TRAIN, "--checkpoint-every", "1", "-n", "2", "-o", out]
+    assert cli(*args).returncode == 0
+    before = sorted(os.listdir(out))
+    model = out / "ckpt_00000002" / "model.bin"
+    res = cli(*[a for a in args if a not in ("-e", "tiny")], "-e", model, "--overwrite")
+    one_line(res, f"error: -o {out}: --overwrite removes its earlier checkpoints, "
+                  f"ckpt_00000002 among them, which holds this run's input {model}; copy that "
+                  f"out of -o first, or give another -o")
+    assert sorted(os.listdir(out)) == before and model.is_file()

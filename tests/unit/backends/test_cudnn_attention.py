@@ -61,12 +61,10 @@ def test_heads_of_16_at_an_odd_t_verify_in_either_attention(device, heads16):
         res, got[attention] = run_verify(heads16, "--backend", "cuda", "--dtype", "bf16",
                                          "--attention", attention, env=env(device, attention))
         assert res.returncode == 0 and got[attention]["ok"], res.stdout + res.stderr
-    # two arithmetics: the paths differ in their roundings, so the losses do too (the
-    # logits' largest difference can be one both share: both round P to bf16, and the
-    # head's matmul, not attention, may set it)
+    # each path ran as asked (what ran names itself; the losses cannot tell them apart:
+    # on an H100 both gave the same loss bits here, their bf16 outputs agreeing)
     assert got["own"]["attention"].startswith("own") and got["cudnn"]["attention"].startswith(
         "cuDNN")
-    assert got["own"]["loss"]["got"] != got["cudnn"]["loss"]["got"]
 
 
 SIM_ONLY = requires_sim  # (cudasim's installed states: CUDASIM_CUDNN)
