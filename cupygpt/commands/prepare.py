@@ -1,9 +1,8 @@
 """prepare's work: one text file split as llm.c's tinyshakespeare script does, HellaSwag's
-jsonl to llm.c's eval file, or the corpus mode (llm.c's FineWeb script): documents from many
-files (a text file is one document; jsonl and parquet: each record's `text`) tokenized on
-every core, an EOT before each, cut into shards of a fixed token count (the last one
-shorter), the first the val shard: NAME_val_000000.bin, NAME_train_000001.bin, ... A shard
-is written only whole (atomically), so an interrupted run leaves none half-written."""
+jsonl to llm.c's eval file, or the corpus mode (llm.c's FineWeb script): documents (a text
+file each; jsonl and parquet: each record's `text`) tokenized on every core, an EOT before
+each, cut into shards of a fixed token count, the first the val shard (NAME_val_000000.bin,
+NAME_train_000001.bin, ...), each written whole (atomically): none is left half-written."""
 import collections
 import glob
 import multiprocessing
@@ -98,8 +97,7 @@ def documents(path):
             body = read_bounded(path, "text", TEXT_CAP)
             yield body.decode("utf-8"), len(body)
         except UnicodeDecodeError as e:
-            raise CupyGPTError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") \
-                from None
+            raise CupyGPTError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         except OSError as e:
             raise CupyGPTError(f"{path}: cannot read it ({e.strerror})") from None
 
@@ -121,7 +119,6 @@ def tasks(inputs):
 
 
 _tok = None
-
 
 # A worker starts with these blocked (write_shards): until _start it has the parent's handlers,
 # and the pool's SIGTERM raised inside the fork's bookkeeping (a worker never ending, joined).
@@ -207,6 +204,9 @@ def prepare(c, progress, note):
         if len(c.inputs) != 1:
             raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
                                f"not {len(c.inputs)}")
+        if c.shard_size is not None:  # (an eval file is one file: not to pass unread)
+            raise CupyGPTError("is for token shards; prepare --hellaswag writes one eval "
+                               "file: leave it out", "shard_size", c.shard_size)
         return prepare_hellaswag(c.inputs[0], os.path.join(c.out, f"{c.name}.bin"),
                                  c.tokenizer, c.force)
     if (c.shard_size is not None or len(c.inputs) > 1

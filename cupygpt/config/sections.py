@@ -105,9 +105,12 @@ class Grid:
 
     def rows_per_replica(self, batch):
         """Each replica computes batch / dp rows of the step's batch."""
-        if batch % self.dp:
-            raise CupyGPTError(f"must divide the batch size {batch}: each data-parallel "
-                               f"replica takes an equal part of it", "dp", self.dp)
+        if batch % self.dp:  # (--dp may not have been given: say where it comes from)
+            raise CupyGPTError(f"must divide the batch size {batch}: each of the {self.dp} "
+                               f"data-parallel replicas ({self.dp * self.tp * self.pp} ranks "
+                               f"/ (tp {self.tp} x pp {self.pp})) takes an equal part of it; "
+                               f"give -b a multiple of {self.dp}, or launch fewer ranks",
+                               "dp", self.dp)
         return batch // self.dp
 
 

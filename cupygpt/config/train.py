@@ -39,11 +39,13 @@ class TrainConfig:
     seq: Optional[int] = fields.seq("sequence length T  [default: 1024 on a GPU, 64 on the "
                                     "CPU]")  # None: the backend's DEFAULT_RUN
     lr: float = flag("-l", default=1e-3, help="learning rate")
-    warmup: int = flag("-u", default=10, help="lr warm-up steps")
+    warmup: int = flag("-u", default=10, help="lr warm-up steps (none with -k constant, as "
+                                              "llm.c's)")
     final_lr_frac: float = flag("-q", default=0.1, help="final lr as a fraction of -l (where "
                                                         "the schedule decays)")
     lr_schedule: str = flag("-k", default="cosine", choices=LR_SCHEDULES,
-                            help="lr schedule after the warm-up (llm.c's)")
+                            help="lr schedule after the warm-up (llm.c's; constant: the lr "
+                                 "throughout, no warm-up)")
     recompute: int = fields.recompute(  # llm.c's -r
         "activation recomputation: 1 GELU's output, 2 also the layernorms' (backward makes "
         "them again; the same bits, less memory)")

@@ -61,6 +61,10 @@ def read_config(path):
     try:
         c = loads(read_bounded(file, CONFIG, 1 << 20))
     except FileNotFoundError:
+        inside = os.path.join(path, "model.bin")  # (a run's -o, or one of its checkpoints)
+        if os.path.isfile(inside):
+            raise CupyGPTError(f"{path}: a directory (a run's output or a checkpoint?); give "
+                               f"the model file in it, {inside}") from None
         raise CupyGPTError(f"{path}: a directory but no {CONFIG} in it; a model is an llm.c "
                            f".bin file or a transformers GPT-2 directory") from None
     except (OSError, ValueError) as e:

@@ -533,6 +533,17 @@ def test_hellaswag_jsonl_is_read_strictly(tmp_path, label):
     assert os.listdir(tmp_path) == ["h.jsonl"]
 
 
+def test_prepare_hellaswag_refuses_a_shard_size_it_would_not_use(tmp_path):
+    from harness import cli
+    line = '{"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1}\n'
+    (tmp_path / "h.jsonl").write_text(line)
+    one_line(cli("prepare", "--hellaswag", tmp_path / "h.jsonl", "--out", tmp_path / "o",
+                 "--shard-size", "100"),
+             "--shard-size 100: is for token shards; prepare --hellaswag writes one eval file: "
+             "leave it out")
+    assert os.listdir(tmp_path) == ["h.jsonl"]
+
+
 def test_transformers_config_is_read_strictly(tmp_path):
     from harness import cli, fixture
     assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0

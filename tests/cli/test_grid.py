@@ -153,9 +153,12 @@ def test_grid_verifies_against_llmc(ranks, grid):
                             "replicas, and there is one"),
     (2, ["--dp", "2", "--zero", "2"], "--zero 2: 0 (off) or 1"),
     (4, ["--dp", "4"], "--dp 4: must divide the batch size 3"),
+    (2, ["--pp", "1"], "--dp 2: must divide the batch size 3: each of the 2 data-parallel "
+                       "replicas (2 ranks / (tp 1 x pp 1)) takes an equal part of it; give -b "
+                       "a multiple of 2, or launch fewer ranks"),  # (--dp not given)
 ])
 def test_bad_grids_are_refused(ranks, grid, expect):
-    files = FILES[1] if "--dp 4" in " ".join(grid) else FILES[0]  # odd: B = 3
+    files = FILES[1] if "must divide the batch" in expect else FILES[0]  # odd: B = 3
     res = cli("verify", "--model", fixture(files[0]), "--state", fixture(files[1]),
               "--backend", "numpy", *grid, ranks=ranks, timeout=60)
     assert res.returncode != 0

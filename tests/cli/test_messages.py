@@ -147,3 +147,15 @@ def test_an_out_that_is_a_broken_link_is_named_as_one(tmp_path, target):
     one_line(cli(*TINY, "-o", "out", cwd=tmp_path), f"is a symbolic link to {target!r}",
              "does not resolve", absent=("File exists",))
     one_line(cli("prepare", TEXT, "--out", "out", cwd=tmp_path), "does not resolve")
+
+
+def test_a_run_directory_given_as_a_model_points_at_its_model_file(tmp_path):
+    """train -e, sample --model: a run's -o or a checkpoint names its model.bin (train -e
+    takes no transformers directory, so that advice would not help)."""
+    assert cli(*TINY, "--checkpoint-every", "1", "-o", "run", cwd=tmp_path).returncode == 0
+    for where in ("run", os.path.join("run", "ckpt_00000001")):
+        for args in ([*TINY, "-e", where, "-o", "o"], ["sample", "--model", where]):
+            one_line(cli(*args, cwd=tmp_path), f"{where}: a directory (a run's output or a "
+                     f"checkpoint?); give the model file in it, {where}/model.bin",
+                     absent=("transformers",))
+    assert sorted(os.listdir(tmp_path)) == ["run"]
