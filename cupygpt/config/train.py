@@ -10,7 +10,7 @@ from typing import Optional
 from .. import CupyGPTError
 from . import fields
 from .fields import flag
-from ..formats.checkpoint import (STATE, check_resume, holding, newer,
+from ..formats.checkpoint import (STATE, check_model, check_resume, holding, newer,
                                   resolve as resolve_checkpoint)
 from ..formats.llmc import is_model_file, model_shape, shard_files
 from .configs import hellaswag_seq
@@ -108,6 +108,7 @@ class TrainConfig:
     def _resumed(self, c):
         """(c, the model's shape) of a resume: its checkpoint found and checked to fit."""
         c = replace(c, resume=resolve_checkpoint(c.resume))
+        check_model(c.resume)  # (a model.bin swapped in is damage, not the user's settings)
         shape = model_shape(os.path.join(c.resume, "model.bin"))
         if self.init is not None and model_shape(self.init) != shape:
             raise CupyGPTError(f"a resumed run continues its checkpoint's own model "

@@ -1,5 +1,6 @@
 """A checkpoint directory as a resume reads it: where the newest is, what its state file
 holds, and whether it fits the run that asks to resume (read before anything is allocated)."""
+import hashlib
 import math
 import os
 import re
@@ -139,6 +140,36 @@ def outliers_ok(state):
                 and number(d.get("sum")) and number(d.get("sum_sq")))
     return isinstance(state, dict) and set(state) <= {"loss", "norm"} and all(
         map(detector, state.values()))
+
+
+def model_digest(path):
+    """model.bin's length and a 128-bit hash of its bytes: a checkpoint's state records
+    them, so a resume knows the model beside its m and v is the one written with them."""
+    h, n = hashlib.blake2b(digest_size=16), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+            n += len(block)
+    return {"bytes": n, "blake2b": h.hexdigest()}
+
+
+def check_model(path):
+    """Before the model is read: a checkpoint's model.bin is the one its state was written
+    with (a checkpoint from before the state recorded it: not checked)."""
+    f, model = _state_file(path), os.path.join(path, "model.bin")
+    try:
+        with np.load(f) as z:
+            want = loads(str(z["meta"])).get("model_bin")
+        got = model_digest(model) if want is not None else None
+    except UNREADABLE as e:
+        raise damaged(f, path, type(e).__name__) from None
+    if got == want:
+        return
+    if not (isinstance(want, dict) and type(want.get("bytes")) is int):
+        raise damaged(f, path, "its record of model.bin is malformed")
+    raise damaged(model, path, f"not the model.bin its {STATE} was written with (" + (
+        f"{got['bytes']:,} bytes, {want['bytes']:,} written" if got["bytes"] != want["bytes"]
+        else "other bytes of the same length") + ")")
 
 
 def check_resume(path, shape, B, T, total_batch, dtype, train_files):

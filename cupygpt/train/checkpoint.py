@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
-                                  damaged, listed)
+                                  damaged, listed, model_digest)
 from ..formats.llmc import read_model, write_model
 from ..paths import atomic_write, loads
 from ..precision import dtype_name, is_narrow
@@ -53,6 +53,7 @@ def save(run, transport, out, step, state, keep=2, major=0):
             # a bf16 run's weights as they are (version 5), its fp32 master weights beside m, v
             write_model(os.path.join(tmp, "model.bin"), run.shape, whole["params"],
                         bf16=is_narrow(run.settings.dtype))
+            meta["model_bin"] = model_digest(os.path.join(tmp, "model.bin"))
             with atomic_write(os.path.join(tmp, STATE)) as f:
                 np.savez(f, **{k: whole[k] for k in ("m", "v", "master") if k in whole},
                          meta=np.array(json.dumps(meta)))

@@ -150,3 +150,32 @@ def test_overwrite_never_removes_the_runs_own_input(tmp_path):
                   f"ckpt_00000002 among them, which holds this run's input {model}; copy that "
                   f"out of -o first, or give another -o")
     assert sorted(os.listdir(out)) == before and model.is_file()
+
+
+def test_a_model_bin_swapped_into_a_checkpoint_is_damage(tmp_path):
+    """The state records model.bin's length and hash: another model of the same shape (it
+    resumed silently, with other losses) or of another shape (blamed on the run's flags)
+    is a damaged checkpoint, naming the one before; a checkpoint written before the record
+    existed still resumes."""
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "-n", "2", "--checkpoint-every", "1", "--keep", "3"]
+    assert cli(*args, "-o", out).returncode == 0
+    ckpt = out / "ckpt_00000002"
+    good = (ckpt / "model.bin").read_bytes()
+    assert cli(*args, "--seed", "5", "-o", tmp_path / "other").returncode == 0
+    assert cli(*TRAIN, "-e", "d6", "-n", "1", "-t", "16", "-b", "1", "-o", tmp_path / "d6",
+               "--backend", "numpy").returncode == 0
+    for swapped, how in ((tmp_path / "other" / "model.bin", "other bytes of the same length"),
+                         (tmp_path / "d6" / "model.bin", "bytes, ")):
+        (ckpt / "model.bin").write_bytes(swapped.read_bytes())
+        res = cli(*TRAIN, "-n", "3", "--resume", ckpt, "-o", tmp_path / "b")
+        one_line(res, f"error: {ckpt}/model.bin: damaged checkpoint file (not the model.bin "
+                      f"its adamw.npz was written with (")
+        assert how in res.stderr and f"{out}/ckpt_00000001 can be resumed" in res.stderr
+    (ckpt / "model.bin").write_bytes(good)
+    with np.load(ckpt / "adamw.npz") as z:  # as written before the record: without it
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays["meta"]))
+    del meta["model_bin"]
+    np.savez(ckpt / "adamw.npz", **{**arrays, "meta": np.array(json.dumps(meta))})
+    assert cli(*TRAIN, "-n", "3", "--resume", ckpt, "-o", tmp_path / "c").returncode == 0
