@@ -135,13 +135,14 @@ def emit(text):
     write_fd(fd, text.encode(errors="surrogateescape"))  # (a path's bytes, as given)
 
 
-def open_log(path, start):
+def open_log(path, start, note=None):
     """The log, open to append: a fresh run starts it; a resume keeps what came before its
     first step (a run that went on past its checkpoint logged steps the resume repeats:
-    train records up to `start`, val records before it, since step `start` validates).
+    train records up to `start`, val records before it, since step `start` validates), and
+    tells note(line) how many unreadable lines it dropped (one cut short by a kill).
     Either way a new file replaces the name (an earlier log hard-linked elsewhere was
     rewritten in place, the other name's file with it)."""
-    keep = []
+    keep, dropped = [], 0
     if start and os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -149,9 +150,13 @@ def open_log(path, start):
                     rec = loads(line)
                     step = rec["step"] + ("val_loss" in rec or "hellaswag_acc" in rec)
                 except (ValueError, TypeError, KeyError):
-                    continue  # (a line cut short by a kill)
+                    dropped += bool(line.strip())
+                    continue
                 if isinstance(step, int) and step <= start:
                     keep.append(line if line.endswith("\n") else line + "\n")
+    if dropped and note:
+        note(f"note: {path}: dropped {dropped} unreadable line{'s' * (dropped > 1)} (a run "
+             f"stopped while writing one, or an edit)")
     with atomic_write(path) as f:
         f.write("".join(keep).encode())
         # train's claim holds the log (paths.hold): this file, which replaces it, too

@@ -180,7 +180,7 @@ class Trainer:
             return
         try:
             if self.logf is None:
-                self.logf = open_log(self.config.log_file, self.start)
+                self.logf = open_log(self.config.log_file, self.start, self.log)
             self.logf.write(json.dumps(rec) + "\n")
             self.logf.flush()
         except (OSError, CupyGPTError) as e:

@@ -179,3 +179,16 @@ def test_a_model_bin_swapped_into_a_checkpoint_is_damage(tmp_path):
     del meta["model_bin"]
     np.savez(ckpt / "adamw.npz", **{**arrays, "meta": np.array(json.dumps(meta))})
     assert cli(*TRAIN, "-n", "3", "--resume", ckpt, "-o", tmp_path / "c").returncode == 0
+
+
+def test_a_log_line_cut_short_is_dropped_with_a_note(tmp_path):
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "--checkpoint-every", "1", "--keep", "3", "-o", out]
+    assert cli(*args, "-n", "3").returncode == 0
+    log = out / "log.jsonl"
+    log.write_bytes(log.read_bytes()[:-20])  # step 3's record cut, as a kill mid-write would
+    res = cli(*args, "-n", "4", "--resume", out / "ckpt_00000003")
+    assert res.returncode == 0, res.stderr
+    assert f"note: {log}: dropped 1 unreadable line (a run stopped while writing one, or an " \
+           f"edit)" in res.stdout + res.stderr
+    assert sorted(log_losses(log)) == [1, 2, 4]
