@@ -32,7 +32,8 @@ class Device:
     peer_timeout: float = flag("--peer-timeout", default=300.0,
                                help="seconds to wait on another rank before failing")
     tf32: Optional[bool] = flag("--tf32/--no-tf32", default=None, help=(
-        "TF32 matmuls on the GPU (default: on for train, off for verify)"))
+        "TF32 matmuls on the GPU (default: off for verify, on for every other command: "
+        "train, bench, sample, eval)"))
     attention: str = flag("--attention", default="auto", choices=ATTENTION, help=(
         "bf16 attention: cuDNN's fused sdpa (the cudnn extra) or the own flash kernels; auto: "
         "cuDNN where it can run, saying why not otherwise; both: bench's, the two side by "
