@@ -53,6 +53,16 @@ def newer(out, ckpt):
     return [d for d in named(out) if NAME.match(step) and d > step]
 
 
+def was_major(path):
+    """Whether the checkpoint at path was written as one -nm keeps: a later run (resumed
+    with another -nm, or none) never prunes it. One it cannot read is kept too."""
+    try:
+        with np.load(os.path.join(path, STATE)) as z:
+            return bool(loads(str(z["meta"])).get("major", False))
+    except UNREADABLE:
+        return True
+
+
 def listed(out):
     """The complete checkpoints in out, oldest first: directories holding a model and
     AdamW's state (an empty one, or a file of that name, is passed over: a resume took the

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
-                                  damaged, listed, model_digest)
+                                  damaged, listed, model_digest, was_major)
 from ..formats.llmc import read_model, write_model
 from ..paths import atomic_write, loads
 from ..precision import dtype_name, is_narrow
@@ -46,7 +46,8 @@ def save(run, transport, out, step, state, keep=2, major=0):
     whole = run.state_dict()
     if rank == 0:
         meta = {**identity(run), "step": step, "adam_t": whole["adam_t"],
-                "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp], **state}
+                "grid": [run.mesh.dp, run.mesh.tp, run.mesh.pp],
+                "major": bool(major and step % major == 0), **state}
         try:  # (made inside: a second signal at any point leaves no .partial directory)
             remove(tmp)  # (a killed save's, or a file of its name)
             os.makedirs(tmp)
@@ -66,8 +67,8 @@ def save(run, transport, out, step, state, keep=2, major=0):
         _fsync_dir(out)
         _point_latest(out, os.path.basename(final))
         old = [d for d in listed(out) if d != os.path.basename(final)]
-        for d in old[:max(0, len(old) - (keep - 1))]:
-            if not (major and int(d[5:]) % major == 0):
+        for d in old[:max(0, len(old) - (keep - 1))]:  # (an earlier run's -nm's stay too)
+            if not (major and int(d[5:]) % major == 0) and not was_major(os.path.join(out, d)):
                 shutil.rmtree(os.path.join(out, d), ignore_errors=True)
     transport.barrier()
     return final

@@ -58,6 +58,11 @@ def test_major_checkpoints_outlive_keep(made, tmp_path):
     train(made, tmp_path / "k", "P.bin", "-n", "7", "--checkpoint-every", "1", "--keep", "2")
     assert sorted(d for d in os.listdir(tmp_path / "k") if d.startswith("ckpt")) == [
         "ckpt_00000006", "ckpt_00000007"]
+    # a resume without -nm (or with another) keeps the first run's: they were written as -nm's
+    train(made, tmp_path / "o", "P.bin", "-n", "9", "--checkpoint-every", "1", "--resume",
+          tmp_path / "o")
+    assert sorted(d for d in os.listdir(tmp_path / "o") if d.startswith("ckpt")) == [
+        "ckpt_00000003", "ckpt_00000006", "ckpt_00000008", "ckpt_00000009"]
 
 
 def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
