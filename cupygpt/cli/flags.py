@@ -123,11 +123,24 @@ def wrote():
         sys.exit(1)
 
 
-class HellaSwagH(click.Command):
-    """train's -h is llm.c's HellaSwag flag, so `train -h` (asking for help, as most tools
-    take it) lacks its value: the error says where help is."""
+class LlmcFlags(click.Command):
+    """train takes llm.c's flags: its -h is HellaSwag's, so `train -h` (asking for help, as
+    most tools take it) lacks its value, and the error says where help is; its two-letter
+    flags (-nm, -sl, -sg) take their value after a space, as llm.c's do: `-nm1` would be
+    click's `-n m1` (a later -n then silently wins), so it is refused, spelled right."""
 
     def parse_args(self, ctx, args):
+        opts = [p for p in self.params if isinstance(p, click.Option)]
+        two = [o for p in opts for o in p.opts if len(o) > 2 and o[0] == "-" and o[1] != "-"]
+        valued = {o for p in opts if not p.is_flag for o in p.opts}  # (their next word is data)
+        for before, arg in zip([None, *args], args):
+            if arg == "--":
+                break
+            flag = next((o for o in two if arg.startswith(o) and arg[len(o):len(o) + 1]
+                         not in ("", "=")), None)
+            if flag and before not in valued:
+                raise click.UsageError(f"{arg}: llm.c's two-letter flags take their value "
+                                       f"after a space: {flag} {arg[len(flag):]}", ctx)
         try:
             return super().parse_args(ctx, args)
         except click.BadOptionUsage as e:

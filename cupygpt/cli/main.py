@@ -12,7 +12,7 @@ from ..commands.bench import ATTENTIONS, bench as run_bench, side_by_side
 from ..commands.bench_comm import comm_bench, format_rows, sizes
 from ..config.sections import out_file
 from ..config.train import TrainConfig
-from .flags import HellaSwagH, entry, options_of, progress, session
+from .flags import LlmcFlags, entry, options_of, progress, session
 from .tools import TOOLS
 from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
 from ..paths import atomic_write, make_parent
@@ -56,7 +56,7 @@ def beside(model, suffix):
     return stem + suffix if stem != model and os.path.isfile(stem + suffix) else None
 
 
-@cli.command(cls=HellaSwagH)
+@cli.command(cls=LlmcFlags)
 @options_of(TrainConfig)
 @entry
 def train(**kw):

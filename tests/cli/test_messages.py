@@ -98,6 +98,20 @@ def test_train_dash_h_alone_points_at_help():
     assert res.returncode == 2 and "for help, give --help" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("glued,spaced", [("-nm1", "-nm 1"), ("-sg3", "-sg 3"),
+                                          ("-sl2.5", "-sl 2.5")])
+def test_a_two_letter_flag_glued_to_its_value_is_refused_spelled_right(tmp_path, glued, spaced):
+    """-nm1 was click's -n m1: with a later -n 3 it ran without -nm at all, and --keep then
+    pruned what -nm was to keep. -nm=1, and a value that only starts like one, still work."""
+    res = cli("train", glued, "-n", "3", "-o", "o", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().endswith(
+        f"Error: {glued}: llm.c's two-letter flags take their value after a space: {spaced}"), \
+        res.stderr
+    assert os.listdir(tmp_path) == []
+    assert cli(*TINY, "-nm=1", "-o", "-nmdir", cwd=tmp_path).returncode == 0
+    assert os.path.isfile(tmp_path / "-nmdir" / "model.bin")
+
+
 def test_more_val_batches_than_the_shard_holds_are_capped_once(tmp_path):
     res = cli("train", "--backend", "numpy", "-b", "4", "-t", "64", "-n", "1", "-v", "1",
               "-m", "100000", "-g", "0", "-o", tmp_path)
