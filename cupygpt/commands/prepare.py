@@ -18,104 +18,16 @@ from ..backends import host_memory
 from ..comm.launch import STOPPING, Stopped
 from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
-from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, loads, make_dir,
-                     not_compressed, read_bounded, regular)
+from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, make_dir, not_compressed,
+                     read_bounded)
 from ..formats.tokenizer import Tokenizer, tokenize_tinyshakespeare
+from .corpus import check_inputs, tasks
 
 SHARD_SIZE = 10 ** 8   # the corpus mode's tokens per shard, llm.c's FineWeb script's
-TASK_CHARS = 1 << 20   # documents handed to a worker at a time: few pickles, steady order
 
 
 def shard_path(out, name, index):
     return os.path.join(out, f"{name}_{'val' if index == 0 else 'train'}_{index:06d}.bin")
-
-
-def check_inputs(inputs):
-    """Before anything is written: each input is there and a regular file, and a parquet
-    file's footer says it has a string `text` column."""
-    for path in inputs:
-        if not os.path.lexists(path):
-            raise CupyGPTError(f"{path}: no such file; give text, jsonl or parquet files")
-        regular(path, "text, jsonl or parquet")
-        if path.endswith(".parquet"):
-            parquet(path)
-        else:
-            try:
-                with open(path, "rb") as f:
-                    not_compressed(path, f.read(8))
-            except OSError as e:  # (a link loop: a traceback)
-                raise CupyGPTError(f"{path}: cannot read it ({e.strerror})") from None
-
-
-def parquet(path):
-    """The open pyarrow ParquetFile of path, checked: one line for anything wrong."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CupyGPTError(f"{path}: reading parquet needs pyarrow; pip install "
-                           f"'cupygpt[parquet]'") from None
-    try:
-        f = pq.ParquetFile(path)
-    except (OSError, ValueError) as e:  # (pyarrow's ArrowInvalid is a ValueError)
-        raise CupyGPTError(f"{path}: not a readable parquet file ({e})") from None
-    schema = f.schema_arrow
-    if "text" not in schema.names or not (pa.types.is_string(schema.field("text").type) or
-                                          pa.types.is_large_string(schema.field("text").type)):
-        raise CupyGPTError(f"{path}: has no `text` column of strings (columns: "
-                           f"{', '.join(f'{n} {t}' for n, t in zip(schema.names, schema.types))})")
-    return f
-
-
-def documents(path):
-    """(text, bytes of the input consumed) per document of one input."""
-    if path.endswith(".parquet"):
-        f = parquet(path)
-        per = os.path.getsize(path) / max(1, f.metadata.num_rows)
-        try:
-            for batch in f.iter_batches(columns=["text"]):
-                for text in batch.column(0).to_pylist():
-                    yield text or "", per
-        except (OSError, ValueError) as e:
-            raise CupyGPTError(f"{path}: damaged parquet data ({e})") from None
-    elif path.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                line = line.removeprefix(b"\xef\xbb\xbf") if n == 1 else line  # (a BOM)
-                if not line.strip():
-                    yield None, len(line)
-                    continue
-                try:
-                    text = loads(line)["text"]
-                except (ValueError, KeyError, TypeError):
-                    text = None
-                if not isinstance(text, str):
-                    raise CupyGPTError(f"{path}:{n}: not a JSON object with a string `text`")
-                yield text, len(line)
-    else:
-        try:
-            body = read_bounded(path, "text", TEXT_CAP)
-            yield body.decode("utf-8"), len(body)
-        except UnicodeDecodeError as e:
-            raise CupyGPTError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except OSError as e:
-            raise CupyGPTError(f"{path}: cannot read it ({e.strerror})") from None
-
-
-def tasks(inputs):
-    """Lists of documents of about TASK_CHARS characters each, with their input bytes."""
-    docs, chars, done = [], 0, 0
-    for path in inputs:
-        for text, size in documents(path):
-            done += size
-            if text is not None:
-                docs.append(text)
-                chars += len(text)
-            if chars >= TASK_CHARS:
-                yield docs, done
-                docs, chars, done = [], 0, 0
-    if docs or done:
-        yield docs, done
 
 
 _tok = None
@@ -217,7 +129,7 @@ def prepare(c, progress, note):
     paths = {split: os.path.join(out, f"{c.name}_{split}.bin") for split in ("val", "train")}
     # through a link too (a clone's ./data is the package's): resolved paths are compared
     check_outputs([("out", out), *(("out", p) for p in paths.values())], [text, c.tokenizer])
-    claim_out(out, existing_of(*paths.values()), c.force)
+    before = claim_out(out, shards_of(out, c.name), c.force)
     body = text_of(text)
     tok = Tokenizer(c.tokenizer)
     with progress(body.count("\n\n") + 1, "tokenizing") as bar:
@@ -229,6 +141,7 @@ def prepare(c, progress, note):
     with atomic_write(paths["val"]) as fv, atomic_write(paths["train"]) as ft:
         write_shard(paths["val"], val_tokens, fv)
         write_shard(paths["train"], train_tokens, ft)
+    remove_stale(before, paths.values())
     return [f"wrote {len(toks):,} tokens to {paths[split]}"
             for split, toks in (("val", val_tokens), ("train", train_tokens))]
 
@@ -249,6 +162,18 @@ def claim_out(out, replaced, force):
 
 def existing_of(*paths):
     return lambda: [p for p in paths if os.path.exists(p)]
+
+
+def shards_of(out, name):
+    """NAME's shards in out, as either mode writes them (a NAME_train* glob takes both)."""
+    at = os.path.join(glob.escape(out), glob.escape(name))
+    return lambda: sorted(p for split in ("val", "train") for p in glob.glob(
+        f"{at}_{split}.bin") + glob.glob(f"{at}_{split}_{'[0-9]' * 6}.bin"))
+
+
+def remove_stale(before, written):
+    for stale in sorted(set(before) - set(written)):  # --overwrite's: an earlier set's rest
+        os.unlink(stale)
 
 
 def text_of(path, kind="text"):
@@ -292,10 +217,7 @@ def prepare_corpus(c, progress, note):
                            f"{free / 2**30:,.1f} GiB free; give a smaller one (llm.c's "
                            f"FineWeb script: {SHARD_SIZE})", "shard_size", shard_size)
     check_outputs([("out", out)], [*inputs, c.tokenizer])
-    before = claim_out(out, lambda: sorted(
-        glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_val_*.bin"))
-        + glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_train_*.bin"))),
-        c.force)
+    before = claim_out(out, shards_of(out, name), c.force)
     t0 = time.perf_counter()
     try:
         with progress(sum(os.path.getsize(p) for p in inputs), "tokenizing") as bar:
@@ -310,8 +232,7 @@ def prepare_corpus(c, progress, note):
     except Stopped:
         note("interrupted: the shards written so far are whole; no shard is half written")
         raise
-    for stale in sorted(set(before) - set(paths)):  # --force: an earlier, longer set's rest
-        os.unlink(stale)
+    remove_stale(before, paths)
     dt = time.perf_counter() - t0
     return [f"wrote {total:,} tokens in {len(paths)} shard(s) ({paths[0]} is val) to {out} "
             f"in {dt:.1f} s ({total / dt:,.0f} tokens/s, {workers} worker(s) on {cores} "

@@ -164,3 +164,26 @@ def test_a_failure_as_the_workers_start_ends_them_all(tmp_path):
                          timeout=60)
     assert res.returncode == 1 and "not a JSON object with a string `text`" in res.stderr, \
         res.stderr
+
+
+def test_overwrite_from_one_mode_to_the_other_leaves_no_shard_of_the_first(tmp_path):
+    """NAME_train.bin beside an earlier NAME_train_000001.bin: a NAME_train* glob would
+    mix the two corpora. Refused without --overwrite, both ways; with it, the other mode's
+    shards go."""
+    text = os.path.join(ROOT, "data", "tinyshakespeare.txt")
+    out = tmp_path / "d"
+    corpus_mode = ("prepare", text, "--out", out, "--name", "x", "--shard-size", "100000")
+    one_file = ("prepare", text, "--out", out, "--name", "x")
+    assert cli(*corpus_mode).returncode == 0
+    shards = sorted(os.listdir(out))
+    assert shards == ["x_train_000001.bin", "x_train_000002.bin", "x_train_000003.bin",
+                      "x_val_000000.bin"]
+    res = cli(*one_file)
+    assert res.returncode == 1 and f"{out}/x_train_000001.bin exists; add --overwrite" in \
+        res.stderr and sorted(os.listdir(out)) == shards
+    assert cli(*one_file, "--overwrite").returncode == 0
+    assert sorted(os.listdir(out)) == ["x_train.bin", "x_val.bin"]
+    res = cli(*corpus_mode)
+    assert res.returncode == 1 and f"{out}/x_train.bin exists" in res.stderr
+    assert cli(*corpus_mode, "--overwrite").returncode == 0
+    assert sorted(os.listdir(out)) == shards
