@@ -142,7 +142,7 @@ def open_log(path, start, note=None):
     tells note(line) how many unreadable lines it dropped (one cut short by a kill).
     Either way a new file replaces the name (an earlier log hard-linked elsewhere was
     rewritten in place, the other name's file with it)."""
-    keep, dropped = [], 0
+    keep, dropped, later = [], 0, []
     if start and os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -154,9 +154,14 @@ def open_log(path, start, note=None):
                     continue
                 if isinstance(step, int) and step <= start:
                     keep.append(line if line.endswith("\n") else line + "\n")
+                elif "train_loss" in rec:
+                    later.append(rec["step"])
     if dropped and note:
         note(f"note: {path}: dropped {dropped} unreadable line{'s' * (dropped > 1)} (a run "
              f"stopped while writing one, or an edit)")
+    if later and note:  # (the run went on past its newest checkpoint: those steps are redone)
+        note(f"note: {path} went on to step {max(later)}, past the checkpoint's {start}: "
+             f"those steps are redone and their records replaced")
     with atomic_write(path) as f:
         f.write("".join(keep).encode())
         # train's claim holds the log (paths.hold): this file, which replaces it, too

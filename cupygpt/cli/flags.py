@@ -171,13 +171,16 @@ def config(cls, kw):
 
 def named(cls, kw):
     """Refuses '' for a path (a variable left unset, --resume "$CKPT", names nothing; a
-    reader would say only that '' cannot be opened), where '' means nothing else."""
+    reader would say only that '' cannot be opened), where '' means nothing else; and a
+    name of blanks alone (`-o "  "` made a directory no listing shows)."""
     for f in dataclasses.fields(cls):
         if f.metadata.get("section") is not None:
             named(f.default_factory, kw)
         given, empty = kw.get(f.name), f.metadata.get("empty")
-        if empty and (given == "" or isinstance(given, tuple) and "" in given):
-            raise CupyGPTError(f"is empty; give {empty}", f.name, "")
+        for one in (given if isinstance(given, tuple) else (given,)) if empty else ():
+            if isinstance(one, str) and not one.strip():
+                raise CupyGPTError(f"is {'blank' if one else 'empty'}; give {empty}", f.name,
+                                   repr(one) if one else "")
 
 
 def agreed(config):

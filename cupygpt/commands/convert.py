@@ -64,8 +64,9 @@ def described(shape):
 def free_directory(dst):
     """dst can be made as a new directory: it does not exist and its parent is writable."""
     if os.path.lexists(dst):
-        raise CupyGPTError(f"{dst}: already exists; convert writes a new directory: remove "
-                           f"it or name another")
+        raise CupyGPTError(f"{dst}: already exists; convert writes a new directory (never "
+                           f"into one: --overwrite replaces only an llm.c file): remove it or "
+                           f"name another")
     writable_parent(dst)
 
 

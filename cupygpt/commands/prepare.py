@@ -112,6 +112,15 @@ def prepare(c, progress, note):
             "directory in --out" if c.name else ", or left out for the first input's name"),
             "name", repr(c.name))
     Tokenizer(c.tokenizer).byte_level()  # (damaged, or no BPE: its one line, before any input)
+    if c.workers is not None and c.workers < 1:  # (in every mode, one that uses none too)
+        raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
+                           c.workers)
+    seen = {}
+    for path in c.inputs:  # (a corpus would hold its documents twice)
+        first = seen.setdefault(os.path.realpath(path), path)
+        if first is not path:
+            raise CupyGPTError(f"{path}: the same file as {first}, given before it; give "
+                               f"each input once")
     if c.hellaswag:  # (before the corpus mode, which takes a .jsonl too)
         if len(c.inputs) != 1:
             raise CupyGPTError(f"prepare --hellaswag takes one input, HellaSwag's jsonl, "
@@ -203,9 +212,6 @@ def prepare_corpus(c, progress, note):
         raise CupyGPTError(f"must be at least 2 tokens per shard, the least a sample reads "
                            f"(llm.c's FineWeb script: {SHARD_SIZE})", "shard_size", shard_size)
     cores = len(os.sched_getaffinity(0))
-    if c.workers is not None and c.workers < 1:
-        raise CupyGPTError("must be at least 1 (leave it out for one per core)", "workers",
-                           c.workers)
     if c.workers is not None and c.workers > cores:  # more processes than cores only contend
         note(f"note: --workers {c.workers}: this process may run on {cores} core(s); "
              f"using {cores}")

@@ -82,11 +82,11 @@ def check_fits(path, examples, seq, V, option="hellaswag"):
     """Each row (context + completion) must fit T and its tokens the model's vocab."""
     longest = longest_row(examples)
     if longest > seq:
-        raise CupyGPTError(f"{path}: its longest row is {longest} tokens (context + "
-                           f"completion), more than T = {seq}; raise -t", option, path)
+        raise CupyGPTError(f"its longest row is {longest} tokens (context + completion), "
+                           f"more than T = {seq}; raise -t", option, path)
     top = max(int(max(e.context.max(), *(x.max() for x in e.endings))) for e in examples)
     if top >= V:
-        raise CupyGPTError(f"{path}: token {top} is outside the model's vocab (V={V}); was it "
+        raise CupyGPTError(f"token {top} is outside the model's vocab (V={V}); was it "
                            f"tokenized for this model?", option, path)
 
 

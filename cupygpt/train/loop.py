@@ -139,6 +139,9 @@ class Trainer:
                 f"or inf)" + (f"; renamed {config.resume}.nan. Last good checkpoint: "
                               f"{good or 'none'}" if checkpoint.NAME.match(name) else ""))
         self.start = meta["step"]
+        if self.start == config.steps:
+            self.log(f"note: the checkpoint is at step {self.start}, -n {config.steps}: no step "
+                     f"to train; its model is written as the run's")
         self.train_data.set_state(meta["train_loader"])
         if self.train_data.shuffle != config.shuffle:
             self.log("note: --[no-]shuffle: this run continues the checkpoint's data order")

@@ -113,7 +113,8 @@ CASES = [
     ("micro-batches", lambda t: ["train", "-b", "4", "--micro-batches", "3", "-n", "1"],
      "--micro-batches 3: must divide"),
     ("chunks without interleaved", lambda t: ["train", "--virtual-stages", "2", "-n", "1"],
-     "--virtual-stages 2: several chunks per rank need the interleaved schedule"),
+     "--virtual-stages 2: 1f1b holds one chunk per rank; several need the interleaved "
+     "schedule (zbv holds its own 2)"),
     ("zbv's chunks", lambda t: ["train", "--schedule", "zbv", "--virtual-stages", "3", "-n", "1"],
      "--virtual-stages 3: zbv holds 2 chunks per rank"),
     ("more chunks than layers", lambda t: ["verify", "--schedule", "interleaved",
@@ -404,7 +405,8 @@ CASES += [
         "-o", t / "never"],
      "s.bin: bad token shard header: token count (int 2) is -5; it cannot be negative"),
     ("prepare empty corpus in shards", lambda t: [
-        "prepare", a_file(t, ""), a_file(t, ""), "--shard-size", "100", "--out", t / "never"],
+        "prepare", a_file(t, ""), a_file(t, "", "b.txt"), "--shard-size", "100", "--out",
+        t / "never"],
      "plain.txt ...: no text in the input(s) (empty documents only); nothing written"),
 ]
 
@@ -416,8 +418,8 @@ def a_partial(tmp_path):
     return done + ".partial"
 
 
-def a_file(tmp_path, text="a short text\n\nin two sections\n"):
-    p = tmp_path / "plain.txt"
+def a_file(tmp_path, text="a short text\n\nin two sections\n", name="plain.txt"):
+    p = tmp_path / name
     p.write_text(text)
     return str(p)
 
@@ -513,6 +515,15 @@ def test_an_eval_file_past_the_models_context_is_named_once(tmp_path):
     assert res.stderr.count("long.bin") == 1, res.stderr
 
 
+def test_an_eval_row_past_t_names_the_file_once(tmp_path):
+    """("--hellaswag X: X: its longest row ...")"""
+    res = cli(*eval_args(tmp_path, "-t", "16"))
+    path = tmp_path / "hs.bin"
+    assert res.returncode == 1 and res.stderr.strip() == (
+        f"error: --hellaswag {path}: its longest row is 21 tokens (context + completion), "
+        f"more than T = 16; raise -t"), res.stderr
+
+
 def test_a_prompt_too_long_is_refused_before_it_is_echoed(tmp_path):
     """sample printed the whole prompt to stdout, then refused it (shorten it)."""
     res = cli("sample", "--model", fixture("gpt2v_model.bin"), "--backend", "numpy",
@@ -557,3 +568,14 @@ def test_transformers_config_is_read_strictly(tmp_path):
         cfg.write_text(json.dumps(bad))
         one_line(cli("convert", tmp_path / "hf", tmp_path / "m.bin"), expect)
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_convert_into_an_existing_directory_says_overwrite_is_for_a_file(tmp_path):
+    """(--overwrite given, the refusal said nothing of it)"""
+    from harness import cli, fixture
+    assert cli("convert", fixture("tiny_model.bin"), tmp_path / "hf").returncode == 0
+    before = sorted(os.listdir(tmp_path / "hf"))
+    one_line(cli("convert", fixture("tiny_model.bin"), tmp_path / "hf", "--overwrite"),
+             f"{tmp_path / 'hf'}: already exists; convert writes a new directory (never into "
+             f"one: --overwrite replaces only an llm.c file): remove it or name another")
+    assert sorted(os.listdir(tmp_path / "hf")) == before

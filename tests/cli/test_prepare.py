@@ -187,3 +187,17 @@ def test_overwrite_from_one_mode_to_the_other_leaves_no_shard_of_the_first(tmp_p
     assert res.returncode == 1 and f"{out}/x_train.bin exists" in res.stderr
     assert cli(*corpus_mode, "--overwrite").returncode == 0
     assert sorted(os.listdir(out)) == shards
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["./a.txt"], "error: ./a.txt: the same file as a.txt, given before it; give each input "
+                  "once"),
+    (["--workers", "0"], "error: --workers 0: must be at least 1 (leave it out for one per "
+                         "core)")])
+def test_an_input_twice_or_no_workers_is_refused_in_every_mode(tmp_path, extra, said):
+    """a.txt and ./a.txt tokenized the file twice into one corpus; --workers 0 passed
+    unread in the one-file mode (the corpus mode refused it)."""
+    (tmp_path / "a.txt").write_text("some text\n\nmore text\n")
+    res = cli("prepare", "a.txt", *extra, "--out", "o", cwd=tmp_path)
+    assert res.returncode == 1 and res.stderr.strip() == said, res.stderr
+    assert os.listdir(tmp_path) == ["a.txt"]

@@ -192,3 +192,20 @@ def test_a_log_line_cut_short_is_dropped_with_a_note(tmp_path):
     assert f"note: {log}: dropped 1 unreadable line (a run stopped while writing one, or an " \
            f"edit)" in res.stdout + res.stderr
     assert sorted(log_losses(log)) == [1, 2, 4]
+
+
+def test_a_resume_says_when_it_redoes_logged_steps_or_trains_none(tmp_path):
+    """A run that went on past its newest checkpoint (no later one written) logged steps a
+    resume redoes; a resume at the checkpoint's own step trains none: each says so."""
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "-o", out]
+    assert cli(*args, "-n", "3", "--checkpoint-every", "1").returncode == 0
+    res = cli(*args, "-n", "3", "--resume", out)
+    assert res.returncode == 0 and "note: the checkpoint is at step 3, -n 3: no step to " \
+        "train; its model is written as the run's" in res.stdout + res.stderr
+    assert cli(*args, "-n", "5", "--resume", out, "--checkpoint-every", "0").returncode == 0
+    res = cli(*args, "-n", "6", "--resume", out)
+    assert res.returncode == 0 and f"note: {out}/log.jsonl went on to step 5, past the " \
+        f"checkpoint's 3: those steps are redone and their records replaced" in \
+        res.stdout + res.stderr
+    assert sorted(log_losses(out / "log.jsonl")) == [1, 2, 3, 4, 5, 6]

@@ -97,8 +97,8 @@ def chunks_per_rank(name: str, v: int | None = None) -> int:
     if v < 1:
         raise CupyGPTError("must be at least 1", "virtual_stages", v)
     if v > 1 and fixed is None and name != "interleaved":
-        raise CupyGPTError("several chunks per rank need the interleaved schedule; 1 for "
-                           "the others", "virtual_stages", v)
+        raise CupyGPTError(f"{name} holds one chunk per rank; several need the interleaved "
+                           f"schedule (zbv holds its own 2)", "virtual_stages", v)
     return v
 
 

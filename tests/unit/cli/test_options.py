@@ -160,17 +160,19 @@ def empty_paths():
 
 @pytest.mark.parametrize("name,cmd,param,advice", list(empty_paths()),
                          ids=lambda x: x if isinstance(x, str) and " " not in x else "")
-def test_an_empty_path_is_refused_naming_its_flag(name, cmd, param, advice):
+@pytest.mark.parametrize("value,said", [("", "'': is empty"), ("  ", "'  ': is blank")])
+def test_an_empty_path_is_refused_naming_its_flag(name, cmd, param, advice, value, said):
     """'' (a variable left unset: --resume "$CKPT") names nothing: one line naming the flag,
-    before anything is read ("error: : cannot open ..." named neither)."""
+    before anything is read ("error: : cannot open ..." named neither); a name of blanks
+    alone neither (-o "  " made a directory no listing shows)."""
     args = []
     for p in cmd.params:
         if p is param:
-            args += ([] if isinstance(p, click.Argument) else [p.opts[0]]) + [""]
+            args += ([] if isinstance(p, click.Argument) else [p.opts[0]]) + [value]
         elif p.required:
             args += ([] if isinstance(p, click.Argument) else [p.opts[0]]) + ["x"]
     res = CliRunner().invoke(cmd, args, prog_name=name)
     shown = param.human_readable_name if isinstance(param, click.Argument) else param.opts[0]
     assert res.exit_code == 1 and res.output.strip() == \
-        f"error: {shown} '': is empty; give {advice}", (args, res.output)
+        f"error: {shown} {said}; give {advice}", (args, res.output)
     assert len(list(empty_paths())) >= 20
