@@ -144,7 +144,7 @@ def open_log(path, start, note=None):
     rewritten in place, the other name's file with it)."""
     keep, dropped, later = [], 0, []
     if start and os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:  # (-sig: an editor's BOM)
             for line in f:
                 try:
                     rec = loads(line)
@@ -154,14 +154,14 @@ def open_log(path, start, note=None):
                     continue
                 if isinstance(step, int) and step <= start:
                     keep.append(line if line.endswith("\n") else line + "\n")
-                elif "train_loss" in rec:
+                elif "train_loss" in rec and type(rec["step"]) is int:
                     later.append(rec["step"])
     if dropped and note:
         note(f"note: {path}: dropped {dropped} unreadable line{'s' * (dropped > 1)} (a run "
              f"stopped while writing one, or an edit)")
     if later and note:  # (the run went on past its newest checkpoint: those steps are redone)
         note(f"note: {path} went on to step {max(later)}, past the checkpoint's {start}: "
-             f"those steps are redone and their records replaced")
+             f"its records after step {start} are dropped, this run writing its own")
     with atomic_write(path) as f:
         f.write("".join(keep).encode())
         # train's claim holds the log (paths.hold): this file, which replaces it, too

@@ -53,13 +53,23 @@ def newer(out, ckpt):
     return [d for d in named(out) if NAME.match(step) and d > step]
 
 
+def state_meta(z, f, path):
+    """The run state a checkpoint's state file z (f, of the checkpoint at path) holds: a
+    JSON object, else the checkpoint is damaged."""
+    meta = loads(str(z["meta"]))
+    if not isinstance(meta, dict):
+        raise damaged(f, path, "its run state is not a JSON object")
+    return meta
+
+
 def was_major(path):
     """Whether the checkpoint at path was written as one -nm keeps: a later run (resumed
     with another -nm, or none) never prunes it. One it cannot read is kept too."""
+    f = os.path.join(path, STATE)
     try:
-        with np.load(os.path.join(path, STATE)) as z:
-            return bool(loads(str(z["meta"])).get("major", False))
-    except UNREADABLE:
+        with np.load(f) as z:
+            return bool(state_meta(z, f, path).get("major", False))
+    except UNREADABLE + (CupyGPTError,):
         return True
 
 
@@ -169,17 +179,24 @@ def check_model(path):
     f, model = _state_file(path), os.path.join(path, "model.bin")
     try:
         with np.load(f) as z:
-            want = loads(str(z["meta"])).get("model_bin")
-        got = model_digest(model) if want is not None else None
+            meta = state_meta(z, f, path)
     except UNREADABLE as e:
         raise damaged(f, path, type(e).__name__) from None
-    if got == want:
+    if "model_bin" not in meta:
         return
-    if not (isinstance(want, dict) and type(want.get("bytes")) is int):
+    want = meta["model_bin"]
+    if not (isinstance(want, dict) and set(want) == {"bytes", "blake2b"} and
+            type(want["bytes"]) is int and want["bytes"] >= 0 and
+            isinstance(want["blake2b"], str)):  # (null or a bad record would skip the check)
         raise damaged(f, path, "its record of model.bin is malformed")
-    raise damaged(model, path, f"not the model.bin its {STATE} was written with (" + (
-        f"{got['bytes']:,} bytes, {want['bytes']:,} written" if got["bytes"] != want["bytes"]
-        else "other bytes of the same length") + ")")
+    try:
+        got = model_digest(model)
+    except OSError as e:
+        raise damaged(model, path, e.strerror) from None
+    if got != want:
+        raise damaged(model, path, f"not the model.bin its {STATE} was written with (" + (
+            f"{got['bytes']:,} bytes, {want['bytes']:,} written" if got["bytes"] !=
+            want["bytes"] else "other bytes of the same length") + ")")
 
 
 def check_resume(path, shape, B, T, total_batch, dtype, train_files):
@@ -190,7 +207,7 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     f = _state_file(path)
     try:
         with np.load(f) as z:
-            meta = loads(str(z["meta"]))
+            meta = state_meta(z, f, path)
             check_matches(path, {"total_batch": B * T, "dtype": "fp32", **meta},
                           {"config": shape.__dict__, "B": B, "T": T,
                            "total_batch": total_batch, "dtype": dtype})
@@ -214,6 +231,9 @@ def check_resume(path, shape, B, T, total_batch, dtype, train_files):
     if not all(type(x) is int and x >= 0 for x in (step, t, shard, pos, epoch, seed)):  # (true
         # is an int to isinstance: a step of true resumed as step 1)
         raise damaged(f, path, "its step or data position is not a count")
+    name = os.path.basename(os.path.realpath(path))  # (a link's name may be another's)
+    if NAME.match(name) and int(name[5:]) != step:  # (a run would jump to that step)
+        raise damaged(f, path, f"its step {step} is not its directory's {int(name[5:])}")
     if not outliers_ok(meta.get("outliers")):
         raise damaged(f, path, "its outlier detectors' window (-sl, -sg) is malformed")
     if shard >= len(train_files) or pos + B * T + 1 > read_shard(

@@ -14,9 +14,9 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
-                                  damaged, listed, model_digest, was_major)
+                                  damaged, listed, model_digest, state_meta, was_major)
 from ..formats.llmc import read_model, write_model
-from ..paths import atomic_write, loads
+from ..paths import atomic_write
 from ..precision import dtype_name, is_narrow
 
 
@@ -130,7 +130,7 @@ def _restore(run, path):
     f = _state_file(path)
     try:
         with np.load(f) as z:
-            meta = loads(str(z["meta"]))
+            meta = state_meta(z, f, path)
             check_matches(path, {"dtype": "fp32", **meta}, identity(run))
             m, v = z["m"], z["v"]
             master = z["master"] if "master" in z.files else None

@@ -206,6 +206,57 @@ def test_a_resume_says_when_it_redoes_logged_steps_or_trains_none(tmp_path):
     assert cli(*args, "-n", "5", "--resume", out, "--checkpoint-every", "0").returncode == 0
     res = cli(*args, "-n", "6", "--resume", out)
     assert res.returncode == 0 and f"note: {out}/log.jsonl went on to step 5, past the " \
-        f"checkpoint's 3: those steps are redone and their records replaced" in \
+        f"checkpoint's 3: its records after step 3 are dropped, this run writing its own" in \
         res.stdout + res.stderr
     assert sorted(log_losses(out / "log.jsonl")) == [1, 2, 3, 4, 5, 6]
+
+
+def edit_meta(ckpt, edit):
+    """The checkpoint's run state (adamw.npz's meta) replaced by edit(meta)."""
+    with np.load(ckpt / "adamw.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["meta"] = np.array(json.dumps(edit(json.loads(str(arrays["meta"])))))
+    np.savez(ckpt / "adamw.npz", **arrays)
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda m: None, "its run state is not a JSON object"),
+    (lambda m: [1, 2], "its run state is not a JSON object"),
+    (lambda m: {**m, "model_bin": None}, "its record of model.bin is malformed"),
+    (lambda m: {**m, "model_bin": {**m["model_bin"], "bytes": -5}},
+     "its record of model.bin is malformed"),
+    (lambda m: {**m, "step": 1}, "its step 1 is not its directory's 2")])
+def test_a_checkpoints_run_state_out_of_shape_is_damage(tmp_path, edit, why):
+    """(a traceback; a null record turned the model check off; the step of another
+    checkpoint made the run jump there)"""
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "--checkpoint-every", "1", "--keep", "5", "-o", out]
+    assert cli(*args, "-n", "2").returncode == 0
+    edit_meta(out / "ckpt_00000002", edit)
+    res = cli(*args, "-n", "3", "--resume", out / "ckpt_00000002", "-o", tmp_path / "b")
+    one_line(res, f"error: {out}/ckpt_00000002/adamw.npz: damaged checkpoint file ({why}); "
+                  f"the previous checkpoint {out}/ckpt_00000001 can be resumed instead")
+
+
+def test_keep_passes_over_an_older_checkpoint_it_cannot_read(tmp_path):
+    """--keep's pruning asks each older checkpoint whether -nm kept it: one whose run state
+    is no JSON object stays (it was a traceback after the step was trained)."""
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "--checkpoint-every", "1", "-o", out]
+    assert cli(*args, "-n", "2", "--keep", "5").returncode == 0
+    edit_meta(out / "ckpt_00000001", lambda m: None)
+    res = cli(*args, "-n", "4", "--keep", "1", "--resume", out)
+    assert res.returncode == 0, res.stderr
+    assert sorted(d for d in os.listdir(out) if d.startswith("ckpt")) == [
+        "ckpt_00000001", "ckpt_00000004"]
+
+
+def test_a_log_an_editor_saved_with_a_bom_keeps_its_first_record(tmp_path):
+    out = tmp_path / "r"
+    args = [*TRAIN, "-e", "tiny", "--checkpoint-every", "1", "-o", out]
+    assert cli(*args, "-n", "2").returncode == 0
+    log = out / "log.jsonl"
+    log.write_bytes(b"\xef\xbb\xbf" + log.read_bytes())
+    res = cli(*args, "-n", "3", "--resume", out)
+    assert res.returncode == 0 and "unreadable" not in res.stdout + res.stderr
+    assert sorted(log_losses(log)) == [1, 2, 3]
