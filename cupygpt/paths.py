@@ -208,16 +208,31 @@ def check_dir(name, path):
         raise CupyGPTError(f"cannot {what} this directory ({os.strerror(code)})", name, path)
 
 
+def _to_make(path):
+    """The directories makedirs(path) makes, outermost first, spelled as path does (made
+    absolute): `ghost/../pd` makes ghost too, which a normalized path would not show. Past
+    the first one missing, a prefix resolves through fresh directories, so normalized."""
+    parts, out, fresh = path.split(os.sep), [], False
+    for i, part in enumerate(parts):
+        prefix = os.sep.join(parts[:i + 1]) or os.sep
+        if part in ("", ".", "..") or os.path.lexists(os.path.abspath(prefix) if fresh
+                                                       else prefix):
+            continue
+        fresh = True
+        out.append(prefix if os.path.isabs(prefix) else os.path.join(os.getcwd(), prefix))
+    return out
+
+
 def make_dir(name, path):
     """path made (with its missing parents) and writable; what it made is listed in MADE."""
     check_dir(name, path)
-    missing = _nearest(path)[0]
+    missing = _to_make(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise CupyGPTError(f"cannot create this directory ({e.strerror})", name, path) from None
     finally:  # (what it made before failing too)
-        MADE.extend(d for d in reversed(missing) if os.path.isdir(d))
+        MADE.extend(d for d in missing if os.path.isdir(d))
     try:  # a file made and removed: access() says yes to root on /proc or /sys
         fd, probe = tempfile.mkstemp(dir=path, prefix=".cupygpt-probe-")
         os.close(fd)

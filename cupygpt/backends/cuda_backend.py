@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import socket
 import time
@@ -103,10 +104,16 @@ def _k(fn, dtype="fp32"):
     key = (fn, dtype, doubled)
     if key not in _functions:
         mod = (_files[fn], dtype, doubled)
-        if mod not in _modules:
-            _modules[mod] = cp.RawModule(code=open(mod[0]).read(),
-                                         options=options(dtype, doubled))
-        _functions[key] = _modules[mod].get_function(fn)
+        try:  # (CuPy compiles here, and reads and writes its kernel cache)
+            if mod not in _modules:
+                _modules[mod] = cp.RawModule(code=open(mod[0]).read(),
+                                             options=options(dtype, doubled))
+            _functions[key] = _modules[mod].get_function(fn)
+        except OSError as e:
+            raise CupyGPTError(f"cannot compile or cache the CUDA kernels of "
+                               f"{os.path.basename(mod[0])} ({e.strerror or e}): CuPy's kernel "
+                               f"cache (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache) must be a "
+                               f"directory this user can write") from None
     return _functions[key]
 
 

@@ -63,6 +63,10 @@ def described(shape):
 
 def free_directory(dst):
     """dst can be made as a new directory: it does not exist and its parent is writable."""
+    last = os.path.basename(dst.rstrip(os.sep))
+    if last in (".", ".."):  # (hfout/. made hfout, then failed to write into it)
+        raise CupyGPTError(f"{dst}: names no new directory (its last part is {last!r}); "
+                           f"give the new directory's own name")
     if os.path.lexists(dst):
         raise CupyGPTError(f"{dst}: already exists; convert writes a new directory (never "
                            f"into one: --overwrite replaces only an llm.c file): remove it or "

@@ -176,8 +176,8 @@ def existing_of(*paths):
 def shards_of(out, name):
     """NAME's shards in out, as either mode writes them (a NAME_train* glob takes both)."""
     at = os.path.join(glob.escape(out), glob.escape(name))
-    return lambda: sorted(p for split in ("val", "train") for p in glob.glob(
-        f"{at}_{split}.bin") + glob.glob(f"{at}_{split}_{'[0-9]' * 6}.bin"))
+    return lambda: [p for split in ("val", "train") for p in sorted(glob.glob(
+        f"{at}_{split}.bin") + glob.glob(f"{at}_{split}_{'[0-9]' * 6}.bin"))]
 
 
 def remove_stale(before, written):

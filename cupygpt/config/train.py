@@ -10,7 +10,7 @@ from typing import Optional
 from .. import CupyGPTError
 from . import fields
 from .fields import flag
-from ..formats.checkpoint import (STATE, check_model, check_resume, holding, newer,
+from ..formats.checkpoint import (STATE, check_model, check_resume, holding, newer, reserved,
                                   resolve as resolve_checkpoint)
 from ..formats.llmc import is_model_file, model_shape, shard_files
 from .configs import hellaswag_seq
@@ -169,6 +169,11 @@ class TrainConfig:
         log_file = default(c.log_file, os.path.join(c.out, "log.jsonl"))
         check_outputs([("out", c.out), ("out", os.path.join(c.out, "model.bin")),
                        ("log_file", log_file), ("trace", c.trace)], self._inputs(c))
+        for name, path in (("log_file", log_file), ("trace", c.trace)):
+            own = reserved(c.out, path) if path else None
+            if own:  # (the log written over `latest`, or removed with a checkpoint)
+                raise CupyGPTError(f"lies at {own} in -o {c.out}, a name the run's checkpoints "
+                                   f"take; give another name", name, path)
         self._overwritten(c)
         # in the order train's start makes their directories (rundir)
         out_file("trace", c.trace, c.overwrite)

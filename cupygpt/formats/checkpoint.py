@@ -32,6 +32,19 @@ def named(out):
     return sorted(d for d in os.listdir(out) if NAME.match(d))
 
 
+def reserved(out, path):
+    """The name of out's own that path would be or lie in (a checkpoint, one being written
+    or renamed .nan, `latest`), else None: a run writes, replaces and removes those."""
+    real = os.path.realpath(out)
+    where = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
+                         os.path.basename(path))
+    if os.path.commonpath([where, real]) != real or where == real:
+        return None
+    top = os.path.relpath(where, real).split(os.sep)[0]
+    stem = top.removesuffix(".partial").removesuffix(".nan")
+    return top if top == LATEST or NAME.match(stem) else None
+
+
 def holding(out, path):
     """The checkpoint directory of out (ckpt_STEP, or one a NaN renamed ckpt_STEP.nan)
     that path lies in, else None: --overwrite removes those."""

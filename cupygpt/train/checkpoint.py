@@ -62,7 +62,7 @@ def save(run, transport, out, step, state, keep=2, major=0):
         except BaseException:  # (a full disk): no half-made checkpoint is left
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        shutil.rmtree(final, ignore_errors=True)
+        remove(final)  # (an earlier run's of this step; a file put there meanwhile too)
         os.replace(tmp, final)
         _fsync_dir(out)
         _point_latest(out, os.path.basename(final))

@@ -69,8 +69,9 @@ def steps_logged(out):
 
 def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
     """Two fresh runs into one -o (the second with --overwrite): one run's log. A resume from step 2 of a run that went on
-    to step 4, re-run with the same -e preset: steps 3 and 4 logged once each. A fresh
-    checkpointing run is not mixed into the checkpoints of an earlier one."""
+    to step 4, re-run with the same -e preset (and --overwrite, for the later checkpoint it
+    goes back past): steps 3 and 4 logged once each. A fresh checkpointing run is not mixed
+    into the checkpoints of an earlier one."""
     for ck in ([], ["--checkpoint-every", "2", "--keep", "2", "--overwrite"]):
         rc, lines = run(*TRAIN, "-n", "4", "-v", "2", *ck, "-o", tmp_path)
         assert rc == 0, lines
@@ -78,13 +79,13 @@ def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
             (4, "val")]
     assert steps_logged(tmp_path) == once
     rc, lines = run(*TRAIN, "-n", "4", "-v", "2", "-e", "tiny", "--resume",
-                    tmp_path / "ckpt_00000002", "-o", tmp_path)
+                    tmp_path / "ckpt_00000002", "-o", tmp_path, "--overwrite")
     assert rc == 0, lines
     assert steps_logged(tmp_path) == once
     rc, lines = run(*TRAIN, "-n", "2", "--checkpoint-every", "1", "-o", tmp_path)
     assert rc == 1 and lines == [f"error: -o {tmp_path}: holds an earlier run's output "
-                                 f"(model.bin; log.jsonl; 2 checkpoint(s), the newest "
-                                 f"ckpt_00000004, which a resume from it would take for this "
+                                 f"(model.bin; log.jsonl; 1 checkpoint(s), the newest "
+                                 f"ckpt_00000002, which a resume from it would take for this "
                                  f"run's); add --resume {tmp_path} to continue that run, add "
                                  f"--overwrite to replace it, or give another -o"]
     assert steps_logged(tmp_path) == once

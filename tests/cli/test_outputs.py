@@ -6,6 +6,7 @@ command on one path, and an -o a failed run made is removed whichever rank made 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -365,3 +366,47 @@ def test_an_output_the_final_rename_cannot_place_is_one_line(tmp_path):
     one_line(cli("convert", tmp_path / "hf", f"{tmp_path / 'm'}/"),
              f"{tmp_path / 'm'}/: cannot write it (Not a directory); nothing was written there")
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("flag,inside,at", [
+    ("--log-file", "latest", "latest"), ("--log-file", "ckpt_00000001/x.jsonl", "ckpt_00000001"),
+    ("--log-file", "ckpt_00000001.partial", "ckpt_00000001.partial"),
+    ("--trace", "ckpt_00000002", "ckpt_00000002")])
+def test_a_log_or_trace_at_a_checkpoints_name_is_refused(tmp_path, flag, inside, at):
+    """(`latest` written over the log, exit 0; a log inside a checkpoint removed with it; a
+    trace where the checkpoint's directory goes: a traceback after the run)"""
+    out = tmp_path / "r"
+    one_line(cli(*TINY, "-n", "2", "--checkpoint-every", "1", "-o", out, flag, out / inside),
+             f"error: {flag} {out / inside}: lies at {at} in -o {out}, a name the run's "
+             f"checkpoints take; give another name")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_put_where_a_checkpoint_goes_is_replaced_by_it(tmp_path):
+    """A file appearing at OUT/ckpt_N while the run goes (a traceback at the rename, the
+    checkpoint left .partial): the checkpoint takes its name, as a checkpoint of an earlier
+    run of that step is replaced."""
+    out = tmp_path / "r"
+    run = subprocess.Popen([sys.executable, CLI, *TINY, "-n", "60", "--checkpoint-every", "1",
+                            "--keep", "100", "-o", out], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        if (out / "ckpt_00000002").is_dir():
+            break
+        time.sleep(0.1)
+    (out / "ckpt_00000058").write_text("a stray file")
+    stdout, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr
+    assert (out / "ckpt_00000058" / "model.bin").is_file()
+    assert not any(n.endswith(".partial") for n in os.listdir(out))
+
+
+def test_failed_commands_leave_no_directory_a_dotdot_path_made(tmp_path):
+    """prepare --out ghost/../pd that fails left ghost (makedirs makes it, and the list of
+    what was made had only the normalized pd); convert into hfout/. made hfout."""
+    res = cli("prepare", os.path.join(ROOT, "README.md"), "--out", "ghost/../pd", cwd=tmp_path)
+    assert res.returncode == 1 and os.listdir(tmp_path) == [], res.stderr
+    one_line(cli("convert", os.path.join(FIX, "tiny_model.bin"), "hfout/.", cwd=tmp_path),
+             "error: hfout/.: names no new directory (its last part is '.'); give the new "
+             "directory's own name")
+    assert os.listdir(tmp_path) == []

@@ -179,12 +179,12 @@ def test_overwrite_from_one_mode_to_the_other_leaves_no_shard_of_the_first(tmp_p
     assert shards == ["x_train_000001.bin", "x_train_000002.bin", "x_train_000003.bin",
                       "x_val_000000.bin"]
     res = cli(*one_file)
-    assert res.returncode == 1 and f"{out}/x_train_000001.bin exists; add --overwrite" in \
+    assert res.returncode == 1 and f"{out}/x_val_000000.bin exists; add --overwrite" in \
         res.stderr and sorted(os.listdir(out)) == shards
     assert cli(*one_file, "--overwrite").returncode == 0
     assert sorted(os.listdir(out)) == ["x_train.bin", "x_val.bin"]
     res = cli(*corpus_mode)
-    assert res.returncode == 1 and f"{out}/x_train.bin exists" in res.stderr
+    assert res.returncode == 1 and f"{out}/x_val.bin exists" in res.stderr
     assert cli(*corpus_mode, "--overwrite").returncode == 0
     assert sorted(os.listdir(out)) == shards
 

@@ -851,3 +851,20 @@ def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, l
         npb.matmul_backward_weight(dwm, dbb, do, xi)
         cu.matmul_backward_weight(dwm_d, dbb_d, do_d, xi_d)
         check(dbb_d, dbb, f"bias gradient, {OC} columns")
+
+
+@requires_sim
+def test_a_kernel_cache_that_cannot_be_written_is_one_line(tmp_path):
+    """CuPy compiles a module on its first kernel and keeps it in its cache directory: a
+    cache path that is a file was a FileExistsError traceback (cudasim's cache stands in)."""
+    (tmp_path / "afile").write_text("")
+    assert cli("train", "--backend", "numpy", "-e", "tiny", "-b", "1", "-t", "16", "-n", "1",
+               "-v", "0", "-g", "0", "-o", tmp_path / "r").returncode == 0
+    res = cli("sample", "--backend", "cuda", "--model", tmp_path / "r" / "model.bin",
+              "--max-new-tokens", "2",
+              env={**device_env("sim"), "CUDASIM_CACHE": str(tmp_path / "afile")})
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith(
+        "error: cannot compile or cache the CUDA kernels of ") and "(File exists): CuPy's " \
+        "kernel cache (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache) must be a directory this " \
+        "user can write" in lines[0], res.stderr
