@@ -105,13 +105,19 @@ def test_a_signal_leaves_no_half_shard(tmp_path, big_corpus, sig, workers):
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "prepare", *paths,
                           "--out", out, "--shard-size", "1000000", "--workers", str(workers)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # (its group: ended whole on a failure)
     t0 = time.time()
-    while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
-        assert p.poll() is None and time.time() - t0 < 120, p.communicate()
-        time.sleep(0.02)
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    try:  # (a failure here must not leave the command running: it was seen to outlive one)
+        while not (out.exists() and any(f.endswith(".bin") for f in os.listdir(out))):
+            assert p.poll() is None and time.time() - t0 < 120, p.communicate()
+            time.sleep(0.02)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
     assert p.returncode == 128 + sig, err
     assert err == "interrupted: the shards written so far are whole; no shard is half " \
         "written\n", err
