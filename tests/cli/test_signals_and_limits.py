@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -190,8 +191,9 @@ def test_prepare_meeting_a_limit_of_the_machine_names_what_to_change(tmp_path, l
     """Its pool past ulimit -n (a traceback), a shard past ulimit -v (advice to lower the
     batch size, which prepare has not): one line, nothing written."""
     text = os.path.join(ROOT, "README.md")
-    res = subprocess.run([sys.executable, CLI, "prepare", text, text, "--shard-size",
-                          "100000000", "--workers", "2", "--out", tmp_path / "o"],
+    shutil.copy(text, tmp_path / "again.md")  # (two inputs: one file twice is refused)
+    res = subprocess.run([sys.executable, CLI, "prepare", text, tmp_path / "again.md",
+                          "--shard-size", "100000000", "--workers", "2", "--out", tmp_path / "o"],
                          capture_output=True, text=True,
                          timeout=300, preexec_fn=lambda: resource.setrlimit(limit, (args, args)))
     one_line(res, said)
@@ -330,6 +332,10 @@ def test_a_resume_from_a_non_finite_checkpoint_renames_it_and_names_the_last_goo
     assert a.returncode == 0, a.stderr
     newest = tmp_path / "o" / "ckpt_00000002"
     with_nan(newest / "model.bin", newest / "model.bin")
+    # as a run that wrote those weights records them (else: another model.bin, damage)
+    from cupygpt.formats.checkpoint import model_digest
+    from test_resume import edit_meta
+    edit_meta(newest, lambda m: {**m, "model_bin": model_digest(newest / "model.bin")})
     res = cli(*run, "-n", "4", "--resume", tmp_path / "o", "-o", tmp_path / "o")
     one_line(res, f"{newest / 'model.bin'}: holds non-finite weights (NaN or inf); renamed "
                   f"{newest}.nan. Last good checkpoint: {tmp_path / 'o' / 'ckpt_00000001'}")
