@@ -144,14 +144,15 @@ def sample(**kw):
         if bar:
             bar.length = n
         elif first:  # the prompt once it is checked (a refused one is not echoed)
-            click.echo(prompt, nl=False)
+            click.echo(prompt, nl=False, color=True)  # (color: click strips ANSI escapes
+            # from text a pipe or file gets, and the text is the model's, byte for byte)
         began.update(n=n, t=time.perf_counter())
     if sys.stdout.isatty() and first:  # a progress bar, then the text
         with progress(asked, "generating") as bar:
             text = sample_text(sess, lambda n: start(n, bar), lambda piece: bar.update(1))
         sess.log(prompt + text)
     else:  # the text as it comes, untagged (under mpiexec only the first rank prints it)
-        echo = (lambda piece: click.echo(piece, nl=False)) if first else None
+        echo = (lambda piece: click.echo(piece, nl=False, color=True)) if first else None
         sample_text(sess, start, echo)
         if echo:
             echo("\n")

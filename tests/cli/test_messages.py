@@ -173,3 +173,13 @@ def test_a_run_directory_given_as_a_model_points_at_its_model_file(tmp_path):
                      f"checkpoint?); give the model file in it, {where}/model.bin",
                      absent=("transformers",))
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_sample_writes_its_text_byte_for_byte_into_a_pipe(tmp_path):
+    """click strips ANSI escapes from what a pipe or file gets; GPT-2's token 215 is the
+    escape character, so the text saved from a sample was altered."""
+    assert cli(*TINY, "-o", "r", cwd=tmp_path).returncode == 0
+    prompt = "A\x1b[31mRED\x1b[0m"
+    res = cli("sample", "--model", tmp_path / "r" / "model.bin", "--max-new-tokens", "2",
+              "--top-k", "1", "--prompt", prompt)
+    assert res.returncode == 0 and res.stdout.startswith(prompt), repr(res.stdout)
