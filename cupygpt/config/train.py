@@ -10,8 +10,8 @@ from typing import Optional
 from .. import CupyGPTError
 from . import fields
 from .fields import flag
-from ..formats.checkpoint import (STATE, check_model, check_resume, holding, newer, reserved,
-                                  resolve as resolve_checkpoint)
+from ..formats.checkpoint import (STATE, beside, check_model, check_resume, holding, newer,
+                                  reserved, resolve as resolve_checkpoint)
 from ..formats.llmc import is_model_file, model_shape, shard_files
 from .configs import hellaswag_seq
 from .sections import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
@@ -187,8 +187,7 @@ class TrainConfig:
         -o's checkpoints), and a resume that goes back to an earlier checkpoint of its own
         -o leaves no later one behind (a later --resume of -o would take that, another
         run's future): refused, or with --overwrite removed (rundir) ."""
-        own = c.resume and os.path.realpath(os.path.dirname(c.resume)) == os.path.realpath(
-            c.out)  # (a resume in its own -o keeps the earlier checkpoints)
+        own = c.resume and beside(c.out, c.resume)  # (its -o's earlier checkpoints stay)
         for path in (self._inputs(c) if c.overwrite and not own and os.path.isdir(c.out)
                      else []):
             ckpt = holding(c.out, path)

@@ -32,38 +32,46 @@ def named(out):
     return sorted(d for d in os.listdir(out) if NAME.match(d))
 
 
+def _top(out, where):
+    """(the first part of where's path inside out, whether where lies deeper), where and
+    out resolved; (None, False) where where is not inside out."""
+    real = os.path.realpath(out)
+    if os.path.commonpath([where, real]) != real or where == real:
+        return None, False
+    rel = os.path.relpath(where, real)
+    top = rel.split(os.sep)[0]
+    return top, rel != top
+
+
 def reserved(out, path):
     """The name of out's own that path would be or lie in (a checkpoint, one being written
-    or renamed .nan, `latest`), else None: a run writes, replaces and removes those."""
-    real = os.path.realpath(out)
-    where = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
-                         os.path.basename(path))
-    if os.path.commonpath([where, real]) != real or where == real:
-        return None
-    top = os.path.relpath(where, real).split(os.sep)[0]
-    stem = top.removesuffix(".partial").removesuffix(".nan")
+    or renamed .nan, `latest`), else None: a run writes, replaces and removes those. path
+    need not exist: its directory is resolved."""
+    top, _ = _top(out, os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
+                                    os.path.basename(path)))
+    stem = (top or "").removesuffix(".partial").removesuffix(".nan")
     return top if top == LATEST or NAME.match(stem) else None
 
 
 def holding(out, path):
     """The checkpoint directory of out (ckpt_STEP, or one a NaN renamed ckpt_STEP.nan)
-    that path lies in, else None: --overwrite removes those."""
-    real, rel = os.path.realpath(out), None
-    try:
-        rel = os.path.relpath(os.path.realpath(path), real)
-    except ValueError:
-        return None
-    top = rel.split(os.sep)[0]
-    return top if rel != top and NAME.match(top.removesuffix(".nan")) else None
+    that the file at path lies in, else None: --overwrite removes those."""
+    top, deeper = _top(out, os.path.realpath(path))
+    return top if deeper and NAME.match(top.removesuffix(".nan")) else None
+
+
+def beside(out, ckpt):
+    """Whether the checkpoint directory ckpt is one of out's own."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) == os.path.realpath(out)
 
 
 def newer(out, ckpt):
     """The checkpoints of out after ckpt (one of them) by step: another run's future when
     a resume goes back to ckpt in its own directory."""
-    if os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) != os.path.realpath(out):
-        return []
     step = os.path.basename(os.path.normpath(ckpt))
-    return [d for d in named(out) if NAME.match(step) and d > step]
+    if not (beside(out, ckpt) and NAME.match(step)):
+        return []
+    return [d for d in named(out) if d > step]
 
 
 def state_meta(z, f, path):

@@ -62,9 +62,9 @@ class Runner:
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
+        overlap = self._may_overlap(s.overlap)
         self.graphs = s.graphable and be.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not (self._may_overlap(s.overlap)
-                                                            and mesh.dp > 1)))
+            mesh.size == 1 or (transport.graphable and not (overlap and mesh.dp > 1)))
         if s.attention is not None:
             be.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
         self.memory = memory_plan(shape, plan, be, s.dtype, s.adamw is not None,
@@ -76,7 +76,7 @@ class Runner:
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
-                             zero=s.zero, overlap=self._may_overlap(s.overlap))
+                             zero=s.zero, overlap=overlap)
         self.opt = AdamW(self.stages, s.adamw, transport, zero_slices) if s.adamw else None
         self.exec = Executor(plan, self.stages, be, transport, self.sync)
         self.exec.trace = [] if s.trace else None

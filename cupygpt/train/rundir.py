@@ -208,8 +208,8 @@ def _claim_here(config, need):
     later = newer(config.out, config.resume) if own else []  # (--overwrite's: validate)
     for name in later:
         shutil.rmtree(os.path.join(config.out, name))
-    if later:  # (it named one of them; the resumed run writes its own)
-        os.unlink(os.path.join(config.out, LATEST))
+    if later and os.path.lexists(os.path.join(config.out, LATEST)):  # (it named one of
+        os.unlink(os.path.join(config.out, LATEST))  # them; the resumed run writes its own)
     return fd, None, log_made
 
 
