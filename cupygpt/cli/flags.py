@@ -55,7 +55,7 @@ def entry(fn):
                 start_mpi(kw.get("peer_timeout", Device.peer_timeout))
             in_a_directory()
             fn(**kw)
-        except SystemExit as e:  # (verify and gpucheck exit 0 on success: on to wrote)
+        except SystemExit as e:  # (verify exits 0 on success: on to wrote)
             if e.code not in (0, None) or isinstance(e, Stopped):
                 unmake_dirs()
                 if isinstance(e, Stopped):

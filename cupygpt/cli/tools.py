@@ -1,21 +1,17 @@
 """The commands that run in one process beside training: prepare (text to shards), convert
 (to and from transformers' GPT-2 directories), schedule (a schedule's lists and
-simulation), gpucheck, plot and timeline (pictures). cli.py adds them to the group."""
+simulation), plot and timeline (pictures). cli.py adds them to the group."""
 import math
-import os
-import sys
 
 import click
 
 from .. import CupyGPTError
-from ..backends import gpu_available
 from .flags import config, entry, one_process, options_of, progress
-from ..config.sections import at_most_a_year, out_file
-from ..config.tools import (ConvertConfig, GpucheckConfig, PlotConfig, PrepareConfig,
+from ..config.sections import out_file
+from ..config.tools import (ConvertConfig, PlotConfig, PrepareConfig,
                             ScheduleConfig, TimelineConfig, image_format)
 from ..commands.convert import convert as run_convert
-from ..paths import check_outputs, claim, json_object, make_dir, make_parent
-from ..commands.gpucheck.check import REPORT as GPUCHECK_REPORT, gpucheck as run_check, verdict
+from ..paths import check_outputs, make_parent
 from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
 from ..parallel.pipeline.simulate import simulate
 from ..commands.plot import plot as run_plot
@@ -90,36 +86,6 @@ def schedule(**kw):
                f"(whole stages) {peak}; deadlock-free")
 
 
-@click.command()
-@options_of(GpucheckConfig)
-@entry
-def gpucheck(**kw):
-    """The GPU check: verify, README's training commands, all GPU tests, the benchmarks and
-    their peers, a pipeline run (also under MPS) and compute-sanitizer, the most valuable
-    first, within --budget seconds, in one report; exit 0 only when every part has run and
-    passed."""
-    one_process("gpucheck")
-    c = config(GpucheckConfig, kw)
-    out, budget, peers_dir = c.out, c.budget, c.peers_dir
-    if not budget > 0 or math.isinf(budget):  # nan too
-        raise CupyGPTError("must be a positive number of seconds", "budget", budget)
-    at_most_a_year(budget, "budget")
-    if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
-        raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
-                           "peers_dir", peers_dir)
-    check_outputs([("out", out)], [])  # (not into the package, as train's -o)
-    make_dir("out", out)
-    claim("out", out)
-    if os.path.lexists(os.path.join(out, "report.json")):  # (refused before the check)
-        json_object(os.path.join(out, "report.json"), GPUCHECK_REPORT)
-    if not gpu_available():
-        raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
-                           "GPU machine after pip install -e '.[cuda13,test]'")
-    report, md = run_check(out, "quick" if c.quick else "full", c.parts, budget, peers_dir)
-    click.echo(md)
-    sys.exit(0 if verdict(report) == "PASS" else 1)
-
-
 def image_out(c, source):
     """plot's and timeline's --out, checked (its kind, not its source, not replaced unasked),
     its directory made and the file claimed, before source is read."""
@@ -157,4 +123,4 @@ def timeline(**kw):
                f"rank's op and transfer times {predicted:.4f}")
 
 
-TOOLS = (prepare, convert, schedule, gpucheck, plot, timeline)
+TOOLS = (prepare, convert, schedule, plot, timeline)

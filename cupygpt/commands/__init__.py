@@ -1,1 +1,1 @@
-"""The commands besides training: verify, bench, convert, prepare, gpucheck, plot, timeline."""
+"""The commands besides training: verify, bench, convert, prepare, plot, timeline."""

@@ -1,4 +1,4 @@
-"""The configs of the commands beside training (prepare, convert, schedule, gpucheck, plot,
+"""The configs of the commands beside training (prepare, convert, schedule, plot,
 timeline), one frozen dataclass each: every field declares its flag as configs.py's do, so
 each option and its default are written here once and cli/tools.py makes them from the
 fields. Their checks stay with the commands' work (nothing here depends on a device)."""
@@ -12,9 +12,6 @@ from .fields import flag
 from .sections import RUN_DTYPES
 from ..parallel.pipeline.schedule import SCHEDULES
 
-# gpucheck's parts in the order they run, the most valuable first so that a short budget
-# drops the least (commands/gpucheck/check.py maps each name to what it runs)
-GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sanitizer")
 # what plot and timeline draw into, by --out's extension (matplotlib's writers; none: PNG)
 IMAGES = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
 IMAGE_HELP = "image to write, its kind by its extension (png, pdf, svg, jpg, webp, tiff, eps)"
@@ -68,25 +65,6 @@ class ScheduleConfig:
     virtual_stages: Optional[int] = fields.virtual_stages("-v")
     backward_cost: float = flag("--backward-cost", default=2.0, help=(
         "time of a backward relative to a forward (split: half B, half W)"))
-
-
-@dataclass(frozen=True)
-class GpucheckConfig:
-    out: str = flag("--out", default="gpu_report", help="report directory", file="out",
-                    empty="a directory name")
-    budget: float = flag("--budget", default=420.0, help=(
-        "seconds the whole check may take: each run gets what is left, and a part that "
-        "cannot fit is skipped, the report saying why"))
-    peers_dir: Optional[str] = flag("--peers", default=None, file="in", empty="a directory",
-                                    help=(
-        "a copy of shared/peers: llm.c's build starts at once, in the background, and the "
-        "peers (llm.c, PyTorch) run after bench at its B and T, for ratios measured side by "
-        "side"))
-    quick: bool = flag("--quick", default=False,
-                       help="benchmark the tiny preset at short T (minutes)")
-    parts: tuple[str, ...] = flag("--part", default=(), multiple=True, choices=GPUCHECK_PARTS,
-                                  help="run only these parts, merged into the report in "
-                                       "--out (default: all)")
 
 
 @dataclass(frozen=True)

@@ -52,14 +52,6 @@ def test_bench_replaces_its_outputs_when_asked_atomically_with_the_umask(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["b.json", "t.json"]  # (no temporary left)
 
 
-def test_gpucheck_writes_nothing_into_the_installed_package(tmp_path):
-    (tmp_path / "link").symlink_to(PKG)
-    for out in (os.path.join(PKG, "gpurep"), tmp_path / "link" / "gpurep"):
-        one_line(cli("gpucheck", "--out", out, "--budget", 20, "--part", "peers"),
-                 f"--out {out}: lies in the installed package")
-        assert not os.path.exists(os.path.join(PKG, "gpurep"))
-
-
 def shell(args, redirect):
     """The command with its stdout redirected (`>&-`: closed; `> /dev/full`): the result."""
     cmd = " ".join(f"'{a}'" for a in (sys.executable, CLI, *map(str, args)))
@@ -162,21 +154,6 @@ def test_two_outputs_of_one_command_on_one_path_are_refused(tmp_path):
                  "--out", tmp_path / "b.json", "--trace", tmp_path / "." / "b.json"),
              "is also another of this command's outputs")  # (bench's --out beside --trace)
     assert os.listdir(tmp_path) == []
-
-
-def test_gpucheck_refuses_an_out_it_cannot_use_in_one_line(tmp_path):
-    from harness import cli
-    (tmp_path / "file").write_text("x")
-    one_line(cli("gpucheck", "--out", tmp_path / "file"),
-             f"--out {tmp_path / 'file'}: is a file, not a directory")
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "report.json").write_text("not JSON")
-    one_line(cli("gpucheck", "--out", tmp_path / "r"), "report.json: not a report gpucheck "
-                                                        "wrote (not a JSON object")
-    assert (tmp_path / "r" / "report.json").read_text() == "not JSON"
-    (tmp_path / "r" / "report.json").write_text("[1]")
-    one_line(cli("gpucheck", "--out", tmp_path / "r"), "not a report gpucheck wrote")
-    one_line(cli("gpucheck", "--out", "/proc/1/x"), "--out /proc/1/x: cannot")
 
 
 def test_a_rank_failing_before_its_first_log_leaves_no_empty_o(tmp_path):

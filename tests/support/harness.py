@@ -56,16 +56,23 @@ def mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
-def cli(*args, ranks=None, timeout=300, env=None, cwd=None, fault=None):
+def cli(*args, ranks=None, timeout=300, env=None, cwd=None, fault=None, program=None):
     """Runs `python cli.py ARGS` (under `mpiexec -n ranks` when given), in the test's own
     directory unless told; returns the result. fault: train's loop fails as it says
     (faulty_cli.py: raise:STEP:RANK, targets:STEP, start:RANK)."""
-    cmd = [sys.executable, *((FAULTY_CLI, fault) if fault else (CLI,)), *map(str, args)]
+    program = program or ((FAULTY_CLI, fault) if fault else (CLI,))
+    cmd = [sys.executable, *program, *map(str, args)]
     if ranks:
         cmd = [mpiexec(), "-n", str(ranks), *cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=full_env, cwd=cwd)
+
+
+def gpucheck(*args, timeout=300, env=None):
+    """Runs the repository's GPU check, `python -m dev.gpucheck ARGS`, in the test's own
+    directory (PYTHONPATH holds the checkout, so dev/ is found from there)."""
+    return cli(*args, timeout=timeout, env=env, program=["-m", "dev.gpucheck"])
 
 
 def error_line(res):

@@ -24,7 +24,7 @@ return (a class call gives an instance; CuPy's array functions give arrays; the 
 are in conformance.RETURNS or the real return annotation), methods called on parameters of
 unknown type (the backend's arrays, an NCCL communicator) tried against the library classes
 the same module uses, `f(*args)` where args is a tuple literal in the same function, and
-library code held in a string (gpucheck's sanitizer command).
+library code held in a string (dev/gpucheck's sanitizer command).
 Not covered: kernel launches (cudasim checks their arguments against the C parameters and
 test_kernels_compile compiles them), argument types and values, attributes read from
 receivers of unknown type (arr.data.ptr), functions passed as values and called elsewhere.
@@ -99,9 +99,11 @@ def installed(uses_or_entries, chain_of):
 
 
 def sources():
-    """{file relative to the repository: text} for each cupygpt module using a library."""
+    """{file relative to the repository: text} for each module of cupygpt and of the
+    developer tools (dev/) using a library."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "cupygpt", "**", "*.py"), recursive=True)):
+    for path in sorted(p for top in ("cupygpt", "dev")
+                       for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)):
         text = open(path).read()
         if cf.imports_a_library(text):
             out[os.path.relpath(path, ROOT)] = text

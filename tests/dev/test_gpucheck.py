@@ -1,7 +1,7 @@
-"""The GPU check's parts in-process (commands/gpucheck): the report and its verdict, each
+"""The GPU check's parts in-process (dev/gpucheck): the report and its verdict, each
 part's runs within the budget, in order of value, the MPS server, the tests part, the
 peers' comparisons (the command itself, its dry run on cudasim:
-cli/test_gpucheck_command.py)."""
+test_gpucheck_command.py)."""
 import contextlib
 import json
 import os
@@ -26,7 +26,7 @@ def tools(tmp_path, **scripts):
 
 
 def test_report_names_each_failure():
-    from cupygpt.commands.gpucheck.check import problems, summary
+    from dev.gpucheck.check import problems, summary
 
     def verified(ok):
         return {"ok": ok, "logits": 1e-6, "loss": 1e-7, "grad_abs": 1e-6, "grad_rel": 1e-5,
@@ -60,7 +60,7 @@ def test_report_names_each_failure():
 def test_result_says_what_was_skipped_and_only_the_comparisons_may_be():
     """A part the budget skipped leaves the check INCOMPLETE (it proved less); the peers
     and the MPS run are comparisons, whose skips are listed but decide nothing."""
-    from cupygpt.commands.gpucheck.check import PARTS, summary, verdict
+    from dev.gpucheck.check import PARTS, summary, verdict
     r = {"plan": "quick", "versions": {"device": "X"}, "budget_s": 60,
          **{p: {} for p in PARTS}, "elapsed_s": {"verify": 12.5, "bench": 40.0},
          "skipped": {"peers": "nvcc not found: llm.c cannot be built here",
@@ -81,7 +81,7 @@ def test_result_says_what_was_skipped_and_only_the_comparisons_may_be():
 
 
 def test_mps_server_is_started_for_the_runs_inside_and_stopped(tmp_path, monkeypatch):
-    from cupygpt.commands.gpucheck.parts import mps_server
+    from dev.gpucheck.parts import mps_server
     calls = tmp_path / "calls"
     fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
     fake.parent.mkdir()
@@ -101,7 +101,7 @@ def test_mps_server_is_started_for_the_runs_inside_and_stopped(tmp_path, monkeyp
 
 
 def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
-    from cupygpt.commands.gpucheck import check as gpucheck
+    from dev.gpucheck import check as gpucheck
 
     def bench(out, work, plan, budget):
         yield {"first": {"error": "out of GPU memory"}}
@@ -118,8 +118,8 @@ def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
 
 
 def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, monkeypatch):
-    from cupygpt.commands.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
-    from cupygpt.commands.gpucheck.check import PLANS
+    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck.check import PLANS
     runs = {"single": {"error": "out of GPU memory"},
             "nvshmem_2": {"ms_per_step_median": 1.0, "losses": [10.0, 9.0]},
             "nvshmem_2_mps": {"ms_per_step_median": 0.9, "losses": [10.0, 9.8]}}
@@ -142,7 +142,7 @@ def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, mon
 def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
     """Not in the repository (an installed wheel has none), yet importing the cupygpt that
     runs the check, also where it is not pip-installed (the PYTHONPATH it gets)."""
-    from cupygpt.commands.gpucheck import runs as gpucheck_runs
+    from dev.gpucheck import runs as gpucheck_runs
     rc, text = gpucheck_runs.sh(
         [sys.executable, "-c", "import os, cupygpt; print(os.getcwd(), cupygpt.__file__)"],
         60, str(tmp_path / "log"), str(tmp_path), gpucheck_runs.Budget(60))
@@ -152,8 +152,8 @@ def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
 
 def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
     """Outside a clone there are no GPU tests to run: one clear problem, not a crash."""
-    from cupygpt.commands.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
-    from cupygpt.commands.gpucheck.check import PARTS, problems, summary
+    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck.check import PARTS, problems, summary
     monkeypatch.setattr(gpucheck_parts, "CLONE", str(tmp_path))  # what site-packages holds
     (result,) = gpucheck_parts.run_tests(str(tmp_path), str(tmp_path), {},
                                          gpucheck_runs.Budget(60))
@@ -167,7 +167,7 @@ def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkey
 def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
     """Whatever order --part names them in; a part starts only with its one run's need
     left (quick plan: bench 6 s, pipeline 10 s), and the report has each part's seconds."""
-    from cupygpt.commands.gpucheck import check as gpucheck
+    from dev.gpucheck import check as gpucheck
     assert list(gpucheck.PARTS) == ["verify", "readme", "tests", "bench", "peers", "pipeline",
                                     "sanitizer"]
     now, ran = [0.0], []
@@ -199,8 +199,8 @@ def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
 
 
 def test_bench_runs_the_peers_comparisons_first_and_skips_what_cannot_fit(monkeypatch):
-    from cupygpt.commands.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
-    from cupygpt.commands.gpucheck.check import PLANS
+    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck.check import PLANS
     now, ran = [0.0], []
 
     def bench(work, name, budget, *args):
@@ -226,7 +226,7 @@ def test_a_run_past_the_budget_is_cut_with_the_processes_it_started(tmp_path):
     """At the budget's end the whole process group goes (an MPI rank or a pytest worker
     left running would hold the GPU), and the part stops there; a run past its own cap
     is an error of that run."""
-    from cupygpt.commands.gpucheck.runs import Budget, BudgetSpent, sh
+    from dev.gpucheck.runs import Budget, BudgetSpent, sh
     start = time.monotonic()
     with pytest.raises(BudgetSpent, match=r"^cut at the budget's end after 2 s, in run$"):
         sh(["bash", "-c", f"sleep 60 & echo $! > {tmp_path}/pid; wait"], 600,
@@ -244,7 +244,7 @@ def test_a_run_past_the_budget_is_cut_with_the_processes_it_started(tmp_path):
 
 
 def test_tests_part_uses_pytest_xdist_when_it_is_there(tmp_path, monkeypatch):
-    from cupygpt.commands.gpucheck import parts as gpucheck_parts
+    from dev.gpucheck import parts as gpucheck_parts
     cmds = []
     monkeypatch.setattr(gpucheck_parts, "sh", lambda cmd, *a: cmds.append(cmd) or (0, ""))
     for xdist, workers in ((object(), 6), (None, 1)):
@@ -257,7 +257,7 @@ def test_tests_part_uses_pytest_xdist_when_it_is_there(tmp_path, monkeypatch):
 
 def test_readme_part_runs_readmes_own_commands():
     """README's commands as it writes them, so that the check tries what a user would."""
-    from cupygpt.commands.gpucheck.parts import README_COMMANDS
+    from dev.gpucheck.parts import README_COMMANDS
     commands = helpers_of("cli/test_readme.py").commands
     assert set(README_COMMANDS) <= set(commands())
 
@@ -292,7 +292,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     auto's attention (cuDNN's here) and the own kernels' each; a peer's failure is
     reported and fails nothing; peers from another call get no ratio; a relative --peers
     works (the check runs them from its own work directory)."""
-    from cupygpt.commands.gpucheck import (check as gpucheck, parts as gpucheck_parts,
+    from dev.gpucheck import (check as gpucheck, parts as gpucheck_parts,
                                            report as gpucheck_report)
     peers_dir = tmp_path / "peers"
     peers_dir.mkdir()
@@ -375,7 +375,7 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
 
 
 def test_peers_cut_at_the_budgets_end_keep_those_that_finished(tmp_path, monkeypatch):
-    from cupygpt.commands.gpucheck import check as gpucheck
+    from dev.gpucheck import check as gpucheck
     peers_dir = tmp_path / "peers"
     peers_dir.mkdir()
     (peers_dir / "run-peers.sh").write_text(FAKE_PEERS + "sleep 60\n")  # torch.compile's
@@ -393,7 +393,7 @@ def test_peers_cut_at_the_budgets_end_keep_those_that_finished(tmp_path, monkeyp
 
 
 def test_peers_output_without_step_times_or_a_line_is_an_error():
-    from cupygpt.commands.gpucheck.peers import parse_peers
+    from dev.gpucheck.peers import parse_peers
     text = ('{"peer": "llm.c train_gpt2.cu (bf16)", "B": 4, "T": 1024, "ms_per_step": null, '
             '"tok_s": null}\npytorch  failed: ModuleNotFoundError: No module named torch\n')
     assert parse_peers(text, "NVIDIA H100") == {
@@ -404,7 +404,7 @@ def test_peers_output_without_step_times_or_a_line_is_an_error():
 def test_peers_need_nvcc_and_nvidia_smi(tmp_path, monkeypatch):
     """Where either is missing the peers are a reported skip (the dry run covers an
     nvidia-smi that finds no GPU)."""
-    from cupygpt.commands.gpucheck.peers import PeersBuild
+    from dev.gpucheck.peers import PeersBuild
     monkeypatch.setenv("PATH", tools(tmp_path))
     assert PeersBuild.gpu() == ("nvcc not found: llm.c cannot be built here", None)
     tools(tmp_path, nvcc="exit 0\n")

@@ -3,8 +3,8 @@
 prediction for today's kernels (launches.py, state "now"): with our flash attention and
 with cuDNN's (the attention llm.c + cuDNN's measured step implies, llmc.py).
 
-    python -m bench.gpumodel.model_h200            # calibration, scenarios, prediction
-    python -m bench.gpumodel.model_h200 --md FILE  # the same, also written to FILE
+    python -m dev.gpumodel.model_h200            # calibration, scenarios, prediction
+    python -m dev.gpumodel.model_h200 --md FILE  # the same, also written to FILE
 
 A launch's calibrated time is its SASS-aware prediction x the correction factor of the
 kernel it was measured as (1 for kernels the profile never saw); a graph step adds

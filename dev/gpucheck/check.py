@@ -10,9 +10,8 @@ The report is rewritten after each result, and a run of some parts (--part) merg
 the report already in the directory: a run cut short keeps what it finished. The directory
 holds five files (report.json, report.md, the test and the two sanitizer logs); the runs'
 own outputs go to a temporary one, which is also where they run. What each part runs is in
-gpucheck_parts.py (the peers' in gpucheck_peers.py, how every run is bounded in
-gpucheck_runs.py); here are the plans, the order of the parts and the report
-(gpucheck_report.py: each part's section of it)."""
+parts.py (the peers' in peers.py, how every run is bounded in runs.py); here are the plans,
+the order of the parts and the report (report.py: each part's section of it)."""
 import datetime
 import json
 import os
@@ -22,12 +21,13 @@ import subprocess
 import tempfile
 import time
 
+from cupygpt.paths import json_object
+
+from .config import GPUCHECK_PARTS
 from .parts import benches, pipeline, readme, run_tests, sanitize, verify
 from .peers import PeersBuild, peers
 from .report import SECTIONS, ratios
 from .runs import Budget, BudgetSpent, Skip
-from ...config.tools import GPUCHECK_PARTS
-from ...paths import json_object
 
 REPORT = "report gpucheck wrote"
 

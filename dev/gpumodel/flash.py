@@ -22,7 +22,7 @@ FLASH = {
     "head": {"forward": dict(occ=6, cols=32, instr=405, copy=62, rt=4, expb=0, hmma=32),
              "dq": dict(occ=5, cols=32, instr=352, copy=58, rt=4, expb=0, hmma=48),
              "dkdv": dict(occ=3, cols=32, instr=486, copy=58, rt=5, expb=0, hmma=64)},
-    # python -m bench.gpumodel.flash_sass, under TOOLS (tests/unit/bench/test_gpumodel.py keeps
+    # python -m dev.gpumodel.flash_sass, under TOOLS (tests/dev/test_gpumodel.py keeps
     # in step where the same versions are installed)
     "now": {"forward": dict(occ=4, cols=64, instr=626, copy=75, rt=0, expb=0, hmma=64, ldsm=32),
             "dq": dict(occ=3, cols=64, instr=481, copy=81, rt=0, expb=0, hmma=96, ldsm=48),

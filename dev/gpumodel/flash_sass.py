@@ -6,9 +6,9 @@ cp.async copies and the unmasked softmax; the misaligned views' element-wise cop
 the masked variant left out), of which the copies' (the runs holding a cp.async or a 16-byte load),
 and the HMMA, LDSM and MUFU.EX2 among them.
 model_h200.py's FLASH["now"] is this tool's output for d12's kernels (head size 64,
-bf16); tests/unit/bench/test_gpumodel.py checks it still is.
+bf16); tests/dev/test_gpumodel.py checks it still is.
 
-    python -m bench.gpumodel.flash_sass [HEAD_SIZE] [bf16|fp32]
+    python -m dev.gpumodel.flash_sass [HEAD_SIZE] [bf16|fp32]
 """
 import importlib.util
 import os

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from harness import cli, device_env, gpu_available, helpers_of, requires_sim
+from harness import ROOT, device_env, gpucheck, gpu_available, helpers_of, one_line, requires_sim
+
+PKG = os.path.join(ROOT, "cupygpt")
 
 # The dry run proves the check's plumbing; the GPU tests themselves already run on cudasim
 # as their "sim" variants, so its nested pytest takes a subset (pytest reads PYTEST_ADDOPTS):
@@ -22,18 +24,18 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     """The whole check in one call within its default budget, then one part again merged
     into its report. The peers cannot build here (nvidia-smi finds no GPU, as where there
     is none): a reported skip, which fails nothing."""
-    from cupygpt.commands.gpucheck.check import PARTS, PLANS
+    from dev.gpucheck.check import PARTS, PLANS
     peers = tmp_path / "peers"
     peers.mkdir()
     (peers / "run-peers.sh").write_text("echo '{\"peer\": \"ran without a GPU\"}'\n")
     no_gpu = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
-    tools = helpers_of("unit/commands/test_gpucheck.py").tools  # (the peers' tests' fakes)
+    tools = helpers_of("dev/test_gpucheck.py").tools  # (the peers' tests' fakes)
     bin_dir = tools(tmp_path, nvcc="exit 0\n", nvidia_smi=f'echo "{no_gpu}"; exit 9\n')
     sim = device_env("sim")
     env = {**sim, "PYTEST_ADDOPTS": NESTED, "PATH": bin_dir + os.pathsep + sim["PATH"]}
     out = tmp_path / "report"
     start = time.monotonic()
-    res = cli("gpucheck", "--quick", "--budget", "420", "--peers", peers, "--out", out,
+    res = gpucheck("--quick", "--budget", "420", "--peers", peers, "--out", out,
               env=env, timeout=900)
     wall = time.monotonic() - start
     assert res.returncode == 0, res.stdout + res.stderr
@@ -73,7 +75,7 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     assert profile in md and "| cross_entropy |" in md and "nvshmem_2" in md
     assert md.index("| verify") < md.index("| README") < md.index("tests (") < md.index(
         "| bench") < md.index("pipeline (") < md.index("compute-sanitizer"), "the parts' order"
-    res = cli("gpucheck", "--quick", "--out", out, "--part", "sanitizer", env=env, timeout=300)
+    res = gpucheck("--quick", "--out", out, "--part", "sanitizer", env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     again = json.loads((out / "report.json").read_text())
     assert {k: again[k] for k in PARTS if k in r} == {k: r[k] for k in PARTS if k in r}
@@ -85,8 +87,8 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
 @requires_sim
 def test_a_budget_too_small_for_any_part_skips_each_and_exits_1(tmp_path):
     """The command's own path: the report written, every part skipped and why, none run."""
-    from cupygpt.commands.gpucheck.check import PARTS, PLANS
-    res = cli("gpucheck", "--quick", "--budget", "1", "--out", tmp_path, env=device_env("sim"))
+    from dev.gpucheck.check import PARTS, PLANS
+    res = gpucheck("--quick", "--budget", "1", "--out", tmp_path, env=device_env("sim"))
     assert res.returncode == 1, res.stdout + res.stderr
     r = json.loads((tmp_path / "report.json").read_text())
     assert set(r) & set(PARTS) == set() and r["elapsed_s"] == {p: 0 for p in PARTS}
@@ -99,7 +101,7 @@ def test_a_budget_too_small_for_any_part_skips_each_and_exits_1(tmp_path):
 
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
 def test_gpucheck_refuses_without_a_gpu(tmp_path):
-    res = cli("gpucheck", "--out", tmp_path)
+    res = gpucheck("--out", tmp_path)
     assert res.returncode == 1 and res.stderr.strip().startswith("error: gpucheck: no GPU")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
@@ -114,7 +116,29 @@ def test_bad_flags_say_one_line_before_anything_runs(tmp_path, flags, line):
     """Before the GPU is looked for (so here, without one, the flag's line and not the
     GPU's) and before the report's directory is made."""
     missing = str(tmp_path / "MISSING")  # no such directory
-    res = cli("gpucheck", "--out", tmp_path / "report",
+    res = gpucheck("--out", tmp_path / "report",
               *[missing if f == "MISSING" else f for f in flags])
     assert res.returncode == 1 and res.stderr == line.replace("MISSING", missing) + "\n"
     assert not (tmp_path / "report").exists()
+
+
+def test_gpucheck_writes_nothing_into_the_installed_package(tmp_path):
+    (tmp_path / "link").symlink_to(PKG)
+    for out in (os.path.join(PKG, "gpurep"), tmp_path / "link" / "gpurep"):
+        one_line(gpucheck("--out", out, "--budget", 20, "--part", "peers"),
+                 f"--out {out}: lies in the installed package")
+        assert not os.path.exists(os.path.join(PKG, "gpurep"))
+
+
+def test_gpucheck_refuses_an_out_it_cannot_use_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    one_line(gpucheck("--out", tmp_path / "file"),
+             f"--out {tmp_path / 'file'}: is a file, not a directory")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text("not JSON")
+    one_line(gpucheck("--out", tmp_path / "r"), "report.json: not a report gpucheck "
+                                                        "wrote (not a JSON object")
+    assert (tmp_path / "r" / "report.json").read_text() == "not JSON"
+    (tmp_path / "r" / "report.json").write_text("[1]")
+    one_line(gpucheck("--out", tmp_path / "r"), "not a report gpucheck wrote")
+    one_line(gpucheck("--out", "/proc/1/x"), "--out /proc/1/x: cannot")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from ...paths import PACKAGE
+from cupygpt.paths import PACKAGE
 
 
 
@@ -44,8 +44,8 @@ def sh(cmd, cap, log, cwd, budget, env=None):
     whole group is killed (mpiexec's ranks and pytest's workers too, which would otherwise
     hold the GPU); at the budget's end that raises BudgetSpent."""
     # the package's parent goes last on PYTHONPATH (after cudasim's stand-in cupy, in the dry run):
-    # the run imports this cupygpt, also from a clone that is not pip-installed (the lent
-    # GPU machine runs `python cli.py gpucheck` there)
+    # the run imports this cupygpt, also from a clone that is not pip-installed (as on a
+    # lent GPU machine)
     path = [p for p in (os.environ.get("PYTHONPATH"), os.path.dirname(PACKAGE)) if p]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path),
            **(env or {})}

@@ -7,7 +7,8 @@ import re
 import shutil
 import subprocess
 
-from ...paths import DATA
+from cupygpt.paths import DATA
+
 from .runs import BudgetSpent, Skip, kill_group, last_line, sh
 
 

@@ -1,4 +1,4 @@
-"""bench/gpumodel, the static GPU model calibrated on the H200 run: its launch list is the
+"""dev/gpumodel, the static GPU model calibrated on the H200 run: its launch list is the
 one a step launches today (checked against a cudasim step's kernels), its flash kernels'
 numbers are their SASS's, and it still reproduces the run it was calibrated on."""
 import collections
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from bench.gpumodel import hw, model_h200
-from bench.gpumodel.flash import TOOLS
-from bench.gpumodel.launches import cupygpt
+from dev.gpumodel import hw, model_h200
+from dev.gpumodel.flash import TOOLS
+from dev.gpumodel.launches import cupygpt
 from harness import cli, device_env, helpers_of, requires_sim
 
 GPUMODEL = os.path.dirname(hw.__file__)
@@ -82,7 +82,7 @@ def test_the_flash_numbers_are_the_kernels_sass():
     compile_test = helpers_of("unit/backends/test_kernels_compile.py")
     if not compile_test.have_nvrtc() or not compile_test.cuobjdump():
         pytest.skip("NVRTC or cuobjdump not installed")
-    from bench.gpumodel import flash_sass
+    from dev.gpumodel import flash_sass
     require_recorded_tools(flash_sass.tool_versions())
     table = flash_sass.flash_table()
     keys = ("occ", "cols", "instr", "copy", "hmma", "ldsm")
@@ -92,7 +92,7 @@ def test_the_flash_numbers_are_the_kernels_sass():
 
 
 def test_the_model_leaves_the_import_path_and_generic_names_alone(monkeypatch):
-    """Imported as the package bench.gpumodel: no bench/gpumodel on sys.path, no top-level
+    """Imported as the package dev.gpumodel: no dev/gpumodel on sys.path, no top-level
     flash or hw module to shadow another's; its settings are GPUMODEL_ names only, so a HW
     or BW meant for another tool changes nothing."""
     assert all(os.path.abspath(p or ".") != GPUMODEL for p in sys.path)

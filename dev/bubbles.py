@@ -4,7 +4,7 @@ shipped text folded into a 512-token vocabulary, so the head weighs less than a 
 `timeline` on the trace (its last step), --repeat times (the figures are medians; the
 pictures are the last run's). Writes the pictures and one JSON.
 
-    python bench/bubbles.py [--ranks 4] [--micro-batches 8] [--repeat 3] [--out docs/timelines]
+    python -m dev.bubbles [--ranks 4] [--micro-batches 8] [--repeat 3] [--out docs/timelines]
 """
 import argparse
 import itertools

@@ -3,7 +3,7 @@ B=4 and T=64 (the sizes train_gpt2.c is written for), both with every core; per-
 (median after the first step) and peak resident memory, and their ratios.
 
     make train_gpt2                                   # in your llm.c checkout
-    python bench/vs_llmc.py PATH/TO/llm.c/train_gpt2 --model d12 --steps 10
+    python -m dev.vs_llmc PATH/TO/llm.c/train_gpt2 --model d12 --steps 10
 
 train_gpt2.c reads fixed paths (gpt2_124M.bin, dev/data/tinyshakespeare/...), so it runs in
 a scratch directory holding the model file and the shipped shards under those names. It

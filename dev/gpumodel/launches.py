@@ -5,7 +5,7 @@ the sm_90 SASS adds: serialized round trips, occupancy, dispatch order; ANALYSIS
 Two states: "measured", the list the H200 profile ran (dfca9c6: bias gradients by column
 sums, gelu adding fc's bias, the flash kernels then), kept for the calibration; and "now",
 today's kernels by today's names, each with the profile name it was measured as
-(measured_as), whose correction factor it takes. tests/unit/bench/test_gpumodel.py checks "now"
+(measured_as), whose correction factor it takes. tests/dev/test_gpumodel.py checks "now"
 against the kernels a cudasim step launches."""
 from cupygpt.model.layout import logit_rows
 from .flash import flash_flops, flash_time
