@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..parallel.tensor import sharding
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -82,12 +84,8 @@ class Part:
         return Part(0, shape.L)
 
     def vocab(self, shape) -> tuple[int, int, int]:
-        """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp (split as
-        evenly as possible) and how many of them are real tokens (< V), not padding."""
-        base, extra = divmod(shape.Vp, self.tp)
-        v0 = self.shard * base + min(self.shard, extra)
-        rows = base + (self.shard < extra)
-        return v0, rows, max(0, min(rows, shape.V - v0))
+        """(v0, rows, valid): this shard's rows of wte (tensor/sharding.py's vocab_rows)."""
+        return sharding.vocab_rows(shape.Vp, shape.V, self.tp, self.shard)
 
 
 def owns(name: str, part: Part) -> bool:
@@ -102,15 +100,15 @@ def owns(name: str, part: Part) -> bool:
 
 
 def param_shapes(shape, part: Part) -> dict[str, tuple]:
-    """The 16 llm.c parameter tensors as `part` holds them. Megatron's split: qkvw/qkvb by
-    heads (NH/tp whole heads of each of q, k, v), fcw/fcb by output rows, attprojw and
-    fcprojw by input columns (row-parallel), wte by vocab rows; the rest replicated."""
-    C, nl, t = shape.C, part.l1 - part.l0, part.tp
-    return {"wte": (part.vocab(shape)[1], C), "wpe": (shape.maxT, C), "ln1w": (nl, C),
-            "ln1b": (nl, C), "qkvw": (nl, 3 * C // t, C), "qkvb": (nl, 3 * C // t),
-            "attprojw": (nl, C, C // t), "attprojb": (nl, C), "ln2w": (nl, C),
-            "ln2b": (nl, C), "fcw": (nl, 4 * C // t, C), "fcb": (nl, 4 * C // t),
-            "fcprojw": (nl, C, 4 * C // t), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
+    """The 16 llm.c parameter tensors as `part` holds them: its layers, and its tensor-parallel
+    shard of each as parallel/tensor/sharding.py splits them."""
+    C, nl = shape.C, part.l1 - part.l0
+    whole = {"wte": (part.vocab(shape)[1], C), "wpe": (shape.maxT, C), "ln1w": (nl, C),
+             "ln1b": (nl, C), "qkvw": (nl, 3 * C, C), "qkvb": (nl, 3 * C),
+             "attprojw": (nl, C, C), "attprojb": (nl, C), "ln2w": (nl, C),
+             "ln2b": (nl, C), "fcw": (nl, 4 * C, C), "fcb": (nl, 4 * C),
+             "fcprojw": (nl, C, 4 * C), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
+    return {n: sharding.shard_dims(n, dims, part.tp) for n, dims in whole.items()}
 
 
 def replicated(shape, part: Part) -> set[str]:
@@ -207,20 +205,10 @@ def held(shape, name: str, whole: np.ndarray, part: Part) -> np.ndarray:
     """The view of a whole-model tensor (whole: all L layers) that part holds: its layers,
     then its shard, shaped as param_shapes says or as a view that reshapes to it."""
     x = whole if name in WHOLE else whole[part.l0:part.l1]
-    t, s, C = part.tp, part.shard, shape.C
     if name == "wte":
         v0, rows, _ = part.vocab(shape)
         return x[v0:v0 + rows]
-    if name in ("qkvw", "qkvb"):  # (nl, 3, NH, HS[, C]): this shard's heads of q, k and v
-        h = shape.NH // t
-        return x.reshape(x.shape[0], 3, shape.NH, -1)[:, :, s * h:(s + 1) * h]
-    if name in ("fcw", "fcb"):
-        return x[:, s * 4 * C // t:(s + 1) * 4 * C // t]
-    if name == "attprojw":
-        return x[:, :, s * C // t:(s + 1) * C // t]
-    if name == "fcprojw":
-        return x[:, :, s * 4 * C // t:(s + 1) * 4 * C // t]
-    return x
+    return sharding.shard_view(name, x, shape.NH, part.tp, part.shard)
 
 
 def copy_part(dst: np.ndarray, part: Part, src: np.ndarray, shape) -> np.ndarray:

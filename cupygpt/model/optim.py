@@ -3,8 +3,9 @@ gradient's global norm and clipping, and llm.c's learning-rate schedule."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -30,12 +31,11 @@ class AdamW:
     rank several) and the step count t (the only copy: backends see lr and the bias
     corrections, never t).
 
-    slices: None, or per stage (a, b), ZeRO-1 (llm.c's -z 1): this replica updates
-    params[a:b] only, so m and v hold that slice; the replicas' gradients are
-    reduce-scattered into it first (unless the runner's overlapped all-reduce has summed
-    them already: the same member-order sums) and the updated slices all-gathered after,
-    through the transport's "dp" group. The update is elementwise, so the parameters are
-    bit-identical to the unsharded step's.
+    zero: None, or ZeRO-1's replicas (parallel/data/zero.py): per stage this replica
+    updates params[a:b] of zero.slices only, so m and v hold that slice; the replicas'
+    gradients are reduce-scattered into it first (unless the runner's overlapped
+    all-reduce has summed them already: the same member-order sums) and the updated
+    slices all-gathered after.
 
     Every step measures the gradient's global norm (llm.c's, printed in the step line)
     over the whole grid, on the device, so a captured step keeps it: each rank adds the
@@ -44,9 +44,9 @@ class AdamW:
     grad_clip / norm when the norm is above grad_clip."""
 
     def __init__(self, stages: list[Stage], hp: AdamWConfig | None,
-                 transport: Transport | None = None, slices: list | None = None) -> None:
-        self.hp, self.t, self.transport = hp, 0, transport
-        self.stages, self.slices = stages, slices or [None] * len(stages)
+                 transport: Transport | None = None, zero: Any = None) -> None:
+        self.hp, self.t, self.transport, self.zero = hp, 0, transport, zero
+        self.stages, self.slices = stages, zero.slices if zero else [None] * len(stages)
         # per stage {"m", "v"[, "summed": ZeRO-1's gradient slice][, "master": bf16's]}
         self.state = [{k: st.be.zeros(n, dt) for k, (n, dt) in
                        self.sizes(st.params.size, piece, st.dtype).items()}
@@ -103,7 +103,7 @@ class AdamW:
                             hp.eps, hp.weight_decay, self.norm_sq, hp.grad_clip,
                             state.get("master"), rounding_salt(st.part), a)
             if piece is not None:
-                self.transport.all_gather(params, st.params, "dp")
+                self.zero.all_gather(params, st.params)
         return True
 
     def _summed(self, st, piece, state, summed):
@@ -113,7 +113,7 @@ class AdamW:
             return st.grads
         if summed:
             return st.grads[piece[0]:piece[1]]
-        self.transport.reduce_scatter(st.grads, state["summed"], "dp")
+        self.zero.reduce_scatter(st.grads, state["summed"])
         return state["summed"]
 
     def _global_norm(self, grads):
@@ -143,7 +143,7 @@ class AdamW:
                 x = state[k]
                 if piece is not None:
                     whole = st.be.zeros(st.params.size, x.dtype)
-                    self.transport.all_gather(x, whole, "dp")
+                    self.zero.all_gather(x, whole)
                     x = whole
                 kept[k] = np.array(st.be.to_host(x), np.float32)
             out.append(kept)

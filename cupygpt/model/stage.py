@@ -4,9 +4,9 @@ one tensor-parallel shard of it (Megatron's split, layout.Part).
 The single process is the stage [0, L) with both, unsharded. The model calls only the
 backend interface, so NumPy and CUDA run the same code; it never knows whether it is
 pipelined. Tensor parallelism adds four sums over the shard's group per layer and pass (the
-row-parallel outputs forward, the column-parallel inputs' gradients backward), made through
-`transport` (with one shard they are no-ops), and the vocab-parallel embedding and
-cross-entropy. Activations live in `slots` copies of one micro-batch's layout, so a
+row-parallel outputs forward, the column-parallel inputs' gradients backward) and the
+vocab-parallel cross-entropy, both run by the TensorGroup the stage is given
+(parallel/tensor/comm.py; with one shard they are no-ops). Activations live in `slots` copies of one micro-batch's layout, so a
 pipeline stage keeps the micro-batches that are in flight.
 
 The LM head is the last stage's: logits = lnf wte^T a chunk of positions at a time
@@ -28,22 +28,22 @@ from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..comm.local import Local
+from ..parallel.tensor.comm import TensorGroup
 from ..precision import dtype_name, wide
 from .layout import (RECOMPUTED, Layout, Mixed, Part, activation_layout, copy_part, param_layout,
                      scratch_layout)
-from ..comm.base import Transport
 from .shape import GPT2Config
 
 
 class Stage:
     def __init__(self, shape: GPT2Config, be: ModuleType, *, batch: int, seq: int,
                  part: Part | None = None, slots: int = 1, dtype: DTypeLike = np.float32,
-                 transport: Transport | None = None, split: bool = False,
+                 tp_group: TensorGroup | None = None, split: bool = False,
                  recompute: int = 0) -> None:
         """shape: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
-        activations it keeps at once; transport: the one of its tensor-parallel sums (None:
-        one shard); split: it keeps what a split backward's weight pass reads; recompute:
+        activations it keeps at once; tp_group: its tensor-parallel group (None: one
+        shard); split: it keeps what a split backward's weight pass reads; recompute:
         llm.c's -r (layout.RECOMPUTED: what backward makes again instead of keeping)."""
         B, T = batch, seq
         if np.dtype(dtype) not in be.DTYPES:
@@ -53,7 +53,7 @@ class Stage:
         part = part or Part.whole(shape)
         self.shape, self.be, self.B, self.T = shape, be, B, T
         self.dtype, self.wide = np.dtype(dtype), wide(dtype)
-        self.part, self.transport = part, transport or Local()
+        self.part, self.tp_group = part, tp_group or TensorGroup(Local())
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
         self.nl, self.NH = self.l1 - self.l0, shape.NH // part.tp  # this shard's heads
         self.v0, _, self.valid = part.vocab(shape)
@@ -96,7 +96,7 @@ class Stage:
 
     def tp_sum(self, arr) -> None:
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
-        self.transport.all_reduce(arr, "tp")
+        self.tp_group.sum(arr)
 
     def load(self, full_params: np.ndarray) -> None:
         """This stage's part of a whole model's host parameters (array or memmap), in one
@@ -273,16 +273,10 @@ class Stage:
                 be.matmul_backward_input(lnf[rows], logits, p["wte"])
 
     def _cross_entropy(self, logits, losses, targets, dloss):
-        """Vocab-parallel softmax cross-entropy of one chunk: each shard's (max, sum of
-        exponentials, target logit) per position are gathered, every shard combines them in
-        shard order, and the logits are never gathered. With one shard, one fused op."""
-        be, tp, shard = self.be, self.part.tp, self.part.shard
-        if tp == 1:
-            return be.cross_entropy(logits, losses, targets, self.valid, dloss)
-        stats = self.s["lstats"].reshape(-1)[:tp * len(losses) * 3].reshape(tp, -1, 3)
-        be.classifier_stats(stats[shard], logits, targets, self.v0, self.valid)
-        self.transport.all_gather(stats[shard], stats, "tp")
-        be.classifier(logits, losses, stats, targets, self.v0, self.valid, dloss)
+        """One chunk's softmax cross-entropy over the vocabulary (its shards' across the
+        tensor-parallel group)."""
+        self.tp_group.cross_entropy(self.be, logits, losses, targets, self.s["lstats"],
+                                    self.v0, self.valid, dloss)
 
     def backward(self, slot: int = 0, tokens=None, layer_done: Callable | None = None) -> None:
         """Accumulates parameter gradients; on a non-head stage grad_io() must hold the

@@ -15,7 +15,7 @@ One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ran
   backends/numpy_backend.py      the ops Stage calls (cuda_backend.py the same on a GPU)
   comm/base.py                   the transport's sends, receives and group sums (the
                                  pipeline's hand-offs, the tensor-parallel sums)
-  parallel/grad_sync.py          sync_gradients: the tied wte's two ends, the replicas' sum
+  parallel/data/grad_sync.py     sync_gradients: the tied wte's two ends, the replicas' sum
                                  (started layer by layer in the backward when overlapped)
   model/optim.py                 update: the global gradient norm, clipping, AdamW
 
@@ -29,18 +29,20 @@ from types import ModuleType
 import numpy as np
 
 from .. import CupyGPTError
-from ..comm.base import Transport, chunks
+from ..comm.base import Transport
 from ..model.layout import Part, assemble, copy_part, param_layout
 from ..model.stage import Stage
 from ..model.optim import AdamW
 from ..model.shape import GPT2Config
 from .mesh import Mesh
-from .grad_sync import GradSync
+from .data.grad_sync import GradSync
+from .data.zero import ZeroOne, zero_slices as zero_slices_of
 from .pipeline import trace
 from .pipeline.executor import Executor, Pass
 from .memory import check_memory, memory_plan
 from .pipeline.plan import plan_step
 from .settings import StepSettings
+from .tensor.comm import TensorGroup
 
 
 
@@ -57,8 +59,8 @@ class Runner:
         self.plan = plan = plan_step(shape, mesh, batch=s.batch, seq=s.seq,
                                      micro_batches=s.micro_batches, schedule=s.schedule,
                                      virtual=s.virtual, counts=s.counts)
-        zero_slices = [chunks(param_layout(shape, pt).size, mesh.dp)[mesh.replica]
-                      for pt in plan.parts] if s.zero else None
+        zero_slices = zero_slices_of([param_layout(shape, pt).size for pt in plan.parts],
+                                     mesh.dp, mesh.replica) if s.zero else None
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
@@ -71,13 +73,15 @@ class Runner:
                                   zero_slices, s.recompute)
         check_memory(self.memory, be, transport, mesh)
         self.stages = [Stage(shape, be, batch=plan.mb_rows, seq=s.seq, part=pt, slots=n,
-                             dtype=s.dtype, transport=transport, split=plan.split_backward,
+                             dtype=s.dtype, tp_group=TensorGroup(transport, pt.tp, pt.shard),
+                             split=plan.split_backward,
                              recompute=s.recompute)
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
                              zero=s.zero, overlap=overlap)
-        self.opt = AdamW(self.stages, s.adamw, transport, zero_slices) if s.adamw else None
+        zero = ZeroOne(transport, zero_slices) if s.zero else None
+        self.opt = AdamW(self.stages, s.adamw, transport, zero) if s.adamw else None
         self.exec = Executor(plan, self.stages, be, transport, self.sync)
         self.exec.trace = [] if s.trace else None
         self.graph, self.steps_done = None, 0

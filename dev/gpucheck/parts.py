@@ -69,7 +69,7 @@ def verify(out, work, plan, budget):
                 "steps": max(st["abs_diff"] for st in r["steps"])}}
 
 
-# README's two training commands as it writes them (tests/unit/commands/test_gpucheck.py
+# README's two training commands as it writes them (tests/dev/test_gpucheck.py
 # checks that it still does): its quick start, and the two-stage pipeline. The first H200
 # run found both failing with their defaults (every CUDA graph capture), so the check runs
 # them as a user would.

@@ -15,7 +15,7 @@ from ... import CupyGPTError
 from .schedule import Action, Op, slot_plan
 from ...comm.base import Transport
 from ...model.stage import Stage
-from ..grad_sync import GradSync
+from ..data.grad_sync import GradSync
 from .plan import StepPlan
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)

@@ -5,6 +5,7 @@ import numpy as np
 from cupygpt.backends import numpy_backend as be
 from cupygpt.model.shape import GPT2Config
 from cupygpt.model.layout import Part, assemble, param_layout
+from cupygpt.parallel.tensor.comm import TensorGroup
 from cupygpt.model.initialize import init_params
 from cupygpt.model.stage import Stage
 
@@ -204,7 +205,7 @@ def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
 
     def member(k):
         st = Stage(CFG, be, batch=B, seq=T, part=Part(0, CFG.L, tp=2, shard=k),
-                   dtype=np.float64, transport=group.member(k))
+                   dtype=np.float64, tp_group=TensorGroup(group.member(k), 2, k))
         st.load(full)
         assert st.s["logits"].shape == (3, CFG.Vp // 2)  # 3, 3, 3 and 1 positions
         return st, step(st, x, y)

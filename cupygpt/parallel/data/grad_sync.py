@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..model.layout import PARAM_NAMES, WHOLE
-from ..comm.base import Transport
-from ..model.stage import Stage
+from ...model.layout import PARAM_NAMES, WHOLE
+from ...comm.base import Transport
+from ...model.stage import Stage
 
 
 class GradSync:
