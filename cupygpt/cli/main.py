@@ -1,27 +1,23 @@
 """cupygpt's command line: each command builds its frozen config from the flags (config.py),
 runs the library, and prints. Run any with --help."""
 import json
-import os
 import sys
 import time
 
 import click
 
-from .. import CupyGPTError
-from ..commands.bench import ATTENTIONS, bench as run_bench, side_by_side
+from ..commands.bench import ATTENTIONS, bench as run_bench, claim_out, side_by_side, trace_failed
 from ..commands.bench_comm import comm_bench, format_rows, sizes
-from ..config.sections import out_file
 from ..config.train import TrainConfig
 from .flags import LlmcFlags, entry, options_of, progress, session
 from .tools import TOOLS
 from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
-from ..paths import atomic_write, make_parent
+from ..paths import atomic_write
 from ..comm.launch import world_rank
-from ..train.evaluate import eval_command
-from ..paths import check_outputs
-from ..train.sample import sample_text
+from ..commands.eval import eval_command
+from ..commands.sample import sample_text
 from ..train.loop import train as run_train
-from ..commands.verify import format_report, verify as run_verify
+from ..commands.verify import format_report, reference_defaults, verify as run_verify
 
 
 @click.group()
@@ -35,25 +31,13 @@ def cli():
 @entry
 def verify(**kw):
     """Check logits, loss and every gradient against an llm.c debug state."""
-    if kw["state"] is None:
-        kw["state"] = beside(kw["model"], "_debug_state.bin")
-    if kw["expected"] is None and (kw["lr"], kw["weight_decay"]) == (
-            VerifyConfig.lr, VerifyConfig.weight_decay):
-        kw["expected"] = beside(kw["model"], "_expected.json")
-    sess = session(VerifyConfig, kw, tf32_default=False)
+    sess = session(VerifyConfig, reference_defaults(kw), tf32_default=False)
     with progress(sess.config.steps - 1, "AdamW steps") as bar:
         report = run_verify(sess, lambda: bar.update(1))
     if sess.mesh.rank == 0:
         click.echo(json.dumps(report) if sess.config.as_json else format_report(report))
     ok = sess.transport.bcast(report["ok"] if sess.mesh.rank == 0 else None)
     sys.exit(0 if ok else 1)
-
-
-def beside(model, suffix):
-    """NAME + suffix beside a NAME_model.bin (the shipped references have a debug state and
-    the losses of its steps at the default --lr and --weight-decay), or None."""
-    stem = model.removesuffix("_model.bin")
-    return stem + suffix if stem != model and os.path.isfile(stem + suffix) else None
 
 
 @cli.command(cls=LlmcFlags)
@@ -70,9 +54,7 @@ def train(**kw):
 def bench(**kw):
     """Benchmark one training step: ms/step, tok/s, MFU, peak memory; writes JSON."""
     out = kw["out"]
-    check_outputs([("out", out), ("trace", kw["trace"])], [BenchConfig.data])
-    out_file("out", out, kw["overwrite"])
-    make_parent("out", out, world_rank() == 0)  # (rank 0 writes it)
+    claim_out(out, kw["trace"], kw["overwrite"], world_rank() == 0)
     sess = session(BenchConfig, kw, tf32_default=True)
     if sess.config.comm:
         with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq, sess.be)),
@@ -98,11 +80,7 @@ def bench(**kw):
         click.echo("\n".join([bench_line(r[k], out) for k in ATTENTIONS] + [side_by_side(r)]))
     else:
         click.echo(bench_line(r, out))
-    failed = [x["trace_error"] for x in (r, *r.values()) if isinstance(x, dict)
-              and "trace_error" in x]
-    if failed:
-        raise CupyGPTError(f"could not write the trace {c.trace} ({failed[0]}); the result "
-                           f"was written: {out}")
+    trace_failed(r, c.trace, out)
     if c.trace:
         click.echo(f"wrote the trace {c.trace} (draw it: timeline {c.trace})")
 

@@ -7,8 +7,9 @@ from ..train.loader import DataLoader
 from ..model.initialize import init_params
 from ..model.shape import flops_per_token, mfu
 from ..model.optim import AdamWConfig
-from ..config.sections import RUN_DTYPES
-from ..paths import make_parent
+from ..config.configs import BenchConfig
+from ..config.sections import RUN_DTYPES, out_file
+from ..paths import check_outputs, make_parent
 from ..precision import numerics
 
 
@@ -114,3 +115,20 @@ def _timed_steps(run, transport, be, x, y, warmup, steps, on_step):
         if on_step:
             on_step()
     return times, launch
+
+
+def claim_out(out: str, trace: str | None, overwrite: bool, writer: bool) -> None:
+    """bench's --out (and --trace) checked against its input and the package, not replaced
+    unasked, its directory made by the rank that writes it (writer), before the session."""
+    check_outputs([("out", out), ("trace", trace)], [BenchConfig.data])
+    out_file("out", out, overwrite)
+    make_parent("out", out, writer)
+
+
+def trace_failed(r: dict, trace: str | None, out: str) -> None:
+    """Refuses a run whose trace could not be written (its result was)."""
+    failed = [x["trace_error"] for x in (r, *r.values()) if isinstance(x, dict)
+              and "trace_error" in x]
+    if failed:
+        raise CupyGPTError(f"could not write the trace {trace} ({failed[0]}); the result "
+                           f"was written: {out}")

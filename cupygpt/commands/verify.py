@@ -1,9 +1,11 @@
 """llm.c's test_gpt2 as a command: logits, loss and every gradient against a debug state,
 then K AdamW steps on its batch. Under mpiexec each rank checks its own slice."""
 import math
+import os
 
 import numpy as np
 
+from ..config.configs import VerifyConfig
 from ..formats.llmc import check_finite, read_expected, read_model, read_state
 from ..model.layout import copy_part, param_layout
 from ..model.optim import AdamWConfig
@@ -140,3 +142,23 @@ def format_report(r):
                                 "--lr and --weight-decay; give a file made at these)"))
     lines.append(f"verify: {'PASS' if r['ok'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def reference_defaults(kw: dict) -> dict:
+    """verify's flags with --state and --expected filled in where they were not given:
+    the shipped references' files beside a NAME_model.bin (its losses only at the default
+    --lr and --weight-decay, which they were recorded with)."""
+    kw = dict(kw)
+    if kw["state"] is None:
+        kw["state"] = beside(kw["model"], "_debug_state.bin")
+    if kw["expected"] is None and (kw["lr"], kw["weight_decay"]) == (
+            VerifyConfig.lr, VerifyConfig.weight_decay):
+        kw["expected"] = beside(kw["model"], "_expected.json")
+    return kw
+
+
+def beside(model, suffix):
+    """NAME + suffix beside a NAME_model.bin (the shipped references have a debug state and
+    the losses of its steps at the default --lr and --weight-decay), or None."""
+    stem = model.removesuffix("_model.bin")
+    return stem + suffix if stem != model and os.path.isfile(stem + suffix) else None

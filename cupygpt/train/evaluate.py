@@ -1,4 +1,4 @@
-"""HellaSwag in llm.c's eval file format (magic 20240522) and its scoring.
+"""HellaSwag scored as llm.c scores it, over llm.c's eval file (formats/hellaswag.py).
 
 The file: a header of 256 int32 (magic, version 1, examples, longest example's bytes), then
 per example a uint16 stream: 65535, the example's bytes, its index, its label, the number
@@ -7,13 +7,10 @@ tokens. Scoring as llm.c's: each completion is a row, context then completion; i
 the mean cross-entropy over the completion's tokens; the lowest loss (the first on a tie)
 is the model's choice. A batch holds B // 4 examples, 4 rows each.
 """
-import time
 
 import numpy as np
 
-from .. import CupyGPTError
-from ..formats.hellaswag import COMPLETIONS, read_eval
-from ..formats.llmc import check_finite, read_model
+from ..formats.hellaswag import COMPLETIONS
 
 
 
@@ -51,24 +48,3 @@ def evaluate(run, examples, B, T, stop=None):
     scores = np.concatenate(scores)
     labels = np.array([e.label for e in examples])
     return float(np.mean(scores.argmin(1) == labels)), scores
-
-
-def eval_command(sess):
-    """The `eval` command over a Session holding its validated EvalConfig: the report
-    (accuracy, each example's completion losses), the same on every rank."""
-    c = sess.config
-    examples = read_eval(c.hellaswag)  # (validate read them only to check them)
-    shape, params = read_model(c.model, mmap=True)
-    check_finite(c.model, params)
-    run = sess.runner(shape, params, sess.step_settings(batch=c.batch, seq=c.seq))
-    t0 = time.perf_counter()
-    acc, losses = evaluate(run, examples, c.batch, c.seq)
-    bad = int((~np.isfinite(losses)).any(1).sum())
-    if bad:  # (argmin over NaN picks completion 0: a score of label 0's share)
-        raise CupyGPTError(f"{c.model}: its losses are not finite on {bad} of {len(examples)} "
-                           f"examples (weights that, though finite, overflow float32 in its "
-                           f"forward); it cannot be scored")
-    return {"model": c.model, "hellaswag": c.hellaswag, "examples": len(examples),
-            "correct": int(round(acc * len(examples))), "accuracy": acc,
-            "B": c.batch, "T": c.seq, "dtype": c.dtype, "ranks": sess.mesh.size,
-            "seconds": time.perf_counter() - t0, "losses": losses.tolist()}
