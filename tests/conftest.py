@@ -10,6 +10,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sup
 from harness import ROOT  # noqa: E402 (found through the path just set)
 
 
+# The fast tier (pytest -m "not slow", README's few minutes) leaves out the tests that run
+# whole commands as processes (tests/cli, tests/dev) but for a few quick ones, and the
+# in-process tests that compile or run kernels on cudasim by the dozen. What it keeps still
+# imports and calls every module of the package.
+SLOW_FOLDERS = ("cli", "dev")
+FAST_FILES = {"cli/test_train.py", "cli/test_schedule_command.py", "cli/test_timeline.py"}
+SLOW_FILES = {"unit/backends/test_flash_attention.py", "unit/backends/test_cudnn_attention.py",
+              "unit/backends/test_kernels_compile.py", "support/test_cudasim.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
+        if rel in SLOW_FILES or (rel.split("/")[0] in SLOW_FOLDERS and rel not in FAST_FILES):
+            item.add_marker(pytest.mark.slow)
+
+
 def checkout_out():
     """What the checkout's out/ holds (a user's `python cli.py train` writes it): each
     file's path, size and modification time."""
