@@ -71,7 +71,7 @@ def test_every_module_imports_alone():
 # The layers, top first: a module imports only from its own layer or those below it, so the
 # tree reads as the architecture (ARCHITECTURE.md draws it). "" is the package's __init__.
 LAYERS = (("__main__",), ("cli",), ("commands",), ("train",), ("session",), ("config",),
-          ("parallel",), ("formats",), ("backends",), ("model",), ("comm",),
+          ("parallel",), ("formats",), ("model",), ("comm",), ("backends",),
           ("log", "paths", "precision"), ("",))
 
 
