@@ -6,15 +6,15 @@ TRANSPORTS, preferred first); the single process needs none and gets Local.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
+from ..backends.protocol import Backend
 from .local import Local
 from .base import Transport
 
 KINDS = {"mpi": ("mpi", "Mpi"), "nccl": ("nccl", "Nccl"), "nvshmem": ("nvshmem", "Nvshmem")}
 
 
-def make_transport(name: str, be: ModuleType, mesh, timeout: float) -> Transport:
+def make_transport(name: str, be: Backend, mesh, timeout: float) -> Transport:
     """name: auto or one of the backend's TRANSPORTS (config_parts.Device.validate checked it)."""
     if mesh.size == 1:
         return Local()

@@ -3,12 +3,12 @@ GPU transports (nccl, nvshmem) also carry their control values over it."""
 from __future__ import annotations
 
 import pickle
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ..precision import BF16, wide
+from ..backends.protocol import Backend
 from .base import AXES, Done, Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
@@ -17,7 +17,7 @@ TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}
 class Mpi(Transport):
     name = "mpi"
 
-    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
+    def __init__(self, be: Backend, mesh, timeout: float) -> None:
         from mpi4py import MPI
         self.comm, self.be, self.timeout = MPI.COMM_WORLD, be, timeout
         self.rank, self.size = mesh.rank, mesh.size

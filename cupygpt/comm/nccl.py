@@ -18,11 +18,10 @@ through a staging buffer of g * ceil(n / g) elements.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
 from ..precision import BF16
 from .base import AXES, Done, chunks, poll
 from .gpu import start_on_side, wait_stream
@@ -32,7 +31,7 @@ from .mpi import Mpi
 class Nccl(Mpi):
     name = "nccl"
 
-    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
+    def __init__(self, be: Backend, mesh, timeout: float) -> None:
         super().__init__(be, mesh, timeout)
         import cupy as cp
         ndev = cp.cuda.runtime.getDeviceCount()

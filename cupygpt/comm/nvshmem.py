@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import atexit
 import math
-from types import ModuleType
 
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
 from .base import AXES, Done, chunks
 from .gpu import start_on_side, wait_stream
 from .launch import fail
@@ -47,7 +47,7 @@ _live = []  # this process's transports: NVSHMEM is initialized once, finalized 
 class Nvshmem(Mpi):
     name = "nvshmem"
 
-    def __init__(self, be: ModuleType, mesh, timeout: float) -> None:
+    def __init__(self, be: Backend, mesh, timeout: float) -> None:
         super().__init__(be, mesh, timeout)
         import cupy as cp
         import nvshmem.core as nv

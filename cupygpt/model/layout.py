@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.protocol import StageShape
 from ..parallel.tensor import sharding
 
 
@@ -142,6 +143,15 @@ def logit_rows(N: int, vocab_rows: int | None) -> int:
     """Positions per chunk of the head's N positions (even chunks, the last maybe shorter)."""
     chunks = max(1, min(LOGIT_CHUNKS, -(-N * vocab_rows // LOGIT_CHUNK)))
     return -(-N // chunks)
+
+
+def stage_shape(shape, B: int, T: int, part: Part) -> StageShape:
+    """What a stage holding part runs its ops at, micro-batches of B x T: what a backend
+    sizes its kept workspaces by (its workspace_bytes)."""
+    vr = part.vocab(shape)[1]
+    return StageShape(batch=B, seq=T, C=shape.C, NH=shape.NH, tp=part.tp,
+                      blocks=part.l1 > part.l0, embed=part.embed,
+                      logits=logit_rows(B * T, vr) * vr if part.head else 0)
 
 
 def activation_layout(shape, B: int, T: int, nl: int, head: bool, tp: int = 1, split: bool = False,

@@ -4,9 +4,9 @@ seconds on a CPU)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from types import ModuleType
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
 from .layout import param_layout
 
 
@@ -68,7 +68,7 @@ def flops_per_token(shape: GPT2Config, T: int) -> int:
     return 6 * shape.num_parameters() + 6 * shape.L * shape.C * T
 
 
-def mfu(be: ModuleType, shape: GPT2Config, T: int, dtype: str, tokens: int, seconds: float,
+def mfu(be: Backend, shape: GPT2Config, T: int, dtype: str, tokens: int, seconds: float,
         devices: int = 1) -> float | None:
     """The fraction of the devices' peak (the dtype's: TF32 or bf16) that tokens trained in
     seconds are; None where the backend knows no peak (the CPU)."""

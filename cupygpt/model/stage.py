@@ -21,12 +21,12 @@ gpt2_backward, the head's included), so it runs past the size a file is otherwis
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
 from ..comm.local import Local
 from ..parallel.tensor.comm import TensorGroup
 from ..precision import dtype_name, wide
@@ -36,7 +36,7 @@ from .shape import GPT2Config
 
 
 class Stage:
-    def __init__(self, shape: GPT2Config, be: ModuleType, *, batch: int, seq: int,
+    def __init__(self, shape: GPT2Config, be: Backend, *, batch: int, seq: int,
                  part: Part | None = None, slots: int = 1, dtype: DTypeLike = np.float32,
                  tp_group: TensorGroup | None = None, split: bool = False,
                  recompute: int = 0) -> None:

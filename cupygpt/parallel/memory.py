@@ -3,12 +3,12 @@ AdamW.sizes), and the check against the memory there is, made before anything is
 allocated. The run table shows the same figures."""
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
+from ..model.layout import stage_shape
 from ..model.stage import Stage
 from ..model.optim import AdamW
 from ..comm.base import Transport
@@ -19,15 +19,15 @@ from .pipeline.plan import StepPlan
 GiB = 2 ** 30
 
 
-def memory_plan(shape: GPT2Config, plan: StepPlan, be: ModuleType, dtype: DTypeLike,
+def memory_plan(shape: GPT2Config, plan: StepPlan, be: Backend, dtype: DTypeLike,
                 with_adamw: bool, zero_slices: list | None = None,
                 recompute: int = 0) -> dict[str, int]:
     """Bytes this rank's stages (and AdamW's state for them) will allocate, by kind:
     params, grads, activations (every slot), scratch, optimizer; and workspace, the
     backend's kept temporaries (shared by the stages: the largest one's)."""
     out = dict.fromkeys(("params", "grads", "activations", "scratch", "optimizer"), 0)
-    out["workspace"] = max(be.workspace_bytes(shape, plan.mb_rows, plan.seq, part, dtype)
-                           for part in plan.parts)
+    out["workspace"] = max(be.workspace_bytes(stage_shape(shape, plan.mb_rows, plan.seq, part),
+                                              dtype) for part in plan.parts)
     for i, (part, slots) in enumerate(zip(plan.parts, plan.slots)):
         sizes = Stage.sizes(shape, batch=plan.mb_rows, seq=plan.seq, part=part, slots=slots,
                             split=plan.split_backward, recompute=recompute, dtype=dtype)
@@ -41,7 +41,7 @@ def memory_plan(shape: GPT2Config, plan: StepPlan, be: ModuleType, dtype: DTypeL
     return out
 
 
-def check_memory(memory: dict[str, int], be: ModuleType, transport: Transport, mesh: Mesh,
+def check_memory(memory: dict[str, int], be: Backend, transport: Transport, mesh: Mesh,
                  fix: str | None = None) -> None:
     """Collective. Refuses, on every rank alike, when the ranks sharing a memory (a GPU, or
     the host's RAM for the CPU) need more than it has free: one line with both figures and

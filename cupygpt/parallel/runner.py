@@ -12,7 +12,7 @@ One training step, file by file (llm.c's train_gpt2.cu main loop, cut across ran
   model/stage.py                 Stage.forward: embedding, blocks, the head (logits, loss and
                                  dlogits a chunk at a time); Stage.backward: blocks,
                                  embedding (or backward_input then backward_weight)
-  backends/numpy_backend.py      the ops Stage calls (cuda_backend.py the same on a GPU)
+  backends/numpy/, cuda/         the ops Stage calls (backends/protocol.py: their interface)
   comm/base.py                   the transport's sends, receives and group sums (the
                                  pipeline's hand-offs, the tensor-parallel sums)
   parallel/data/grad_sync.py     sync_gradients: the tied wte's two ends, the replicas' sum
@@ -24,11 +24,11 @@ One module, the facade: the step and every reader of the model a command uses ar
 no command reaches past it.
 """
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends.protocol import Backend
 from ..comm.base import Transport
 from ..model.layout import Part, assemble, copy_part, param_layout
 from ..model.stage import Stage
@@ -50,7 +50,7 @@ class Abandoned(Exception):
     """A step given up between its batches (Runner.step's stop): no update was made."""
 
 class Runner:
-    def __init__(self, *, shape: GPT2Config, be: ModuleType, transport: Transport, mesh: Mesh,
+    def __init__(self, *, shape: GPT2Config, be: Backend, transport: Transport, mesh: Mesh,
                  settings: StepSettings) -> None:
         """settings: what every step is (settings.py); its attention is told the backend
         before the memory plan, with whether the run trains and replays a captured step."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from harness import cli, losses
-from cupygpt.backends import numpy_backend
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import LR_SCHEDULES, lr_at
@@ -13,6 +13,8 @@ from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
 from cupygpt.model.shape import preset
+
+numpy_backend = NumpyBackend()
 
 
 def test_lr_schedules_are_llmcs():

@@ -9,7 +9,7 @@ import pytest
 
 from harness import cli, losses
 from cupygpt import CupyGPTError
-from cupygpt.backends import numpy_backend as npb
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.config.configs import SampleConfig
 from cupygpt.config.sections import run_dtype
@@ -21,6 +21,8 @@ from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
 from cupygpt.precision import BF16, stochastic_round
 from cupygpt.model.shape import GPT2Config, preset
+
+npb = NumpyBackend()
 
 
 def test_stochastic_rounding_is_unbiased_repeatable_and_sliceable():

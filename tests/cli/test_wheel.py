@@ -134,7 +134,7 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
     code = ("import sys, pytest; rc = pytest.main(['-rA', '-p', 'no:cacheprovider', '-k', "
             "'(test_nvrtc_compiles and sm_90 and bf16) or broken_kernel or every_backend_kernel', "
             "'test_kernels_compile.py']); "
-            "from cupygpt.backends.kernels import sources; print('SOURCES', *sources()); "
+            "from cupygpt.backends.cuda.kernels import sources; print('SOURCES', *sources()); "
             "sys.exit(rc)")
     res = run([venv.python, "-c", code], tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -1,6 +1,7 @@
 """The suite's shared helpers (tests/conftest.py puts this folder on sys.path, so a test
 says `from harness import cli`): the checkout's paths, the CLI run in a subprocess, the
 reference files, the devices (cudasim, the GPU) and cudasim loaded in-process."""
+import importlib
 import importlib.util
 import json
 import os
@@ -167,34 +168,48 @@ def simulated(device):
     return os.path.dirname(os.path.abspath(cupy.__file__)) == SIM
 
 
+# the name the cuda backend's package is loaded under against cudasim (load_cudasim)
+SIM_BACKEND = "cupygpt.backends.cuda_on_cudasim"
+
+
 def load_cudasim():
-    """(cudasim's cupy, a cuda backend module bound to it), in this process; an imported
-    real CuPy or nvmath is left as it was."""
+    """(cudasim's cupy, a CudaBackend bound to it), in this process: the backend's package
+    loaded afresh under SIM_BACKEND against cudasim's stand-ins; an imported real CuPy or
+    nvmath is left as it was."""
     names = ("cupy", "cupy.cuda", "cupy.cuda.nccl", "cupy_backends", "cupy_backends.cuda",
              "cupy_backends.cuda.libs", "nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt",
-             "cudnn", "cupygpt.backends.cudnn_attention")
+             "cudnn")
     saved = {n: sys.modules.get(n) for n in names}
+    for n in [n for n in sys.modules if n == SIM_BACKEND or n.startswith(SIM_BACKEND + ".")]:
+        del sys.modules[n]  # (each call's modules bound to its own cupy)
     try:
         cp = _load("cupy", os.path.join(SIM, "cupy.py"))
         _load("nvmath", os.path.join(SIM, "nvmath", "__init__.py"))
         _load("nvmath.bindings", os.path.join(SIM, "nvmath", "bindings", "__init__.py"))
         _load("nvmath.bindings.cublasLt", os.path.join(SIM, "nvmath", "bindings", "cublasLt.py"))
         _load("cudnn", os.path.join(SIM, "cudnn", "__init__.py"))
-        _load("cupygpt.backends.cudnn_attention",
-              os.path.join(ROOT, "cupygpt", "backends", "cudnn_attention.py"))
-        cu = _load("cupygpt.backends.cuda_backend_on_cudasim",
-                   os.path.join(ROOT, "cupygpt", "backends", "cuda_backend.py"))
+        _load(SIM_BACKEND, os.path.join(ROOT, "cupygpt", "backends", "cuda", "__init__.py"))
+        backend = importlib.import_module(SIM_BACKEND + ".backend")
     finally:
         for n, m in saved.items():
             if m is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
-    return cp, cu
+    return cp, backend.CudaBackend()
+
+
+def cudasim_module(cu, name):
+    """The module `name` (cublaslt, cudnn, ...) of the package cu's class was loaded from:
+    under load_cudasim, the one bound to cudasim's stand-ins."""
+    return sys.modules[f"{type(cu).__module__.rpartition('.')[0]}.{name}"]
 
 
 def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
+    """The module at path, loaded afresh as name (a package where path is an __init__.py)."""
+    package = os.path.basename(path) == "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[os.path.dirname(path)] if package else None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)

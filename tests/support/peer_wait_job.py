@@ -11,13 +11,14 @@ import time
 import numpy as np
 
 from cupygpt import CupyGPTError
-from cupygpt.backends import cuda_backend as be
+from cupygpt.backends.cuda.backend import CudaBackend
 from cupygpt.comm import make_transport
 from cupygpt.parallel.mesh import Mesh
 
 import cupy as cp
 from mpi4py import MPI  # noqa: E402
 
+be = CudaBackend()
 name, wait = sys.argv[1:3]
 rank = MPI.COMM_WORLD.Get_rank()
 tr = make_transport(name, be, Mesh(rank, 2, 1, 1), 2)

@@ -20,7 +20,8 @@ def make_state64(model, d, B, T, seed=3):
     d/expected.json. Returns (model, state, expected) paths."""
     import json
 
-    from cupygpt.backends import numpy_backend as be
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    be = NumpyBackend()
     from cupygpt.comm.local import Local
     from cupygpt.formats.llmc import read_model
     from cupygpt.model.optim import AdamWConfig

@@ -3,7 +3,7 @@ the CUDA backend (test_cuda_backend.py) would prove little."""
 import numpy as np
 import pytest
 
-from harness import load_cudasim, requires_sim
+from harness import cudasim_module, load_cudasim, requires_sim
 from cupygpt.precision import BF16
 
 pytestmark = requires_sim
@@ -115,7 +115,7 @@ def lt():
     """cudasim's cupy, the cuda backend on it, and cudasim's cuBLASLt, on a fresh stream."""
     cp, cu = load_cudasim()
     cu.configure()
-    return cp, cu, cu.lt
+    return cp, cu, cudasim_module(cu, "cublaslt").lt
 
 
 def test_cublaslt_matmuls_capture_once_planned(lt):
@@ -153,13 +153,14 @@ def test_cublaslt_refuses_what_the_library_refuses(lt):
     A = cp.asarray(np.ones((8, 8), np.float32))
     D = cp.zeros((8, 8), np.float32)
     cu.matmul_forward(D, A, A)  # makes the handle and the workspace
-    h, ws = cu._lt["handle"], cu._lt["workspace"]
-    key = next(k for k in cu._plans if k[1] == lib.Epilogue.DEFAULT)
-    plan = cu._plans[key]
+    h, ws = cu.blas.handle, cu.blas.workspace
+    key = next(k for k in cu.blas.plans if k[1] == lib.Epilogue.DEFAULT)
+    plan = cu.blas.plans[key]
     one = np.array(1.0, np.float32)
+    LT_WORKSPACE = cudasim_module(cu, "cublaslt").LT_WORKSPACE
 
     def call(desc=plan["desc"], algo=plan["algo"].ctypes.data, ws_ptr=ws.data.ptr,
-             ws_size=cu.LT_WORKSPACE, a=A.data.ptr):
+             ws_size=LT_WORKSPACE, a=A.data.ptr):
         lay = plan["layouts"]
         lib.matmul(h, desc, one.ctypes.data, a, lay[0], A.data.ptr, lay[1], one.ctypes.data,
                    D.data.ptr, lay[2], D.data.ptr, lay[2], algo, ws_ptr, ws_size,
@@ -176,7 +177,7 @@ def test_cublaslt_refuses_what_the_library_refuses(lt):
     with pytest.raises(lib.cuBLASLtError, match="asked"):
         call(ws_size=1024)
     with pytest.raises(lib.cuBLASLtError, match="workspace .* not 256-byte aligned"):
-        call(ws_ptr=ws.data.ptr + 16, ws_size=cu.LT_WORKSPACE - 256)
+        call(ws_ptr=ws.data.ptr + 16, ws_size=LT_WORKSPACE - 256)
     with pytest.raises(lib.cuBLASLtError, match=r"A at .* not \d+-byte aligned"):
         call(a=cp.asarray(np.ones(65, np.float32))[1:].data.ptr)
     t = np.array(lib.Epilogue.BIAS, np.uint32)
@@ -192,7 +193,7 @@ def test_a_bias_of_another_type_than_the_descriptors_is_refused(lt):
     out = cp.zeros((4, 8), BF16)
     cu.matmul_forward(out, x, w, cp.asarray(np.ones(8, BF16)))
     assert (cp.asnumpy(out).astype(np.float32) == 9).all()
-    plan = next(p for k, p in cu._plans.items() if k[1] == lib.Epilogue.BIAS)
+    plan = next(p for k, p in cu.blas.plans.items() if k[1] == lib.Epilogue.BIAS)
     wrong = cp.asarray(np.ones(8, np.float32))
     ptr = np.array(wrong.data.ptr, np.int64)
     lib.matmul_desc_set_attribute(plan["desc"], lib.MatmulDescAttribute.BIAS_POINTER,
@@ -200,10 +201,11 @@ def test_a_bias_of_another_type_than_the_descriptors_is_refused(lt):
     with pytest.raises(lib.cuBLASLtError, match="float32 allocation; the descriptor says "
                                                 "bfloat16"):
         lay, one = plan["layouts"], np.array(1.0, np.float32)
-        lib.matmul(cu._lt["handle"], plan["desc"], one.ctypes.data, w.data.ptr, lay[0],
+        lib.matmul(cu.blas.handle, plan["desc"], one.ctypes.data, w.data.ptr, lay[0],
                    x.data.ptr, lay[1], one.ctypes.data, out.data.ptr, lay[2], out.data.ptr,
-                   lay[2], plan["algo"].ctypes.data, cu._lt["workspace"].data.ptr,
-                   cu.LT_WORKSPACE, cp.cuda.get_current_stream().ptr)
+                   lay[2], plan["algo"].ctypes.data, cu.blas.workspace.data.ptr,
+                   cudasim_module(cu, "cublaslt").LT_WORKSPACE,
+                   cp.cuda.get_current_stream().ptr)
 
 
 @pytest.mark.parametrize("epilogue", ["BIAS", "BGRADB"])
@@ -212,20 +214,20 @@ def test_a_bias_type_other_than_the_products_is_refused(lt, epilogue):
     as an H100's cuBLASLt 13.1 did (the backend asked BGRADB for a float bias gradient);
     the product's own type is taken."""
     cp, cu, lib = lt
-    h = cu._lt_ready()
+    h, blas = cu.blas.ready(), cudasim_module(cu, "cublaslt")
     d = lib.get_matmul_desc_attribute_dtype
 
     def heuristic(bias_type):
         desc = lib.matmul_desc_create(68, 0)
         for attr, value in (("EPILOGUE", getattr(lib.Epilogue, epilogue)), ("BIAS_DATA_TYPE",
                                                                            bias_type)):
-            cu._set(lib.matmul_desc_set_attribute, desc,
-                    getattr(lib.MatmulDescAttribute, attr), value, d)
+            blas._set(lib.matmul_desc_set_attribute, desc,
+                      getattr(lib.MatmulDescAttribute, attr), value, d)
         lay = lib.matrix_layout_create(14, 8, 8, 8)
         pref = lib.matmul_preference_create()
-        cu._set(lib.matmul_preference_set_attribute, pref,
-                lib.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, cu.LT_WORKSPACE,
-                lib.get_matmul_preference_attribute_dtype)
+        blas._set(lib.matmul_preference_set_attribute, pref,
+                  lib.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, blas.LT_WORKSPACE,
+                  lib.get_matmul_preference_attribute_dtype)
         found = np.zeros(1, lib.matmul_heuristic_result_dtype)
         count = np.zeros(1, np.int32)
         lib.matmul_algo_get_heuristic(h, desc, lay, lay, lay, lay, pref, 1,
@@ -522,14 +524,15 @@ def sdpa(monkeypatch):
     cp, cu = load_cudasim()
     cu.configure()
     cu.use_attention("cudnn")
-    return cp, cu, cu._sdpa_graph.__globals__["cudnn"]
+    return cp, cu, cudasim_module(cu, "cudnn").cudnn
 
 
 def test_cudnn_sdpa_is_attention_from_the_strides_and_captures_once_built(sdpa):
     """The stand-in's sdpa on the packed qkv, read and written by strides, is the NumPy
     reference's attention (lse too: natural log) to bf16's rounding; a captured execute is
     recorded and replays the eager bits; a shape first met in a capture is refused."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu, _ = sdpa
     B, T, NH, HS = 2, 5, 2, 8
     rng = np.random.default_rng(1)

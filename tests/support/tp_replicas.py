@@ -6,12 +6,14 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from cupygpt.backends import numpy_backend as be
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.mpi import Mpi
 from cupygpt.formats.llmc import read_model
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
+
+be = NumpyBackend()
 
 cfg, params = read_model(sys.argv[1])
 world = MPI.COMM_WORLD.size

@@ -6,13 +6,14 @@ import sys
 
 import numpy as np
 
-from cupygpt.backends import cuda_backend as be
+from cupygpt.backends.cuda.backend import CudaBackend
 from cupygpt.comm import make_transport
 from cupygpt.comm.base import chunks
 from cupygpt.parallel.mesh import Mesh
 
 import cupy as cp
 
+be = CudaBackend()
 name, pp, dp, tp = sys.argv[1], *map(int, sys.argv[2:5])
 if name == "nvshmem":  # a small window, so the larger collectives run in several rounds
     import cupygpt.comm.nvshmem as nvs

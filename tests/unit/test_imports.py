@@ -73,8 +73,8 @@ def test_every_module_imports_alone():
 # A dotted entry is a folder inside another that sits lower than its parent: the
 # tensor-parallel rules size the model's flat buffers, so the model stands on them.
 LAYERS = (("__main__",), ("cli",), ("commands",), ("train",), ("session",), ("config",),
-          ("parallel",), ("formats",), ("backends",), ("model",), ("parallel.tensor",),
-          ("comm",), ("log", "paths", "precision"), ("",))
+          ("parallel",), ("formats",), ("model",), ("parallel.tensor",), ("comm",),
+          ("backends",), ("log", "paths", "precision"), ("",))
 
 
 def layer(name):

@@ -3,8 +3,8 @@
 #ifndef INFINITY  // NVRTC (CuPy's compiler) has no <math.h>
 #define INFINITY __int_as_float(0x7f800000)
 #endif
-// The launch geometry comes from cupygpt/backends/kernels.py (GEOMETRY), as -D options, so the
-// Python that launches a kernel and the kernel agree on it.
+// The launch geometry comes from cupygpt/backends/cuda/kernels.py (GEOMETRY), as -D options, so
+// the Python that launches a kernel and the kernel agree on it.
 #if !defined(WARP) || !defined(EW_THREADS) || !defined(ROW_WARPS) || !defined(CLS_THREADS) || \
     !defined(COL_TILE) || !defined(ROW_LANES)
 #error "launch geometry not defined: compile with cupygpt.kernels.OPTIONS"

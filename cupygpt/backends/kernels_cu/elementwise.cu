@@ -42,7 +42,7 @@ extern "C" __global__ void residual_forward(floatX* out, const floatX* a, const 
     map2(out, a, b, n, [](float x, float y) { return x + y; });
 }
 
-// The bias of a matmul whose GEMM could not add it in its epilogue (cuda_backend.py says
+// The bias of a matmul whose GEMM could not add it in its epilogue (cuda/cublaslt.py says
 // when): out (N,OC) += bias (OC), rounded once. PACK elements per thread, 16-byte accesses
 // where the pack is whole, in one row and aligned.
 extern "C" __global__ void bias_forward(floatX* out, const floatX* bias, long long n, int OC) {

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable, Sequence
-from types import ModuleType
 
 import numpy as np
 
 from ... import CupyGPTError
+from ...backends.protocol import Backend
 from .schedule import Action, Op, slot_plan
 from ...comm.base import Transport
 from ...model.stage import Stage
@@ -35,7 +35,7 @@ class Executor:
     """plan: the rank's StepPlan; stages: a Stage per held chunk; sync: the GradSync its
     backwards report layers to."""
 
-    def __init__(self, plan: StepPlan, stages: list[Stage], be: ModuleType, transport: Transport,
+    def __init__(self, plan: StepPlan, stages: list[Stage], be: Backend, transport: Transport,
                  sync: GradSync) -> None:
         self.plan, self.stages, self.be, self.sync = plan, stages, be, sync
         self.transport = transport

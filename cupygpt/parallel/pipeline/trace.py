@@ -3,9 +3,9 @@ chrome://tracing): a row per rank, a slice per action."""
 from __future__ import annotations
 
 import json
-from types import ModuleType
 
 from ...paths import atomic_write
+from ...backends.protocol import Backend
 from .schedule import COMPUTE, Action, short
 from ...comm.base import Transport
 from ..mesh import Mesh
@@ -20,7 +20,7 @@ def name(a: Action) -> str:
         f"{a.op.value} {a.mb}{f'.{a.chunk}' if a.chunk else ''}"
 
 
-def write(path: str, records: list, be: ModuleType, transport: Transport, mesh: Mesh,
+def write(path: str, records: list, be: Backend, transport: Transport, mesh: Mesh,
           pipeline: dict) -> None:
     """Collective over the ranks: rank 0 writes every rank's records ((action, start mark,
     end mark), the executor's), in microseconds from the first action of any rank, with

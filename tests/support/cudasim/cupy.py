@@ -50,7 +50,7 @@ import weakref
 import ml_dtypes
 import numpy as np
 
-from cupygpt.backends.kernels import kernels_in
+from cupygpt.backends.cuda.kernels import kernels_in
 
 __version__ = "cudasim"
 uint8, uint16, uint64, float32, float64 = np.uint8, np.uint16, np.uint64, np.float32, np.float64

@@ -36,7 +36,8 @@ def dev(device):
         cp, cu = load_cudasim()
     else:
         import cupy as cp
-        from cupygpt.backends import cuda_backend as cu
+        from cupygpt.backends.cuda.backend import CudaBackend
+        cu = CudaBackend()
     cu.configure(tf32=False)
     return types.SimpleNamespace(cp=cp, cu=cu)
 
@@ -47,7 +48,8 @@ def run(device, *args, **kw):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernels_match_numpy(dev, shape):
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
 
     def pair(rng, shape, scale=1.0):
@@ -378,7 +380,8 @@ def test_a_pack_of_minus_inf_logits_adds_nothing(dev):
     """A thread's later pack all -inf (a product overflowed), after a finite one: the row's
     statistics, loss and dlogits stay those of the finite logits (a row as long as
     GPT-2's, so a thread reads several packs)."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
     V = 8300
     lg = np.random.default_rng(3).normal(size=(1, 1, V)).astype(np.float32)
@@ -444,10 +447,10 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
     def record(fn, grid, block, *args, shared_mem=0):
         size = sum(a.nbytes for a in args if isinstance(a, cp.ndarray))
         launches.append((fn, math.prod(grid), size))
-    monkeypatch.setattr(cu, "_launch", record)
-    monkeypatch.setattr(cu, "_gemm", lambda *a, bias=None, bias_grad=None, **kw:
+    monkeypatch.setattr(cu.kernels, "launch", record)
+    monkeypatch.setattr(cu.blas, "gemm", lambda *a, bias=None, bias_grad=None, **kw:
                         "no epilogue" if bias is not None or bias_grad is not None else None)
-    monkeypatch.setattr(cu, "_k", lambda *a: types.SimpleNamespace(
+    monkeypatch.setattr(cu.kernels, "get", lambda *a: types.SimpleNamespace(
         max_dynamic_shared_size_bytes=1 << 20))
     B, T, C, NH, V, Vp, L = 4, 1024, 768, 12, 50257, 50304, 12
     x = lambda *shape, dtype=BF16: cp.empty(shape, dtype)  # noqa: E731
@@ -521,7 +524,8 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
     (the embedding, the residual, the permutes); within 1 bf16 step where fp32 sums or
     library functions (tanh, exp) run in another order; GEMM outputs within 1 step, or
     2 at the rms where sums cancel."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
     B, T, C, NH = shape
     rng = np.random.default_rng(1)
@@ -664,7 +668,8 @@ def test_bf16_kernels_match_the_numpy_reference(dev, shape):
 def test_norm_kernel_matches_numpy_at_any_offset(dev, dtype):
     """sum_squares against the NumPy reference (the same float group sums, float64 across):
     whole, from an unaligned offset, and on a misaligned view (the element-wise path)."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
     g = np.random.default_rng(2).normal(size=70_001).astype(BF16 if dtype == "bf16" else np.float32)
     g_d = cp.asarray(g)
@@ -680,8 +685,9 @@ def test_embedding_gradient_over_several_sorted_runs(dev, dtype):
     """n = 2500 positions (three runs of the 1024 a block sorts, the last partial) of 41
     tokens, most repeated: the device's order is numpy's (token, position) sort, and wte's
     and wpe's gradients (a vocab shard missing some tokens) are the NumPy reference's."""
-    from cupygpt.backends import numpy_backend as npb
-    from cupygpt.backends.kernels import GEOMETRY
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
+    from cupygpt.backends.cuda.kernels import GEOMETRY
     cp, cu = dev.cp, dev.cu
     dt, rng = BF16 if dtype == "bf16" else np.float32, np.random.default_rng(11)
     B, T, C = 5, 500, 24
@@ -707,7 +713,8 @@ def test_adamw_packs_equal_the_element_wise_path_and_numpy(dev, dtype):
     give the bits of the element-wise path (every array one element into its buffer, so
     no access is aligned), with n = 1003 (a partial pack at the end), clipped; and agree
     with the NumPy reference (bf16: the same stochastic rounding of the masters)."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
     dt, n, rng = BF16 if dtype == "bf16" else np.float32, 1003, np.random.default_rng(8)
     host = {"p": rng.normal(size=n).astype(dt), "g": rng.normal(size=n).astype(dt),
@@ -750,7 +757,8 @@ def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, l
     ones), the fused classifier, the embedding and its gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
-    from cupygpt.backends import numpy_backend as npb
+    from cupygpt.backends.numpy.backend import NumpyBackend
+    npb = NumpyBackend()
     cp, cu = dev.cp, dev.cu
     dt = BF16 if dtype == "bf16" else np.float32
     rng = np.random.default_rng(4)
@@ -794,7 +802,7 @@ def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, l
     # misaligned bias (BIAS's fallback kernel; BGRADB writes an aligned scratch), then on
     # cudasim both fallbacks, as with a cuBLASLt that has no algorithm with an epilogue
     def matmul(fallbacks):
-        cu.epilogue_fallbacks.clear()
+        cu.blas.fallbacks.clear()
         (wm, wm_d), (bm, bm_d), (mo, mo_d) = pair(C, C, scale=0.2), pair(C), pair(N, C)
         npb.matmul_forward(mo, x, wm, bm)
         cu.matmul_forward(mo_d, x_d, wm_d, bm_d)
@@ -804,11 +812,11 @@ def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, l
         cu.matmul_backward_weight(dwm_d, dbm_d, dout_d, x_d)
         check(dwm_d, dwm, "dw")
         check(dbm_d, dbm, "dbias")
-        assert {e for e, _ in cu.epilogue_fallbacks} == fallbacks
+        assert {e for e, _ in cu.blas.fallbacks} == fallbacks
     matmul({"BIAS"} if lo else set())
     if simulated(device):
         monkeypatch.setenv("CUDASIM_LT_NO_EPILOGUE", "1")
-        cu._plans.clear()
+        cu.blas.plans.clear()
         matmul({"BIAS", "BGRADB"})
     # the fused classifier: 100 columns, 93 real tokens (the rest padding), dlogits in place
     tgt = rng.integers(0, 93, N).astype(np.int32)

@@ -1,4 +1,4 @@
-"""cuDNN's fused attention (--attention, backends/cudnn_attention.py) on cudasim's cudnn
+"""cuDNN's fused attention (--attention, backends/cuda/cudnn.py) on cudasim's cudnn
 stand-in (tests/support/cudasim/cudnn; CUDASIM_CUDNN=1: the frontend and the library installed)
 and, where one is installed, on a GPU: verify on every reference and on heads of 16 with
 an odd T in both attentions, graph replay, the refusals, auto's fallback and bench's side
@@ -226,12 +226,12 @@ def test_a_shape_cudnns_checks_refuse_is_autos_fallback_and_cudnns_line(tmp_path
 @pytest.fixture()
 def sim_cudnn(monkeypatch):
     """The cuda backend on cudasim, its cuDNN stand-in told the library is installed, and
-    the backend's cudnn_attention module (its graphs cache)."""
-    from harness import load_cudasim
+    the backend's cudnn module (its graphs are the backend's sdpa)."""
+    from harness import cudasim_module, load_cudasim
     monkeypatch.setenv("CUDASIM_CUDNN", "1")
     cp, cu = load_cudasim()
     cu.configure()
-    return cp, cu, cu._sdpa_graph.__globals__
+    return cp, cu, cudasim_module(cu, "cudnn")
 
 
 @SIM_ONLY
@@ -250,12 +250,13 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     from cupygpt.precision import BF16
     from cupygpt.model.shape import preset
     cp, cu, att = sim_cudnn
-    lib, shape = att["cudnn"], preset("tiny")
+    from cupygpt.model.layout import stage_shape
+    lib, shape = att.cudnn, preset("tiny")
     run = Runner(shape=shape, be=cu, transport=Local(), mesh=Mesh(),
                  settings=StepSettings(batch=2, seq=16, dtype=BF16, graphs=graphs,
                                        adamw=AdamWConfig(lr=1e-4) if trains else None,
                                        attention="cudnn"))
-    built = {k[0]: g for k, (g, _, _) in att["_graphs"].items() if k[1:] == (2, 4, 16, 32)}
+    built = {k[0]: g for k, (g, _, _) in cu.sdpa.graphs.items() if k[1:] == (2, 4, 16, 32)}
     assert set(built) == ({"forward", "backward"} if trains else {"forward"})
     for g in built.values():
         assert g._replay is graphs and "use_causal_mask" not in g._node[2]
@@ -264,12 +265,13 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     if trains:
         assert built["backward"]._deterministic is True
     asks = [g.get_workspace_size() for g in built.values()]
-    assert att["workspace_bytes"](2, 4, 16, 32) == max(asks)
-    assert run.memory["workspace"] - cu.workspace_bytes(shape, 2, 16, run.plan.parts[0],
+    assert cu.sdpa.workspace_bytes(2, 4, 16, 32) == max(asks)
+    assert run.memory["workspace"] - cu.workspace_bytes(stage_shape(shape, 2, 16,
+                                                                    run.plan.parts[0]),
                                                         np.float32) == max(asks)
     qkv = cp.zeros((2, 16, 3 * 128), BF16)
     cu.attention_forward(cp.zeros((2, 16, 128), BF16), cp.zeros((2, 4, 16)), qkv, 4)
-    assert cu._workspace["cudnn", np.dtype(np.uint8)].size == max(asks)
+    assert cu.workspaces["cudnn", np.dtype(np.uint8)].size == max(asks)
 
 
 @SIM_ONLY
@@ -279,14 +281,14 @@ def test_the_graph_cache_keeps_the_last_few_and_what_a_capture_runs(sim_cudnn):
     from cupygpt.precision import BF16
     cp, cu, att = sim_cudnn
     cu.use_attention("cudnn")
-    att["_graphs"].clear()
+    cu.sdpa.graphs.clear()
     out, lse, qkv = cp.zeros((1, 8, 16), BF16), cp.zeros((1, 2, 8)), cp.zeros((1, 8, 48), BF16)
     cu.attention_forward(out, lse, qkv, 2)
     graph = cu.capture(lambda: cu.attention_forward(out, lse, qkv, 2))
-    last = 9 + att["CACHED"] + 3
+    last = 9 + att.CACHED + 3
     for T in range(9, last):
-        att["plan"](1, 2, T, 8, False, False)
+        cu.sdpa.plan(1, 2, T, 8, False, False)
     # the captured one (used least recently) and the newest CACHED - 1
-    assert list(att["_graphs"]) == [("forward", 1, 2, 8, 8)] + [
-        ("forward", 1, 2, T, 8) for T in range(last - att["CACHED"] + 1, last)]
+    assert list(cu.sdpa.graphs) == [("forward", 1, 2, 8, 8)] + [
+        ("forward", 1, 2, T, 8) for T in range(last - att.CACHED + 1, last)]
     cu.replay(graph)

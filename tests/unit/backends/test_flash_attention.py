@@ -7,10 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from cupygpt.backends import numpy_backend as npb
+from cupygpt.backends.numpy.attention import ATT_ROWS
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.precision import BF16
 from harness import cli, device_env
 from test_cuda_backend import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
+
+npb = NumpyBackend()
 
 SIZES = (8, 16, 32, 64, 96, 128)   # the fixtures' head sizes (8, 16) and every kernel's
 LENGTHS = (1, 17, 64, 128, 200, 1000)  # 17, 200, 1000: not a multiple of any tile
@@ -60,7 +63,7 @@ def error(got, want):
 @pytest.mark.parametrize("T", (1, 17, 300))
 def test_numpy_blocks_of_queries_equal_the_whole_attention(T):
     """T = 300: three blocks of ATT_ROWS queries, the last one short."""
-    assert npb.ATT_ROWS < 300 < 3 * npb.ATT_ROWS
+    assert ATT_ROWS < 300 < 3 * ATT_ROWS
     qkv, dy = inputs(2, T, 3, 16, np.float64)
     y, dqkv = run(npb, qkv, dy, 3)
     want_y, want_d = materialized(qkv, dy, 3)
@@ -148,7 +151,7 @@ def test_fp32_heads_on_a_99_kib_device_take_one_buffer_or_are_refused(dev, devic
     with FMA) build with one buffer per walked tile and still equal the whole attention;
     64 keeps two; 128 fits in neither way and is refused in a line naming the bytes,
     before CUDA fails setting the opt-in."""
-    from cupygpt.backends.kernels import flash_smem_bytes
+    from cupygpt.backends.cuda.kernels import flash_smem_bytes
     if device != "sim":
         pytest.skip("pretends a 99 KiB device: cudasim only")
     monkeypatch.setenv("CUDASIM_SMEM_OPTIN", str(SMALL_OPTIN))
@@ -159,7 +162,7 @@ def test_fp32_heads_on_a_99_kib_device_take_one_buffer_or_are_refused(dev, devic
             y, dqkv = run(dev.cu, qkv, dy, 1, dev.cp.asarray, dev.cp.asnumpy)
             want_y, want_d = materialized(qkv, dy, 1)
             assert error(y, want_y) < 1e-5 and error(dqkv, want_d) < 1e-5, HS
-        assert dev.cu._fp32_doubled() == 64  # 96 on one buffer, 64 on two
+        assert dev.cu.kernels.fp32_doubled() == 64  # 96 on one buffer, 64 on two
         assert flash_smem_bytes("dq", 64, 4, True, 64) > flash_smem_bytes("dq", 64, 4, True, 0)
         why = dev.cu.attention_refuses(128, np.float32)
         assert "head size 128 needs 110,848 bytes" in why and f"allows {SMALL_OPTIN:,}" in why

@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from cupygpt.backends.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
-                                      flash_fp32_doubled, flash_smem_bytes, kernels_in,
-                                      nvrtc_compile, options, sources)
+from cupygpt.backends.cuda.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
+                                           flash_fp32_doubled, flash_smem_bytes, kernels_in,
+                                           nvrtc_compile, options, sources)
 
 ARCHS = ("compute_80", "compute_90")
 SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)
@@ -157,9 +157,10 @@ def test_a_kernel_without_the_launch_geometry_is_refused():
 
 def test_every_backend_kernel_exists():
     """Each kernel name the CUDA backend launches is defined in kernels_cu."""
-    src = open(os.path.join(os.path.dirname(KERNEL_DIR), "cuda_backend.py")).read()
-    used = set(re.findall(r'_(?:ew|rows|launch)\("(\w+)"', src))
-    whole = set(re.findall(r'_whole_packs\("(\w+)"', src))  # and their aligned _v entries
+    src = "".join(open(p).read() for p in
+                  glob.glob(os.path.join(os.path.dirname(KERNEL_DIR), "cuda", "*.py")))
+    used = set(re.findall(r'\.(?:ew|rows|packed|launch)\("(\w+)"', src))
+    whole = set(re.findall(r'\bwhole_packs\("(\w+)"', src))  # and their aligned _v entries
     used |= whole | {n + "_v" for n in whole}
     defined = set()
     for path in sources():

@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from cupygpt.backends import numpy_backend as be
+from cupygpt.backends.numpy.backend import NumpyBackend
+
+be = NumpyBackend()
 
 rng = np.random.default_rng(0)
 B, T, C, NH, OC = 2, 5, 8, 2, 6
@@ -173,7 +175,7 @@ def test_kernel_profile_times_each_op_and_the_rest():
     assert set(ops) == {"gelu_forward", "gelu_backward", "(rest)"} and per_kernel == []
     assert sum(row["share"] for row in per_op) == pytest.approx(1.0)
     assert all(row["ms_per_step"] > 0 for row in per_op)
-    assert be._trace is None  # profiling ends with the call
+    assert be.trace is None  # profiling ends with the call
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

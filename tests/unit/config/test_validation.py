@@ -10,12 +10,14 @@ import pytest
 
 import cupygpt
 from cupygpt import CupyGPTError
-from cupygpt.backends import numpy_backend as npb
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.config import configs, sections
 from cupygpt.config.train import TrainConfig
 from cupygpt.formats.hellaswag import Example, write_eval
 from cupygpt.paths import MADE, make_parent, unmake_dirs
 from harness import fixture
+
+npb = NumpyBackend()
 
 CONFIG = os.path.join(os.path.dirname(cupygpt.__file__), "config")
 MAKERS = {"makedirs", "mkdir", "make_dir", "make_parent", "mkstemp", "mkdtemp",

@@ -2,12 +2,14 @@
 and a model cut into stages by hand giving the same loss and gradients as the whole."""
 import numpy as np
 
-from cupygpt.backends import numpy_backend as be
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.model.shape import GPT2Config
 from cupygpt.model.layout import Part, assemble, param_layout
 from cupygpt.parallel.tensor.comm import TensorGroup
 from cupygpt.model.initialize import init_params
 from cupygpt.model.stage import Stage
+
+be = NumpyBackend()
 
 CFG = GPT2Config(maxT=8, V=11, Vp=16, L=2, NH=2, C=8)
 # CFG with heads of 8: the CUDA backend's attention runs head sizes in multiples of 8

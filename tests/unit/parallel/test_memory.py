@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from cupygpt import CupyGPTError
-from cupygpt.backends import host_memory, numpy_backend
+from cupygpt.backends import host_memory
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.model.optim import AdamWConfig
 from cupygpt.parallel.mesh import Mesh
@@ -15,6 +16,8 @@ from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
 from cupygpt.model.shape import GPT2Config, preset
 from harness import cli
+
+numpy_backend = NumpyBackend()
 
 
 class SmallDevice:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cupygpt import CupyGPTError
-from cupygpt.backends import numpy_backend
+from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.model.shape import GPT2Config
 from cupygpt.parallel.mesh import Mesh
@@ -12,6 +12,8 @@ from cupygpt.parallel.pipeline.executor import Pass
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
 from cupygpt.parallel.pipeline.schedule import Action, Op
+
+numpy_backend = NumpyBackend()
 
 
 def own(m, axis):

@@ -1,5 +1,5 @@
 """cudasim's cudnn (nvidia-cudnn-frontend 1.32's graph API): the part the CUDA backend's
-fused attention uses (cupygpt/backends/cudnn_attention.py), computed by NumPy from the
+fused attention uses (cupygpt/backends/cuda/cudnn.py), computed by NumPy from the
 very pointers, dims and strides it declares, on cudasim's device memory and streams.
 
 Installed state: CUDASIM_CUDNN picks what this machine pretends to have installed:

@@ -1,6 +1,6 @@
 """Where the CUDA C sources are, how they are compiled and the launch geometry they share
 with the backend (used by the backend and the compile test, so CI compiles exactly what
-the GPU runs).
+the GPU runs; and by cudasim's CuPy, so it imports no CuPy).
 
 Options, chosen deliberately:
 - no --use_fast_math: the non-matmul kernels are memory-bound, so fast intrinsics buy
@@ -17,13 +17,15 @@ from __future__ import annotations
 import glob
 import os
 import re
+from types import MappingProxyType
 
 # package data: the wheel carries them, and the repository's kernels_cu/ links here
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cu")
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "kernels_cu")
 # Launch geometry, defined here only: the backend launches with these values and the
 # kernels are compiled with them (-D), so the two cannot disagree. common.cuh refuses to
 # compile a kernel without them.
-GEOMETRY = {
+GEOMETRY = MappingProxyType({
     "WARP": 32,           # threads per warp
     "EW_THREADS": 256,    # elementwise kernels: threads per block, one element each
     "ROW_WARPS": 8,       # row kernels (layernorm, softmax): warps per block, a row each
@@ -33,7 +35,7 @@ GEOMETRY = {
     "FLASH_WARPS": 4,     # flash attention: warps per block, 16 rows (queries or keys) each
     "FLASH_COLS": 64,     # flash attention: columns (keys or queries) per tile walked, at most
     "SORT_KEYS": 1024,    # the embedding's gradient: positions a block sorts in shared memory
-}
+})
 # The head sizes flash attention is built for (a kernel per size): a head of HS (a
 # multiple of 8, at most the last) runs in the smallest one >= HS.
 FLASH_HEAD_SIZES = (16, 32, 64, 96, 128)
@@ -84,7 +86,7 @@ def flash_fp32_doubled(optin: int) -> int:
 
 
 OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}", *(f"-D{k}={v}" for k, v in GEOMETRY.items()))
-FLOATX = {"fp32": "float", "bf16": "__nv_bfloat16"}  # the C type of each run dtype
+FLOATX = MappingProxyType({"fp32": "float", "bf16": "__nv_bfloat16"})  # each run dtype's C type
 
 
 def cuda_headers() -> tuple[str, ...]:
