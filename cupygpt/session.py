@@ -13,11 +13,11 @@ from .config.sections import attention_path
 from .formats.llmc import is_model_file, read_model
 from .log import Log
 from .model.initialize import init_params
+from .model.shape import preset
 from .parallel.mesh import Mesh
 from .parallel.runner import Runner
 from .parallel.settings import StepSettings
 from .precision import DTYPES
-from .model.shape import preset
 
 
 def load_model(spec, seed):

@@ -28,9 +28,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "timelines"))
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
-    from cupygpt.model.shape import GPT2Config
     from cupygpt.formats.llmc import read_shard, write_model, write_shard
     from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     os.makedirs(a.out, exist_ok=True)
     tmp = tempfile.mkdtemp()
     cfg = GPT2Config(maxT=64, V=512, Vp=512, L=8, NH=8, C=256)

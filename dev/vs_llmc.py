@@ -80,8 +80,10 @@ def main():
     r["memory_ratio"] = r["cupygpt_peak_MiB"] / r["llmc_peak_MiB"]
     print(json.dumps(r) if a.json else "\n".join(
         [f"{a.model} B=4 T=64, {r['cores']} cores, median of {a.steps} steps",
-         f"  llm.c train_gpt2.c  {r['llmc_ms_per_step']:9.1f} ms/step  {r['llmc_peak_MiB']:7.0f} MiB",
-         f"  cupygpt (numpy)     {r['cupygpt_ms_per_step']:9.1f} ms/step  {r['cupygpt_peak_MiB']:7.0f} MiB",
+         f"  llm.c train_gpt2.c  {r['llmc_ms_per_step']:9.1f} ms/step  "
+         f"{r['llmc_peak_MiB']:7.0f} MiB",
+         f"  cupygpt (numpy)     {r['cupygpt_ms_per_step']:9.1f} ms/step  "
+         f"{r['cupygpt_peak_MiB']:7.0f} MiB",
          f"  ratio               {r['time_ratio']:9.2f}x          {r['memory_ratio']:7.2f}x"]))
 
 

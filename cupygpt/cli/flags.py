@@ -12,14 +12,20 @@ import typing
 import click
 
 from .. import CupyGPTError
-from ..comm.launch import (Stopped, disagreement, fail, launched_ranks, on_signals,
-                           start_mpi, stop_job)
+from ..comm.launch import (
+    Stopped,
+    disagreement,
+    fail,
+    launched_ranks,
+    on_signals,
+    start_mpi,
+    stop_job,
+)
 from ..config.fields import values
 from ..config.sections import FLAG, Device, Grid, Pipeline
 from ..log import FAILED, guard_streams
 from ..paths import unmake_dirs
 from ..session import Session
-
 
 
 def flag_of(name):

@@ -6,18 +6,20 @@ import time
 
 import click
 
-from ..commands.bench import ATTENTIONS, bench as run_bench, claim_out, side_by_side, trace_failed
-from ..commands.bench_comm import comm_bench, format_rows, sizes
-from ..config.train import TrainConfig
-from .flags import LlmcFlags, entry, options_of, progress, session
-from .tools import TOOLS
-from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
-from ..paths import atomic_write
 from ..comm.launch import world_rank
+from ..commands.bench import ATTENTIONS, claim_out, side_by_side, trace_failed
+from ..commands.bench import bench as run_bench
+from ..commands.bench_comm import comm_bench, format_rows, sizes
 from ..commands.eval import eval_command
 from ..commands.sample import sample_text
+from ..commands.verify import format_report, reference_defaults
+from ..commands.verify import verify as run_verify
+from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
+from ..config.train import TrainConfig
+from ..paths import atomic_write
 from ..train.loop import train as run_train
-from ..commands.verify import format_report, reference_defaults, verify as run_verify
+from .flags import LlmcFlags, entry, options_of, progress, session
+from .tools import TOOLS
 
 
 @click.group()

@@ -6,17 +6,23 @@ import math
 import click
 
 from .. import CupyGPTError
-from .flags import config, entry, one_process, options_of, progress
-from ..config.sections import out_file
-from ..config.tools import (ConvertConfig, PlotConfig, PrepareConfig,
-                            ScheduleConfig, TimelineConfig, image_format)
 from ..commands.convert import convert as run_convert
-from ..paths import check_outputs, make_parent
-from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
-from ..parallel.pipeline.simulate import simulate
 from ..commands.plot import plot as run_plot
 from ..commands.prepare import prepare as run_prepare
 from ..commands.timeline import timeline as draw
+from ..config.sections import out_file
+from ..config.tools import (
+    ConvertConfig,
+    PlotConfig,
+    PrepareConfig,
+    ScheduleConfig,
+    TimelineConfig,
+    image_format,
+)
+from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank, short, slot_plan
+from ..parallel.pipeline.simulate import simulate
+from ..paths import check_outputs, make_parent
+from .flags import config, entry, one_process, options_of, progress
 
 
 @click.command()

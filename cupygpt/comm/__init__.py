@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 from ..backends.protocol import Backend
-from .local import Local
 from .base import Transport
+from .local import Local
 
 KINDS = {"mpi": ("mpi", "Mpi"), "nccl": ("nccl", "Nccl"), "nvshmem": ("nvshmem", "Nvshmem")}
 

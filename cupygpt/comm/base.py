@@ -16,7 +16,6 @@ from typing import Any
 
 from .. import CupyGPTError
 
-
 AXES = ("dp", "tp", "pp")  # the groups every transport makes communicators for
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..precision import BF16, wide
 from ..backends.protocol import Backend
+from ..precision import BF16, wide
 from .base import AXES, Done, Transport, chunks, poll
 
 TAGS = {"act": 11, "grad": 12, "tied": 13, "ctl": 14}

@@ -3,14 +3,14 @@ import statistics
 import time
 
 from .. import CupyGPTError
-from ..train.loader import DataLoader
-from ..model.initialize import init_params
-from ..model.shape import flops_per_token, mfu
-from ..model.optim import AdamWConfig
 from ..config.configs import BenchConfig
 from ..config.sections import RUN_DTYPES, out_file
+from ..model.initialize import init_params
+from ..model.optim import AdamWConfig
+from ..model.shape import flops_per_token, mfu
 from ..paths import check_outputs, make_parent
 from ..precision import numerics
+from ..train.loader import DataLoader
 
 
 def bench(sess, on_step=None):

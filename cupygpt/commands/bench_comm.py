@@ -13,8 +13,8 @@ import numpy as np
 
 from ..comm import make_transport
 from ..config.sections import RUN_DTYPES
-from ..parallel.mesh import Mesh
 from ..parallel.memory import check_memory
+from ..parallel.mesh import Mesh
 from ..precision import DTYPES
 
 SIZES = [2 ** k for k in range(10, 27, 2)]  # bytes: 1 KiB .. 64 MiB

@@ -14,11 +14,10 @@ from safetensors.numpy import save_file
 
 from .. import CupyGPTError
 from ..formats import hf
-from ..paths import UMASK, disk_full, full
-from ..formats.llmc import model_shape, read_model, write_model
 from ..formats.hf_tokenizer import write_tokenizer
-from ..paths import check_outputs, claim_file, files_of
+from ..formats.llmc import model_shape, read_model, write_model
 from ..formats.tokenizer import Tokenizer
+from ..paths import UMASK, check_outputs, claim_file, disk_full, files_of, full
 
 
 def convert(src, dst, bf16=False, tokenizer=None, force=False):

@@ -18,9 +18,16 @@ from ..backends import host_memory
 from ..comm.launch import STOPPING, Stopped
 from ..formats.hellaswag import from_jsonl, write_eval
 from ..formats.llmc import write_shard
-from ..paths import (TEXT_CAP, atomic_write, check_outputs, claim, make_dir, not_compressed,
-                     read_bounded)
 from ..formats.tokenizer import Tokenizer, tokenize_tinyshakespeare
+from ..paths import (
+    TEXT_CAP,
+    atomic_write,
+    check_outputs,
+    claim,
+    make_dir,
+    not_compressed,
+    read_bounded,
+)
 from .corpus import check_inputs, tasks
 
 SHARD_SIZE = 10 ** 8   # the corpus mode's tokens per shard, llm.c's FineWeb script's

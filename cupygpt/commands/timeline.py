@@ -9,10 +9,10 @@ import textwrap
 
 from .. import CupyGPTError
 from ..config.tools import image_format
-from .plot import pyplot
-from ..paths import atomic_write, loads, read_bounded, shown
 from ..parallel.pipeline.schedule import SCHEDULES, Op, chunks_per_rank
 from ..parallel.pipeline.simulate import simulate
+from ..paths import atomic_write, loads, read_bounded, shown
+from .plot import pyplot
 
 # Compute ops (the trace's "cat") and how they are drawn: F full colour, B darker, W paler.
 LETTER = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W"}

@@ -15,14 +15,28 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
+from ..formats.hellaswag import check_fits, longest_row, read_eval
+from ..formats.llmc import is_model_file, model_shape, read_expected, read_state_header
+from ..model.shape import PRESETS, preset
+from ..paths import DATA, REFERENCE, check_outputs, files_of
 from . import fields
 from .fields import flag
-from ..formats.llmc import is_model_file, model_shape, read_expected, read_state_header
-from ..formats.hellaswag import check_fits, longest_row, read_eval
-from .sections import (Device, Grid, Pipeline, default, existing, fits, graphs_on, out_file,
-                       place, positive, recompute_level, run_dtype, RUN_DTYPES, VERIFY_DTYPES)
-from ..paths import DATA, REFERENCE, check_outputs, files_of
-from ..model.shape import PRESETS, preset
+from .sections import (
+    RUN_DTYPES,
+    VERIFY_DTYPES,
+    Device,
+    Grid,
+    Pipeline,
+    default,
+    existing,
+    fits,
+    graphs_on,
+    out_file,
+    place,
+    positive,
+    recompute_level,
+    run_dtype,
+)
 
 
 def hellaswag_seq(path, batch, seq, shape, option="hellaswag_file"):

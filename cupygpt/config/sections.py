@@ -11,12 +11,12 @@ from typing import Optional
 from .. import CupyGPTError
 from ..comm.launch import YEAR_S
 from ..model.layout import RECOMPUTED
+from ..parallel.pipeline.plan import plan_split
+from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
 from ..paths import check_dir, file_dir, not_regular
 from ..precision import DTYPES, dtype_name
 from . import fields
 from .fields import flag
-from ..parallel.pipeline.plan import plan_split
-from ..parallel.pipeline.schedule import SCHEDULES, chunks_per_rank
 
 ATTENTION = ("auto", "cudnn", "own", "both")
 

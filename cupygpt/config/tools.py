@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import CupyGPTError
+from ..parallel.pipeline.schedule import SCHEDULES
 from . import fields
 from .fields import flag
 from .sections import RUN_DTYPES
-from ..parallel.pipeline.schedule import SCHEDULES
 
 # what plot and timeline draw into, by --out's extension (matplotlib's writers; none: PNG)
 IMAGES = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")

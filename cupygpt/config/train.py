@@ -8,16 +8,30 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
-from . import fields
-from .fields import flag
-from ..formats.checkpoint import (STATE, beside, check_model, check_resume, holding, newer,
-                                  reserved, resolve as resolve_checkpoint)
+from ..formats.checkpoint import STATE, beside, check_model, check_resume, holding, newer, reserved
+from ..formats.checkpoint import resolve as resolve_checkpoint
 from ..formats.llmc import is_model_file, model_shape, shard_files
-from .configs import hellaswag_seq
-from .sections import (Device, Grid, Pipeline, between, default, existing, fits, graphs_on,
-                       out_file, place, positive, recompute_level, run_dtype, RUN_DTYPES)
 from ..model.optim import LR_SCHEDULES
 from ..paths import DATA, check_dir, check_outputs, files_of
+from . import fields
+from .configs import hellaswag_seq
+from .fields import flag
+from .sections import (
+    RUN_DTYPES,
+    Device,
+    Grid,
+    Pipeline,
+    between,
+    default,
+    existing,
+    fits,
+    graphs_on,
+    out_file,
+    place,
+    positive,
+    recompute_level,
+    run_dtype,
+)
 
 
 @dataclass(frozen=True)

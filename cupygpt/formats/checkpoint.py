@@ -9,10 +9,9 @@ import zipfile
 import numpy as np
 
 from .. import CupyGPTError
-from .llmc import read_shard, shard_order
-from ..paths import loads
 from ..model.layout import param_layout
-
+from ..paths import loads
+from .llmc import read_shard, shard_order
 
 LATEST = "latest"
 

@@ -6,9 +6,8 @@ from collections import namedtuple
 import numpy as np
 
 from .. import CupyGPTError
-from .llmc import HEADER_BYTES, make_header
 from ..paths import loads, read_bounded
-
+from .llmc import HEADER_BYTES, make_header
 
 MAGIC, VERSION, COMPLETIONS, START = 20240522, 1, 4, 65535
 EVAL_CAP = 1 << 28  # HellaSwag's val file is 3.6 MB

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
-from ..paths import loads, read_bounded
 from ..model.shape import GPT2_V, GPT2Config, padded_vocab
+from ..paths import loads, read_bounded
 from .torchbin import torch_weights
 
 CONFIG, WEIGHTS, TORCH_WEIGHTS = "config.json", "model.safetensors", "pytorch_model.bin"

@@ -11,10 +11,10 @@ import os
 import numpy as np
 
 from .. import CupyGPTError
-from . import hf
 from ..model.layout import param_layout
-from ..paths import atomic_write, loads, read_bounded, regular
 from ..model.shape import GPT2Config, preset
+from ..paths import atomic_write, loads, read_bounded, regular
+from . import hf
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

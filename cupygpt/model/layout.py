@@ -6,8 +6,8 @@ model is the range [0, L) with both, unsharded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np

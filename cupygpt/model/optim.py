@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .layout import Part, replicated
-from ..precision import is_narrow, wide
 from ..comm.base import Transport
+from ..precision import is_narrow, wide
+from .layout import Part, replicated
 from .stage import Stage
 
 

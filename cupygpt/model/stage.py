@@ -6,8 +6,9 @@ backend interface, so NumPy and CUDA run the same code; it never knows whether i
 pipelined. Tensor parallelism adds four sums over the shard's group per layer and pass (the
 row-parallel outputs forward, the column-parallel inputs' gradients backward) and the
 vocab-parallel cross-entropy, both run by the TensorGroup the stage is given
-(parallel/tensor/comm.py; with one shard they are no-ops). Activations live in `slots` copies of one micro-batch's layout, so a
-pipeline stage keeps the micro-batches that are in flight.
+(parallel/tensor/comm.py; with one shard they are no-ops). Activations live in `slots`
+copies of one micro-batch's layout, so a pipeline stage keeps the micro-batches that are in
+flight.
 
 The LM head is the last stage's: logits = lnf wte^T a chunk of positions at a time
 (layout's LOGIT_CHUNK bounds a chunk), and the vocab-parallel softmax cross-entropy on each
@@ -30,8 +31,16 @@ from ..backends.protocol import Backend
 from ..comm.local import Local
 from ..parallel.tensor.comm import TensorGroup
 from ..precision import dtype_name, wide
-from .layout import (RECOMPUTED, Layout, Mixed, Part, activation_layout, copy_part, param_layout,
-                     scratch_layout)
+from .layout import (
+    RECOMPUTED,
+    Layout,
+    Mixed,
+    Part,
+    activation_layout,
+    copy_part,
+    param_layout,
+    scratch_layout,
+)
 from .shape import GPT2Config
 
 

@@ -8,11 +8,11 @@ from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..backends.protocol import Backend
-from ..model.layout import stage_shape
-from ..model.stage import Stage
-from ..model.optim import AdamW
 from ..comm.base import Transport
+from ..model.layout import stage_shape
+from ..model.optim import AdamW
 from ..model.shape import GPT2Config
+from ..model.stage import Stage
 from .mesh import Mesh
 from .pipeline.plan import StepPlan
 

@@ -31,19 +31,19 @@ from .. import CupyGPTError
 from ..backends.protocol import Backend
 from ..comm.base import Transport
 from ..model.layout import Part, assemble, copy_part, param_layout
-from ..model.stage import Stage
 from ..model.optim import AdamW
 from ..model.shape import GPT2Config
-from .mesh import Mesh
+from ..model.stage import Stage
 from .data.grad_sync import GradSync
-from .data.zero import ZeroOne, zero_slices as zero_slices_of
+from .data.zero import ZeroOne
+from .data.zero import zero_slices as zero_slices_of
+from .memory import check_memory, memory_plan
+from .mesh import Mesh
 from .pipeline import trace
 from .pipeline.executor import Executor, Pass
-from .memory import check_memory, memory_plan
 from .pipeline.plan import plan_step
 from .settings import StepSettings
 from .tensor.comm import TensorGroup
-
 
 
 class Abandoned(Exception):

@@ -13,8 +13,19 @@ import shutil
 import numpy as np
 
 from .. import CupyGPTError
-from ..formats.checkpoint import (LATEST, NAME, STATE, UNREADABLE, _state_file, check_matches,
-                                  damaged, listed, model_digest, state_meta, was_major)
+from ..formats.checkpoint import (
+    LATEST,
+    NAME,
+    STATE,
+    UNREADABLE,
+    _state_file,
+    check_matches,
+    damaged,
+    listed,
+    model_digest,
+    state_meta,
+    was_major,
+)
 from ..formats.llmc import read_model, write_model
 from ..paths import atomic_write
 from ..precision import dtype_name, is_narrow

@@ -13,7 +13,6 @@ import numpy as np
 from ..formats.hellaswag import COMPLETIONS
 
 
-
 def batch(examples, B, T):
     """(x, y, mask) int32 (B, T), bool (B, T) of up to B // 4 examples: row 4 i + c is
     example i's context and completion c; the mask marks the positions whose target is a

@@ -2,8 +2,9 @@
 length checked: only the batch is held in memory, and a shard that shrinks under a run is
 named, never a SIGBUS as from a memory map). A sample is one step's batch, B*T+1 tokens
 starting at a multiple of B*T; a shard of n tokens holds (n - 1) // (B*T) of them. Every
-rank reads the whole batch and its replica computes its own rows of it (the executor's split), so each row of an
-epoch goes to exactly one replica and every grid sees the one-rank run's data.
+rank reads the whole batch and its replica computes its own rows of it (the executor's
+split), so each row of an epoch goes to exactly one replica and every grid sees the
+one-rank run's data.
 
 Shuffled (llm.c's training default), each epoch visits the shards in a seeded random order
 and each shard's samples in a seeded random order; sequential, both are the identity.

@@ -11,22 +11,22 @@ import time
 import numpy as np
 
 from .. import CupyGPTError
-from . import checkpoint, rundir
-from ..model.shape import mfu
 from ..comm.launch import Interrupt
-from .loader import DataLoader
 from ..formats.hellaswag import read_eval
 from ..formats.llmc import check_finite, write_model
-from .evaluate import evaluate as hellaswag
+from ..formats.tokenizer import Tokenizer
 from ..log import open_log
 from ..model.optim import AdamWConfig, lr_at
-from .outlier import UpdateGate
+from ..model.shape import mfu
 from ..parallel.pipeline.plan import stage_shares
 from ..parallel.runner import Abandoned
 from ..precision import is_narrow
-from .sample import generate
 from ..session import load_model
-from ..formats.tokenizer import Tokenizer
+from . import checkpoint, rundir
+from .evaluate import evaluate as hellaswag
+from .loader import DataLoader
+from .outlier import UpdateGate
+from .sample import generate
 
 
 def open_tokenizer(path, shape, log):
@@ -50,7 +50,8 @@ def train(sess):
     # -sl/-sg: the update waits on the step's loss and norm (an eager step)
     settings = sess.step_settings(
         batch=config.batch, seq=config.seq, recompute=config.recompute,
-        adamw=AdamWConfig(lr=config.lr, weight_decay=config.weight_decay, grad_clip=config.grad_clip),
+        adamw=AdamWConfig(lr=config.lr, weight_decay=config.weight_decay,
+                          grad_clip=config.grad_clip),
         graphs=config.graphs, trace=bool(config.trace), micro_steps=config.micro_steps,
         gated=bool(config.skip_loss or config.skip_norm))
     lock = rundir.claim(config, sess.transport, rundir.need_bytes(
@@ -149,7 +150,8 @@ class Trainer:
             self.log(f"note: --seed {config.seed}: this run continues the checkpoint's data "
                      f"order and samples (its seed {self.train_data.seed})")
         self.rng.bit_generator.state = meta["rng"]
-        self.gate = UpdateGate(self.transport, config.skip_loss, config.skip_norm, meta.get("outliers"))
+        self.gate = UpdateGate(self.transport, config.skip_loss, config.skip_norm,
+                               meta.get("outliers"))
         was = meta.get("train_files")
         if was and was != [os.path.realpath(f) for f in self.train_data.files]:
             self.log(f"note: the checkpoint's run read other train shards (-i: "
@@ -172,7 +174,8 @@ class Trainer:
                 f" (rank 0 keeps {self.run.recompute_saves() / 2**20:.1f} MiB less)"
                 if config.recompute else "")),
             ("grad clip", f"global norm {config.grad_clip:g}" if config.grad_clip else "off"),
-            ("micro_batches", config.pipeline.micro_batches), ("schedule", config.pipeline.schedule),
+            ("micro_batches", config.pipeline.micro_batches),
+            ("schedule", config.pipeline.schedule),
             ("stages (layers)", f"{','.join(map(str, counts))} (cost {shares})"),
             ("train shards", f"{len(self.train_data.files)} " + order), ("start step", self.start)])
 
@@ -371,7 +374,8 @@ class Trainer:
                 self.run.write_trace(config.trace)
                 self.log(f"wrote trace {config.trace}")
             except (OSError, CupyGPTError) as e:  # (rank 0's write; the gather is done)
-                self.broken.append(f"the trace {config.trace} ({getattr(e, 'strerror', None) or e})")
+                why = getattr(e, "strerror", None) or e
+                self.broken.append(f"the trace {config.trace} ({why})")
         broken = self.transport.bcast(self.broken if self.transport.rank == 0 else None)
         if broken:
             raise CupyGPTError(f"could not write {' and '.join(broken)}; the model was "

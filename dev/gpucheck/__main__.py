@@ -11,7 +11,8 @@ from cupygpt.cli.flags import config, entry, one_process, options_of
 from cupygpt.config.sections import at_most_a_year
 from cupygpt.paths import check_outputs, claim, json_object, make_dir
 
-from .check import REPORT, gpucheck as run_check, verdict
+from .check import REPORT, verdict
+from .check import gpucheck as run_check
 from .config import GpucheckConfig
 
 

@@ -1,7 +1,7 @@
-"""The GPU check's parts (check.py runs them): each a generator of
-results that the check merges into its report as they come. Every run is a process of its own, started
-in the check's temporary work directory with this very cupygpt (`python -m cupygpt`, the
-packaged reference files), so it works the same from a clone and from an installed wheel;
+"""The GPU check's parts (check.py runs them): each a generator of results that the check
+merges into its report as they come. Every run is a process of its own, started in the
+check's temporary work directory with this very cupygpt (`python -m cupygpt`, the packaged
+reference files), so it works the same from a clone and from an installed wheel;
 only the tests part needs a clone (its tests/) and runs there. Every run is bounded by
 what is left of the check's Budget (runs.py); the peers are peers.py."""
 import contextlib
@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from cupygpt.model.shape import preset
 from cupygpt.paths import PACKAGE, REFERENCE
 
-from .runs import Skip, launcher, last_line, sh
+from .runs import Skip, last_line, launcher, sh
 
 # The repository around the package, when it is a clone (an installed wheel has no tests/).
 CLONE = os.path.dirname(PACKAGE)

@@ -12,7 +12,6 @@ import time
 from cupygpt.paths import PACKAGE
 
 
-
 class Skip(str):
     """Why a run did not start: a part yields {name: Skip(why)} for one of its runs, or
     Skip(why) for all of them, and the report lists it apart from the results."""

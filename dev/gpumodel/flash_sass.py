@@ -17,8 +17,14 @@ import subprocess
 import sys
 import tempfile
 
-from cupygpt.backends.cuda.kernels import (GEOMETRY, KERNEL_DIR, flash_cols,
-                                           flash_smem_bytes, nvrtc_compile, options)
+from cupygpt.backends.cuda.kernels import (
+    GEOMETRY,
+    KERNEL_DIR,
+    flash_cols,
+    flash_smem_bytes,
+    nvrtc_compile,
+    options,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

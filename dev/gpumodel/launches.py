@@ -8,9 +8,26 @@ today's kernels by today's names, each with the profile name it was measured as
 (measured_as), whose correction factor it takes. tests/dev/test_gpumodel.py checks "now"
 against the kernels a cudasim step launches."""
 from cupygpt.model.layout import logit_rows
+
 from .flash import flash_flops, flash_time
-from .hw import (C, HS, L, LAT_HBM, LAT_L2, LAT_L2_IDLE, NH, P, T, Vp, fl, gemm_cal, gemm_plain,
-                issue, mem, wave1)
+from .hw import (
+    HS,
+    LAT_HBM,
+    LAT_L2,
+    LAT_L2_IDLE,
+    NH,
+    C,
+    L,
+    P,
+    T,
+    Vp,
+    fl,
+    gemm_cal,
+    gemm_plain,
+    issue,
+    mem,
+    wave1,
+)
 
 COLUMN_BLOCKS, COL_TILE, ROW_LANES = 528, 32, 8
 RENAMED = {"layernorm_forward_v": "layernorm_forward", "layernorm_backward_v": "layernorm_backward",

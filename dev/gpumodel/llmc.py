@@ -2,8 +2,7 @@
 launches: GEMMs from the cuBLAS fit, the kernels with a cupygpt twin at the twin's measured
 H200 cost, the rest bottom-up; with cuDNN attention, that attention's time is what the
 measured step leaves after the rest."""
-from .hw import (C, GEMM, HS, L, LAT_HBM, LAT_L2, NH, P, SMS, T, Vp, gemm_cal, issue, mem,
-                wave1)
+from .hw import GEMM, HS, LAT_HBM, LAT_L2, NH, SMS, C, L, P, T, Vp, gemm_cal, issue, mem, wave1
 from .launches import Row
 
 

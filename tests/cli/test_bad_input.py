@@ -6,7 +6,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from harness import ROOT, cli, fixture, gpu_available, one_line, small_shard
 
 MODEL, STATE = fixture("tiny_model.bin"), fixture("tiny_debug_state.bin")
@@ -68,7 +67,8 @@ CASES = [
                                      corrupt(t, STATE, "s.bin", set_int(1, 9))],
      "debug state version 9"),
     ("state T > maxT", lambda t: ["verify", "--model", MODEL, "--state",
-                                  corrupt(t, STATE, "s.bin", set_int(3, 65))], "exceeds the model's maxT"),
+                                  corrupt(t, STATE, "s.bin", set_int(3, 65))],
+     "exceeds the model's maxT"),
     ("state truncated", lambda t: ["verify", "--model", MODEL, "--state",
                                    corrupt(t, STATE, "s.bin", lambda r: r[:-8])],
      "truncated, or the state of another model"),
@@ -160,7 +160,8 @@ CASES = [
     ("negative lr", lambda t: ["train", "-l", "-0.1", "-n", "1"], "-l -0.1: must be positive"),
     ("nan lr", lambda t: ["train", "-l", "nan", "-n", "1", "-o", t / "never"],
      "-l nan: must be a finite number"),
-    ("verify negative steps", lambda t: ["verify", "--steps", "-1"], "--steps -1: must be positive"),
+    ("verify negative steps", lambda t: ["verify", "--steps", "-1"],
+     "--steps -1: must be positive"),
     ("prepare short text", lambda t: ["prepare", a_file(t), "--out", t],
      "nothing is left to train on"),
     ("resume empty dir", lambda t: ["train", "--resume", t], "not a checkpoint (no model.bin)"),

@@ -6,8 +6,8 @@ import types
 
 import numpy as np
 import pytest
-
 from harness import cli, losses
+
 from cupygpt import CupyGPTError
 from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
@@ -16,11 +16,11 @@ from cupygpt.config.sections import run_dtype
 from cupygpt.formats.llmc import read_model_header
 from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import AdamWConfig
+from cupygpt.model.shape import GPT2Config, preset
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
 from cupygpt.precision import BF16, stochastic_round
-from cupygpt.model.shape import GPT2Config, preset
 
 npb = NumpyBackend()
 

@@ -5,16 +5,16 @@ import json
 
 import numpy as np
 import pytest
-
 from harness import cli, losses
+
 from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.model.initialize import init_params
 from cupygpt.model.optim import AdamWConfig
+from cupygpt.model.shape import preset
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
-from cupygpt.model.shape import preset
 
 numpy_backend = NumpyBackend()
 

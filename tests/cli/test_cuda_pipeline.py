@@ -5,7 +5,6 @@ import importlib.util
 import json
 
 import pytest
-
 from harness import DEVICES, FILES, cli, cudasim_missing, device_env, losses, mpiexec, run_verify
 
 SIM, GPU = DEVICES

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import ROOT, cli, fixture
+
 from cupygpt.log import Log
 
 TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -68,10 +68,10 @@ def steps_logged(out):
 
 
 def test_a_fresh_run_starts_its_log_and_a_resume_continues_it(tmp_path):
-    """Two fresh runs into one -o (the second with --overwrite): one run's log. A resume from step 2 of a run that went on
-    to step 4, re-run with the same -e preset (and --overwrite, for the later checkpoint it
-    goes back past): steps 3 and 4 logged once each. A fresh checkpointing run is not mixed
-    into the checkpoints of an earlier one."""
+    """Two fresh runs into one -o (the second with --overwrite): one run's log. A resume from
+    step 2 of a run that went on to step 4, re-run with the same -e preset (and --overwrite,
+    for the later checkpoint it goes back past): steps 3 and 4 logged once each. A fresh
+    checkpointing run is not mixed into the checkpoints of an earlier one."""
     for ck in ([], ["--checkpoint-every", "2", "--keep", "2", "--overwrite"]):
         rc, lines = run(*TRAIN, "-n", "4", "-v", "2", *ck, "-o", tmp_path)
         assert rc == 0, lines

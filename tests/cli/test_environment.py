@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 import pytest
-
-from harness import error_line, CLI, ROOT, cli
+from harness import CLI, ROOT, cli, error_line
 
 TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]  # a short run
 SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")

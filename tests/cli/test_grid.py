@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 import pytest
-
 from harness import FILES, ROOT, SUPPORT, cli, fixture, losses, mpiexec
 from test_verify import verify_numpy
 
@@ -20,9 +19,9 @@ pytestmark = [pytest.mark.mpi,
 def made(tmp_path_factory):
     """A model shaped for grids (4 layers; 6 heads: TP 2 and 3; a vocab of 301 padded to
     320, divisible by neither) and shards of the shipped text's tokens folded into it."""
-    from cupygpt.model.shape import GPT2Config
     from cupygpt.formats.llmc import read_shard, write_model, write_shard
     from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     d = tmp_path_factory.mktemp("grid")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))
@@ -248,7 +247,8 @@ def test_trace_shows_every_rank_s_actions_in_causal_order(made, tmp_path):
           ranks=2, steps=1)
     ev = json.load(open(path))["traceEvents"]
     rows = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M"}
-    assert rows == {0: "rank 0: stage 0, replica 0, shard 0", 1: "rank 1: stage 1, replica 0, shard 0"}
+    assert rows == {0: "rank 0: stage 0, replica 0, shard 0",
+                    1: "rank 1: stage 1, replica 0, shard 0"}
     slices = [e for e in ev if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
     first = [e["name"] for e in slices if e["tid"] == 0]
@@ -261,9 +261,7 @@ def test_trace_shows_every_rank_s_actions_in_causal_order(made, tmp_path):
 
 
 def test_trace_on_the_cuda_backend_uses_its_events(tmp_path):
-    from harness import device_env
-    from harness import FILES
-    from harness import run_verify
+    from harness import FILES, device_env, run_verify
     path = tmp_path / "cuda.json"
     res, r = run_verify(FILES[0], "--backend", "cuda", "--steps", "2", "--trace", path,
                         env=device_env("sim"))

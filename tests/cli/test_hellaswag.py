@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-
 from harness import DEVICES, cli, device_env, mpiexec, tiktokens
 
 HEADER = 256
@@ -103,9 +102,9 @@ def score_float64(model, path):
 def made(tmp_path_factory):
     """A 6-head 4-layer model (TP 2 splits its heads) and an eval file of 11 examples of
     random lengths: 5 batches of 2 examples and one of 1 at B = 8."""
-    from cupygpt.model.shape import GPT2Config
     from cupygpt.formats.llmc import write_model
     from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     d = tmp_path_factory.mktemp("hellaswag")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import CLI, FIX, ROOT, cli, one_line
 
 

@@ -7,7 +7,6 @@ import os
 import shutil
 
 import pytest
-
 from harness import ROOT, cli, mpiexec
 
 TEXT = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -58,7 +57,8 @@ def test_a_log_file_link_is_refused_as_the_log_file_before_the_run(tmp_path):
     os.symlink("nowhere/x", tmp_path / "dangling")
     os.symlink("loop", tmp_path / "loop")
     one_line(cli(*TINY, "--log-file", "to_real", "-o", "a", cwd=tmp_path),
-             "--log-file to_real: exists, a link to 'real.jsonl'", "--overwrite", absent=("-o a", "another -o"))
+             "--log-file to_real: exists, a link to 'real.jsonl'", "--overwrite",
+             absent=("-o a", "another -o"))
     for link in ("dangling", "loop"):
         one_line(cli(*TINY, "--log-file", link, "-o", "b", cwd=tmp_path),
                  f"--log-file {link}: is a symbolic link", "does not resolve")

@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-
 from harness import DEVICES, ROOT, cli, device_env, mpiexec
 
 SPIKE = 130  # the window (128 values) is full from step 129
@@ -15,9 +14,9 @@ SPIKE = 130  # the window (128 values) is full from step 129
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    from cupygpt.model.shape import GPT2Config
     from cupygpt.formats.llmc import read_shard, write_model, write_shard
     from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     d = tmp_path_factory.mktemp("outliers")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=4, NH=6, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 7))

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from harness import CLI, FIX, ROOT, TINY, cli, one_line
 
 PKG = os.path.join(ROOT, "cupygpt")
@@ -114,6 +113,7 @@ def test_prepare_claims_its_out_as_train_claims_its_o(tmp_path):
     """A prepare writing into --out holds it: a second one there is refused, naming the
     first's PID, and writes nothing (two corpora's shards are never mixed)."""
     import fcntl
+
     from harness import ROOT, cli
     text = os.path.join(ROOT, "data", "tinyshakespeare.txt")
     out = tmp_path / "d"
@@ -172,6 +172,7 @@ def test_the_rank_holding_the_lock_removes_an_o_another_rank_made(tmp_path):
     """The deterministic half of the race above: rank 0 found -o made (by rank 1, an
     instant earlier), so claim made none itself; the run made it all the same."""
     from types import SimpleNamespace
+
     from cupygpt.paths import unmake_dirs
     from cupygpt.train import rundir
 
@@ -224,8 +225,10 @@ def test_a_file_another_command_writes_is_refused_naming_it(tmp_path):
     refused, naming the first's PID, and writes nothing (two bench --trace X ran, the last
     to end won). convert's siblings in one directory are not each other's."""
     import fcntl
-    from cupygpt.paths import claim_key
+
     from harness import cli, fixture
+
+    from cupygpt.paths import claim_key
     out = tmp_path / "x.json"
     os.makedirs(os.path.dirname(claim_key(out)), exist_ok=True)
     fd = os.open(claim_key(out), os.O_RDONLY | os.O_CREAT)

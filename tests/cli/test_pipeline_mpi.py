@@ -3,7 +3,6 @@ import os
 
 import numpy as np
 import pytest
-
 from harness import FILES, cli, fixture, losses, mpiexec
 from test_verify import verify_numpy
 
@@ -77,7 +76,8 @@ def test_pipelined_train_equals_single_process(tmp_path, single_run, ranks, extr
     (3, [], "3 pipeline stages but the model has 2 layers"),
     (2, ["--split", "2,1"], "--split 2,1: counts must be positive and sum to the model's 2"),
     (2, ["--split", "2"], "--split 2: 1 stages but 2 ranks"),
-    (2, ["--transport", "nvshmem"], "--transport nvshmem: the numpy backend's arrays travel by mpi only"),
+    (2, ["--transport", "nvshmem"],
+     "--transport nvshmem: the numpy backend's arrays travel by mpi only"),
 ])
 def test_bad_pipelines_are_refused(ranks, extra, expect):
     res = cli("verify", "--model", fixture("tiny_model.bin"), "--state",

@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-
 from harness import CLI, TINY
 
 

@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 import pytest
-
 from harness import ROOT, cli, tiktokens
-from cupygpt.formats.llmc import read_shard
+
 from cupygpt.commands.prepare import shard_path
+from cupygpt.formats.llmc import read_shard
 
 WORDS = ("the of and to in is was for that on with as by at from his her they über naïve "
          "café 東京 data, model. loss! (GPU) 1024 3.14 — “quoted” it's don't \n\n").split(" ")

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from harness import CLI, FAULTY_CLI, ROOT, SIM, error_line, mpiexec, requires_sim
 
 from cupygpt.config.fields import held
-from harness import FAULTY_CLI, SIM, error_line, requires_sim, CLI, ROOT, mpiexec
 
 TRAIN = ["train", "-b", "2", "-t", "32", "-v", "0", "-s", "0", "-g", "0"]  # a short run
 SHARD = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from harness import ROOT, TINY, TRAIN, cli, mpiexec, one_line
 
 
@@ -39,8 +38,8 @@ def test_a_rank_raising_ends_every_rank(tmp_path):
 
 
 def start(tmp_path, *extra):
-    cmd = [mpiexec(), "-n", "2", sys.executable, os.path.join(ROOT, "cli.py"), *TRAIN, "-n", "10000",
-           "-o", str(tmp_path), *extra]
+    cmd = [mpiexec(), "-n", "2", sys.executable, os.path.join(ROOT, "cli.py"), *TRAIN,
+           "-n", "10000", "-o", str(tmp_path), *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import ROOT, cudasim_missing, mpiexec
 
 COMMANDS = ("python", "pip", "mpirun", "mpiexec")

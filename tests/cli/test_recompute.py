@@ -4,11 +4,11 @@ shards), and less memory by what is not kept."""
 import re
 
 import pytest
-
 from harness import cli, losses
+
 from cupygpt.model.layout import RECOMPUTED, Part
-from cupygpt.model.stage import Stage
 from cupygpt.model.shape import preset
+from cupygpt.model.stage import Stage
 
 FLAGS = ("-e", "tiny", "-b", "4", "-t", "32", "-n", "3", "-v", "0", "-g", "0", "-l", "3e-3",
          "-u", "1")

@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 import pytest
-
 from harness import TRAIN, cli, one_line
 
 

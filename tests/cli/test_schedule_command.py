@@ -8,7 +8,8 @@ def test_schedule_command():
     res = cli("schedule", "-p", "3", "-m", "4")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == "rank 0 (3 activation slots): F0 sa0 F1 sa1 F2 sa2 rg0 B0 F3 sa3 rg1 B1 rg2 B2 rg3 B3 step"
+    assert lines[0] == ("rank 0 (3 activation slots): F0 sa0 F1 sa1 F2 sa2 rg0 B0 F3 sa3 rg1 B1 "
+                        "rg2 B2 rg3 B3 step")
     assert lines[-1].startswith("bubble 0.3333 (1F1B's with equal stages: (p-1)/(m+p-1) = "
                                 "0.3333)")
 

@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-
 from harness import FILES, cli, fixture, mpiexec
 from test_verify import verify_numpy
 
@@ -68,10 +67,11 @@ def deep(tmp_path_factory):
     """8 layers (interleaved V=2 and zbv on 4 stages need 8 chunks), 4 heads, a vocab of
     301 padded to 320; B=12 splits into 2, 3, 4 or 6 micro-batches. Its reference: the
     single process's float64 state."""
-    from cupygpt.model.shape import GPT2Config
+    from statefile import make_state64
+
     from cupygpt.formats.llmc import read_shard, write_model, write_shard
     from cupygpt.model.initialize import init_params
-    from statefile import make_state64
+    from cupygpt.model.shape import GPT2Config
     d = tmp_path_factory.mktemp("deep")
     cfg = GPT2Config(maxT=16, V=301, Vp=320, L=8, NH=4, C=32)
     write_model(d / "model.bin", cfg, init_params(cfg, 11))

@@ -4,19 +4,18 @@ that cannot be written, weights that are not finite."""
 import json
 import os
 import resource
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-
 from harness import CLI, ROOT, cli, fixture, mpiexec, small_shard
-from test_user_data import SHIPPED, TINY, one_line, shard  # noqa: F401 (fixture)
 from test_rank_failures import rank_pids
 from test_resume import log_losses
+from test_user_data import SHIPPED, TINY, one_line, shard  # noqa: F401 (fixture)
 
 MODEL = fixture("tiny_model.bin")
 
@@ -118,8 +117,8 @@ def test_a_signal_while_a_checkpoints_state_is_gathered_leaves_no_partial_direct
         tmp_path):
     """The .partial directory was made before the weights were gathered: a second signal
     there left it empty (while saying nothing half-written is left)."""
-    from cupygpt.train.checkpoint import save
     from cupygpt.comm.launch import Stopped
+    from cupygpt.train.checkpoint import save
 
     class Run:
         def state_dict(self):
@@ -254,6 +253,7 @@ def test_the_disk_check_counts_the_checkpoints_keep_holds(tmp_path):
 def test_checkpoints_held_at_once(every, keep, major, steps, held):
     """While the last is written: --keep's newest before it, and -nm's older multiples."""
     from types import SimpleNamespace
+
     from cupygpt.train.rundir import checkpoints_held
     assert checkpoints_held(SimpleNamespace(checkpoint_every=every, keep=keep, steps=steps,
                                             checkpoint_major=major)) == held
@@ -309,8 +309,9 @@ def test_a_model_whose_forward_overflows_is_named_by_every_command(tmp_path):
     """Finite weights of 3e38 give NaN logits: sample raised NumPy's ValueError, eval scored
     the share of label 0 (argmin over NaN) with bare NaN in its JSON, train told to lower
     -l."""
-    from cupygpt.formats.llmc import read_model, write_model
     from test_hellaswag import write_llmc_eval
+
+    from cupygpt.formats.llmc import read_model, write_model
     for src, dst in ((MODEL, "huge.bin"), (fixture("gpt2v_model.bin"), "huge_v.bin")):
         shape, params = read_model(src)
         write_model(tmp_path / dst, shape, np.full_like(params, 3e38))
@@ -333,8 +334,9 @@ def test_a_resume_from_a_non_finite_checkpoint_renames_it_and_names_the_last_goo
     newest = tmp_path / "o" / "ckpt_00000002"
     with_nan(newest / "model.bin", newest / "model.bin")
     # as a run that wrote those weights records them (else: another model.bin, damage)
-    from cupygpt.formats.checkpoint import model_digest
     from test_resume import edit_meta
+
+    from cupygpt.formats.checkpoint import model_digest
     edit_meta(newest, lambda m: {**m, "model_bin": model_digest(newest / "model.bin")})
     res = cli(*run, "-n", "4", "--resume", tmp_path / "o", "-o", tmp_path / "o")
     one_line(res, f"{newest / 'model.bin'}: holds non-finite weights (NaN or inf); renamed "

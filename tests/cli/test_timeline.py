@@ -4,6 +4,7 @@ import json
 import re
 
 from harness import cli
+
 from cupygpt.parallel.pipeline.simulate import simulate
 
 

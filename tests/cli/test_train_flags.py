@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from harness import ROOT, TRAIN, cli
 
 B, T = 4, 16
@@ -17,9 +16,9 @@ B, T = 4, 16
 def made(tmp_path_factory):
     """A small model; shard A: text tokens; shard P: A's first B*T tokens over and over, so
     the sequential loader (--no-shuffle) serves A's first batch every step."""
-    from cupygpt.model.shape import GPT2Config
     from cupygpt.formats.llmc import read_shard, write_model, write_shard
     from cupygpt.model.initialize import init_params
+    from cupygpt.model.shape import GPT2Config
     d = tmp_path_factory.mktemp("flags")
     cfg = GPT2Config(maxT=32, V=301, Vp=320, L=2, NH=4, C=32)
     write_model(d / "model.bin", cfg, init_params(cfg, 3))
@@ -45,7 +44,8 @@ def test_overfit_single_batch_trains_on_the_first_batch(made, tmp_path):
     plain, _ = train(made, tmp_path / "n", "A.bin", "-n", "6")
     assert one == same and one[-1] < one[0] - 1  # bit for bit; and it overfits
     assert plain[0] == one[0] and plain[1:] != one[1:]
-    assert (tmp_path / "a" / "model.bin").read_bytes() == (tmp_path / "p" / "model.bin").read_bytes()
+    model = (tmp_path / "a" / "model.bin").read_bytes()
+    assert model == (tmp_path / "p" / "model.bin").read_bytes()
     assert "MFU" not in res.stdout  # the CPU has no peak to measure against
 
 
@@ -70,8 +70,9 @@ def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
     record carry its MFU: llm.c's FLOPs of the step's tokens over its time and the bf16
     peak (989.4 TFLOP/s)."""
     from harness import device_env
-    from cupygpt.model.shape import flops_per_token
+
     from cupygpt.formats.llmc import read_model
+    from cupygpt.model.shape import flops_per_token
     env = {**device_env("sim"), "CUDASIM_DEVICE_NAME": "NVIDIA H100 80GB HBM3"}
     res = cli("train", "-e", made / "model.bin", "-i", made / "P.bin", "-j", "", "-b", str(B), "-t",
               str(T), "-n", "2", "-g", "0", "-o", tmp_path / "o", "--backend", "cuda", "--dtype",
@@ -86,8 +87,7 @@ def test_the_step_line_says_mfu_where_the_peak_is_known(made, tmp_path):
 
 
 def test_mfu_is_llmc_flops_over_the_devices_peak():
-    from cupygpt.model.shape import mfu
-    from cupygpt.model.shape import PRESETS
+    from cupygpt.model.shape import PRESETS, mfu
     cfg, gpu = PRESETS["d12"], SimpleNamespace(peak_flops=lambda dtype: 989e12)
     per_token = 6 * 124475904 + 6 * 12 * 768 * 1024  # llm.c's 6N + 6LCT for d12 at T 1024
     assert mfu(gpu, cfg, 1024, "bf16", 524288, 0.5, 8) == pytest.approx(

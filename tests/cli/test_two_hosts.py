@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from harness import ROOT, cli, losses, mpiexec
 
 pytestmark = pytest.mark.mpi

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import CLI, ROOT, cli, fixture, small_shard
 from test_bad_input import a_ckpt
 
@@ -64,8 +63,9 @@ def text_named(t, name):
 # (id, args(t), what the line says); every input lives in t, which is hashed around the run
 SAME = "is also an input of this command"
 CASES = [
-    ("log over a train shard", lambda t: ["train", "-i", copy(SHIPPED + "/tiny_shakespeare_train.bin",
-                                                            t / "x.bin"), "--log-file", t / "x.bin"],
+    ("log over a train shard",
+     lambda t: ["train", "-i", copy(SHIPPED + "/tiny_shakespeare_train.bin", t / "x.bin"),
+                "--log-file", t / "x.bin"],
      SAME),
     ("log over -e", lambda t: ["train", "-e", copy(MODEL, t / "init.bin"), "-t", "32",
                                "--log-file", t / "init.bin"], SAME),
@@ -269,8 +269,9 @@ def test_verify_shows_its_steps_progress_on_a_terminal():
 
 
 def test_gitignore_covers_what_readmes_commands_write():
-    from test_readme import commands
     import shlex
+
+    from test_readme import commands
     defaults = {"train": "out/model.bin", "plot": "loss.png", "timeline": "timeline.png",
                 "bench": "bench.json"}
     written = set()

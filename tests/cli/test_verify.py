@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-
 from harness import FILES, cli, fixture, run_verify
 
 
@@ -56,8 +55,9 @@ def test_a_model_finds_its_state_and_losses_beside_it(tmp_path):
 def test_verify_fails_on_a_wrong_state(tmp_path):
     """A state whose gradient is off must fail (exit 1): verify can say no."""
     import numpy as np
-    from cupygpt.formats.llmc import read_model, read_state
     from statefile import write_state
+
+    from cupygpt.formats.llmc import read_model, read_state
     cfg, _ = read_model(fixture("tiny_model.bin"))
     st = read_state(fixture("tiny_debug_state.bin"), cfg)
     st["grads"][1000] += 1e-3

@@ -21,7 +21,6 @@ from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
-
 from harness import ROOT, cli, losses
 
 # The venv's processes see none of this one's path settings, so only its own copy imports.

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from harness import helpers_of
 
 from cupygpt.paths import DATA, PACKAGE
-from harness import helpers_of
 
 
 def tools(tmp_path, **scripts):
@@ -118,7 +118,8 @@ def test_a_run_cut_short_keeps_what_it_finished(tmp_path, monkeypatch):
 
 
 def test_pipeline_part_compares_only_with_a_single_run_that_worked(tmp_path, monkeypatch):
-    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck import parts as gpucheck_parts
+    from dev.gpucheck import runs as gpucheck_runs
     from dev.gpucheck.check import PLANS
     runs = {"single": {"error": "out of GPU memory"},
             "nvshmem_2": {"ms_per_step_median": 1.0, "losses": [10.0, 9.0]},
@@ -152,7 +153,8 @@ def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
 
 def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
     """Outside a clone there are no GPU tests to run: one clear problem, not a crash."""
-    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck import parts as gpucheck_parts
+    from dev.gpucheck import runs as gpucheck_runs
     from dev.gpucheck.check import PARTS, problems, summary
     monkeypatch.setattr(gpucheck_parts, "CLONE", str(tmp_path))  # what site-packages holds
     (result,) = gpucheck_parts.run_tests(str(tmp_path), str(tmp_path), {},
@@ -199,7 +201,8 @@ def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
 
 
 def test_bench_runs_the_peers_comparisons_first_and_skips_what_cannot_fit(monkeypatch):
-    from dev.gpucheck import parts as gpucheck_parts, runs as gpucheck_runs
+    from dev.gpucheck import parts as gpucheck_parts
+    from dev.gpucheck import runs as gpucheck_runs
     from dev.gpucheck.check import PLANS
     now, ran = [0.0], []
 
@@ -292,8 +295,9 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
     auto's attention (cuDNN's here) and the own kernels' each; a peer's failure is
     reported and fails nothing; peers from another call get no ratio; a relative --peers
     works (the check runs them from its own work directory)."""
-    from dev.gpucheck import (check as gpucheck, parts as gpucheck_parts,
-                                           report as gpucheck_report)
+    from dev.gpucheck import check as gpucheck
+    from dev.gpucheck import parts as gpucheck_parts
+    from dev.gpucheck import report as gpucheck_report
     peers_dir = tmp_path / "peers"
     peers_dir.mkdir()
     (peers_dir / "run-peers.sh").write_text(FAKE_PEERS)

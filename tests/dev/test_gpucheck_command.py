@@ -7,8 +7,7 @@ import re
 import time
 
 import pytest
-
-from harness import ROOT, device_env, gpucheck, gpu_available, helpers_of, one_line, requires_sim
+from harness import ROOT, device_env, gpu_available, gpucheck, helpers_of, one_line, requires_sim
 
 PKG = os.path.join(ROOT, "cupygpt")
 

@@ -9,11 +9,11 @@ import re
 import sys
 
 import pytest
+from harness import cli, device_env, helpers_of, requires_sim
 
 from dev.gpumodel import hw, model_h200
 from dev.gpumodel.flash import TOOLS
 from dev.gpumodel.launches import cupygpt
-from harness import cli, device_env, helpers_of, requires_sim
 
 GPUMODEL = os.path.dirname(hw.__file__)
 

@@ -42,6 +42,7 @@ FILES = [("tiny_model.bin", "tiny_debug_state.bin", "tiny_expected.json"),
 def small_shard(path, n=5000):
     """A token shard of n tokens inside the tiny reference model's vocab (300)."""
     import numpy as np
+
     from cupygpt.formats.llmc import write_shard
     write_shard(path, np.arange(n) % 300)
     return str(path)

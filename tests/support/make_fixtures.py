@@ -18,11 +18,12 @@ import torch.nn.functional as F
 # the checkout, two folders above this one (tests/support)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from cupygpt.model.shape import GPT2Config
-from cupygpt.formats.llmc import MODEL_MAGIC, make_header, write_model
-from cupygpt.paths import atomic_write
-from cupygpt.model.layout import param_layout
 from statefile import write_state  # noqa: E402
+
+from cupygpt.formats.llmc import MODEL_MAGIC, make_header, write_model  # noqa: E402
+from cupygpt.model.layout import param_layout  # noqa: E402
+from cupygpt.model.shape import GPT2Config  # noqa: E402
+from cupygpt.paths import atomic_write  # noqa: E402
 
 HERE = os.path.join(ROOT, "cupygpt", "reference")
 SHAPES = {"odd": (GPT2Config(maxT=40, V=300, Vp=320, L=3, NH=16, C=128), 3, 17, False),

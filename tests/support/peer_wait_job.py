@@ -8,15 +8,14 @@ import signal
 import sys
 import time
 
+import cupy as cp
 import numpy as np
+from mpi4py import MPI  # noqa: E402
 
 from cupygpt import CupyGPTError
 from cupygpt.backends.cuda.backend import CudaBackend
 from cupygpt.comm import make_transport
 from cupygpt.parallel.mesh import Mesh
-
-import cupy as cp
-from mpi4py import MPI  # noqa: E402
 
 be = CudaBackend()
 name, wait = sys.argv[1:3]

@@ -2,8 +2,8 @@
 the CUDA backend (test_cuda_backend.py) would prove little."""
 import numpy as np
 import pytest
-
 from harness import cudasim_module, load_cudasim, requires_sim
+
 from cupygpt.precision import BF16
 
 pytestmark = requires_sim
@@ -252,8 +252,9 @@ def test_graph_capture_rules(sim):
         f((1,), (32,), (out, x, n))
         assert float(np.asarray(out.view(np.ndarray))[0]) == 0  # recorded, not run
         for bad, said in ((lambda: cp.zeros(4), "allocated while the stream is capturing"),
-                          (lambda: x.set(np.zeros(32, np.float32)), "so H2D transfers are "
-                                                                    "disallowed"),
+                          # (x is deleted below, after the capture: ruff takes it for unbound)
+                          (lambda: x.set(np.zeros(32, np.float32)),  # noqa: F821
+                           "so H2D transfers are disallowed"),
                           (lambda: cp.asnumpy(out), "so D2H transfers are disallowed"),
                           (lambda: out.get(stream=stream), "so D2H transfers"),
                           (lambda: out[3], "so D2H transfers")):

@@ -4,14 +4,13 @@ with pp > 1, "act" and "grad" exchanged with both ring neighbours, interleaved. 
 what it checked; any mismatch fails the rank (and the job)."""
 import sys
 
+import cupy as cp
 import numpy as np
 
 from cupygpt.backends.cuda.backend import CudaBackend
 from cupygpt.comm import make_transport
 from cupygpt.comm.base import chunks
 from cupygpt.parallel.mesh import Mesh
-
-import cupy as cp
 
 be = CudaBackend()
 name, pp, dp, tp = sys.argv[1], *map(int, sys.argv[2:5])

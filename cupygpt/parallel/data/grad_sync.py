@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...model.layout import PARAM_NAMES, WHOLE
 from ...comm.base import Transport
+from ...model.layout import PARAM_NAMES, WHOLE
 from ...model.stage import Stage
 
 

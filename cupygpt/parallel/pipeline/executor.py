@@ -12,11 +12,11 @@ import numpy as np
 
 from ... import CupyGPTError
 from ...backends.protocol import Backend
-from .schedule import Action, Op, slot_plan
 from ...comm.base import Transport
 from ...model.stage import Stage
 from ..data.grad_sync import GradSync
 from .plan import StepPlan
+from .schedule import Action, Op, slot_plan
 
 TRACE_MAX = 100_000  # actions a rank records under --trace (a few MB of JSON)
 

@@ -3,15 +3,15 @@ into chunks (balanced by counted cost), and what one rank holds and does in a st
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
-from collections.abc import Sequence
 
 from ... import CupyGPTError
 from ...model.layout import Part
-from .schedule import SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement, slot_plan
 from ...model.shape import GPT2Config
 from ..mesh import Mesh
+from .schedule import SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement, slot_plan
 
 
 def costs(shape: GPT2Config, T: int) -> tuple[int, int]:

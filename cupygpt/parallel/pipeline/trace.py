@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ...paths import atomic_write
 from ...backends.protocol import Backend
-from .schedule import COMPUTE, Action, short
 from ...comm.base import Transport
+from ...paths import atomic_write
 from ..mesh import Mesh
+from .schedule import COMPUTE, Action, short
 
 
 def name(a: Action) -> str:

@@ -44,9 +44,8 @@ import re
 import types
 import warnings
 
-import pytest
-
 import conformance as cf
+import pytest
 from harness import ROOT, SIM
 
 # Known mismatches, reported and waiting for a fix in cupygpt (each must still be found, so
@@ -65,9 +64,9 @@ MACHINERY = {"_Device", "_Work", "_Reached", "_Capture"}
 def real():
     """The real packages are importable (a skip without them, a failure in CI)."""
     try:
-        import cupy  # noqa: F401
         import cuda.bindings.driver  # noqa: F401
         import cuda.core  # noqa: F401
+        import cupy  # noqa: F401
         import nvshmem.core  # noqa: F401
         from cupy.cuda import nccl
         from cupy_backends.cuda.libs import cublas  # noqa: F401

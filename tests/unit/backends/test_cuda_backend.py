@@ -12,11 +12,22 @@ import types
 
 import numpy as np
 import pytest
+from harness import (
+    DEVICES,
+    FILES,
+    SUPPORT,
+    cli,
+    device_env,
+    helpers_of,
+    load_cudasim,
+    losses,
+    requires_sim,
+    run_verify,
+    simulated,
+)
+from test_cudnn_attention import env as cudnn_env
 
 from cupygpt.precision import BF16
-from harness import (DEVICES, FILES, SUPPORT, cli, device_env, helpers_of, load_cudasim, losses,
-                     requires_sim, run_verify, simulated)
-from test_cudnn_attention import env as cudnn_env
 
 # (B, T, C, NH): HS 16, odd T with C not a multiple of 32 (HS 24: flash attention's 32
 # kernel, zero-padded), HS 128, and B*T=185 rows so column sums split into uneven chunks
@@ -36,6 +47,7 @@ def dev(device):
         cp, cu = load_cudasim()
     else:
         import cupy as cp
+
         from cupygpt.backends.cuda.backend import CudaBackend
         cu = CudaBackend()
     cu.configure(tf32=False)
@@ -73,7 +85,8 @@ def test_kernels_match_numpy(dev, shape):
     cu.encoder_forward(out_d, tok_d, wte_d, wpe_d)
     close(out_d, out)
     dout, dout_d = pair(rng, (B, T, C))
-    g1, g2, g1d, g2d = np.zeros_like(wte), np.zeros_like(wpe), cp.zeros_like(wte_d), cp.zeros_like(wpe_d)
+    g1, g2 = np.zeros_like(wte), np.zeros_like(wpe)
+    g1d, g2d = cp.zeros_like(wte_d), cp.zeros_like(wpe_d)
     npb.encoder_backward(g1, g2, dout, tok)
     cu.encoder_backward(g1d, g2d, dout_d, tok_d)
     close(g1d, g1)
@@ -452,7 +465,7 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
                         "no epilogue" if bias is not None or bias_grad is not None else None)
     monkeypatch.setattr(cu.kernels, "get", lambda *a: types.SimpleNamespace(
         max_dynamic_shared_size_bytes=1 << 20))
-    B, T, C, NH, V, Vp, L = 4, 1024, 768, 12, 50257, 50304, 12
+    B, T, C, NH, V, Vp = 4, 1024, 768, 12, 50257, 50304
     x = lambda *shape, dtype=BF16: cp.empty(shape, dtype)  # noqa: E731
     f = lambda *shape: cp.empty(shape, np.float32)  # noqa: E731
     tokens = cp.zeros((B, T), np.int32)
@@ -482,8 +495,8 @@ def test_a_d12_step_gives_every_bulk_kernel_two_blocks_per_h100_sm(dev, monkeypa
     cu.encoder_backward(x(Vp, C), x(T, C), x(B, T, C), tokens)
     n = 124475904  # d12's parameters (llm.c's count)
     cu.sum_squares(cp.zeros(1, np.float64), x(n))
-    cu.adamw(x(n), x(n), f(n), f(n), (6e-4, 0.1, 0.05, 1), 0.9, 0.95, 1e-8, 0.0, cp.zeros(1, np.float64),
-             1.0, master=f(n))
+    cu.adamw(x(n), x(n), f(n), f(n), (6e-4, 0.1, 0.05, 1), 0.9, 0.95, 1e-8, 0.0,
+             cp.zeros(1, np.float64), 1.0, master=f(n))
     names = {fn for fn, _, _ in launches}
     assert {"flash_forward_64", "flash_dq_64", "flash_dkdv_64", "cross_entropy_v", "classifier_v",
             "layernorm_backward_v", "column_sum_x", "bias_forward", "sum_squares_partial_v",
@@ -754,7 +767,8 @@ def test_adamw_packs_equal_the_element_wise_path_and_numpy(dev, dtype):
 def test_row_and_column_kernels_on_odd_shapes(dev, device, monkeypatch, dtype, lo):
     """The layernorms (with the residual add before), a matmul with its bias and its bias
     gradient (the GEMM's epilogues on aligned vectors, the fallback kernels on misaligned
-    ones), the fused classifier, the embedding and its gradient against the NumPy reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
+    ones), the fused classifier, the embedding and its gradient against the NumPy
+    reference: 13 rows (not a multiple of a block's 8), C = 44 (not a multiple of 8, so
     each row ends in a partial 16-byte run), and views starting one element in (every
     16-byte access misaligned: the element-wise path)."""
     from cupygpt.backends.numpy.backend import NumpyBackend

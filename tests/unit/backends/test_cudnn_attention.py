@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from harness import DEVICES, FILES, cli, device_env, fixture, requires_sim, run_verify
 
 ATTENTIONS = ("own", "cudnn")
@@ -45,10 +44,11 @@ def test_verify_bf16_through_cudnn(device, files):
 def heads16(tmp_path_factory):
     """A model with heads of 16 (3 of them) and a float64 state at T = 37 (no multiple of
     64, nor of 16)."""
+    from statefile import make_state64
+
     from cupygpt.formats.llmc import write_model
     from cupygpt.model.initialize import init_params
     from cupygpt.model.shape import GPT2Config
-    from statefile import make_state64
     d = tmp_path_factory.mktemp("heads16")
     cfg = GPT2Config(maxT=40, V=301, Vp=320, L=2, NH=3, C=48)
     write_model(d / "model.bin", cfg, init_params(cfg, 5))
@@ -91,6 +91,7 @@ def test_attention_cudnn_where_it_cannot_run_is_one_line(tmp_path, cudnn, extra,
 @SIM_ONLY
 def test_cudnn_refuses_head_sizes_its_sdpa_does_not_run(monkeypatch):
     from harness import load_cudasim
+
     from cupygpt.precision import BF16
     cu = load_cudasim()[1]
     monkeypatch.setenv("CUDASIM_CUDNN", "1")
@@ -244,11 +245,11 @@ def test_a_run_builds_the_graphs_it_needs_as_it_runs_them(sim_cudnn, trains, gra
     first forward allocates."""
     from cupygpt.comm.local import Local
     from cupygpt.model.optim import AdamWConfig
+    from cupygpt.model.shape import preset
     from cupygpt.parallel.mesh import Mesh
     from cupygpt.parallel.runner import Runner
     from cupygpt.parallel.settings import StepSettings
     from cupygpt.precision import BF16
-    from cupygpt.model.shape import preset
     cp, cu, att = sim_cudnn
     from cupygpt.model.layout import stage_shape
     lib, shape = att.cudnn, preset("tiny")

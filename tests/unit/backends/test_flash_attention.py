@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 import pytest
+from harness import cli, device_env
+from test_cuda_backend import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
 
 from cupygpt.backends.numpy.attention import ATT_ROWS
 from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.precision import BF16
-from harness import cli, device_env
-from test_cuda_backend import dev, device  # noqa: F401 (fixtures: cudasim, and the GPU where there is one)
 
 npb = NumpyBackend()
 
@@ -212,8 +212,8 @@ def test_the_activations_grow_linearly_with_T():
     from dataclasses import replace
 
     from cupygpt.model.layout import Part, activation_layout, scratch_layout
-    from cupygpt.model.stage import Stage
     from cupygpt.model.shape import PRESETS
+    from cupygpt.model.stage import Stage
 
     def activations(cfg, T):
         return Stage.sizes(cfg, batch=4, seq=T, part=Part.whole(cfg), slots=1, split=True,

@@ -11,9 +11,19 @@ import subprocess
 
 import pytest
 
-from cupygpt.backends.cuda.kernels import (FLOATX, GEOMETRY, KERNEL_DIR, OPTIONS, flash_cols,
-                                           flash_fp32_doubled, flash_smem_bytes, kernels_in,
-                                           nvrtc_compile, options, sources)
+from cupygpt.backends.cuda.kernels import (
+    FLOATX,
+    GEOMETRY,
+    KERNEL_DIR,
+    OPTIONS,
+    flash_cols,
+    flash_fp32_doubled,
+    flash_smem_bytes,
+    kernels_in,
+    nvrtc_compile,
+    options,
+    sources,
+)
 
 ARCHS = ("compute_80", "compute_90")
 SM = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}  # shared memory per SM (A100, H100)
@@ -205,7 +215,8 @@ def cuobjdump():
         import nvidia
     except ImportError:
         return None
-    found = [p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "*", "bin", "cuobjdump"))]
+    found = [p for d in nvidia.__path__
+             for p in glob.glob(os.path.join(d, "*", "bin", "cuobjdump"))]
     return found[0] if found else None
 
 

@@ -120,7 +120,8 @@ def test_classifier_ignores_padding():
     cross_entropy(lg, losses, tgt, V, dloss=1.0)
     close(lg, expect)
     full = logits[..., :V]
-    ref = -np.take_along_axis(full - np.log(np.exp(full).sum(-1, keepdims=True)), tgt[..., None], -1)
+    logp = full - np.log(np.exp(full).sum(-1, keepdims=True))
+    ref = -np.take_along_axis(logp, tgt[..., None], -1)
     close(losses, ref[..., 0])
 
 
@@ -156,7 +157,8 @@ def test_adamw_matches_formula():
     p, g = r(20), r(20)
     m, v = r(20) * 0.1, np.abs(r(20)) * 0.1
     exp_m, exp_v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
-    exp_p = p - 0.01 * ((exp_m / (1 - 0.9 ** 3)) / (np.sqrt(exp_v / (1 - 0.999 ** 3)) + 1e-8) + 0.1 * p)
+    m_hat, v_hat = exp_m / (1 - 0.9 ** 3), exp_v / (1 - 0.999 ** 3)
+    exp_p = p - 0.01 * (m_hat / (np.sqrt(v_hat) + 1e-8) + 0.1 * p)
     be.adamw(p, g, m, v, (0.01, 1 - 0.9 ** 3, 1 - 0.999 ** 3, 3), 0.9, 0.999, 1e-8, 0.1,
              np.zeros(1), 0.0)
     close(p, exp_p)

@@ -142,10 +142,12 @@ def test_no_flag_and_default_are_written_twice():
     """Two commands sharing a flag with the same default take it from one factory."""
     import glob
     import os
+
     import cupygpt.config as package
     paths = glob.glob(os.path.join(os.path.dirname(package.__file__), "*.py"))
     assert paths and declared_twice(open(p).read() for p in paths) == []
-    copy = 'a = flag("--seed", default=1)\nb = flag("--seed", default=1)\nc = flag("--seed", default=2)'
+    copy = ('a = flag("--seed", default=1)\nb = flag("--seed", default=1)\n'
+            'c = flag("--seed", default=2)')
     assert declared_twice([copy]) == [("--seed", "1")]
 
 

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from harness import ROOT, SUPPORT, device_env, mpiexec, requires_sim
 
 pytestmark = [requires_sim, pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import ROOT, SUPPORT, device_env, mpiexec, requires_sim
 
 pytestmark = [requires_sim, pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")]

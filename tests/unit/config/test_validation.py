@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from harness import fixture
 
 import cupygpt
 from cupygpt import CupyGPTError
@@ -15,7 +16,6 @@ from cupygpt.config import configs, sections
 from cupygpt.config.train import TrainConfig
 from cupygpt.formats.hellaswag import Example, write_eval
 from cupygpt.paths import MADE, make_parent, unmake_dirs
-from harness import fixture
 
 npb = NumpyBackend()
 
@@ -135,6 +135,7 @@ def test_trains_start_makes_o_and_a_refusal_there_removes_it(tmp_path):
     """train's claim makes -o (validate made none) and says it did; a claim refused (no
     room for the run) removes the -o it made."""
     from types import SimpleNamespace
+
     from cupygpt.train import rundir
 
     class One:  # one rank

@@ -12,9 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from harness import ROOT, cli, fixture
+from safetensors.numpy import load_file, save_file
 from statefile import write_state
 
 from cupygpt.formats import hf
@@ -258,7 +257,8 @@ def test_a_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
     def full(*args, **kw):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(convert, "save_file", full)
-    with pytest.raises(CupyGPTError, match=r"hf: disk full \(or over quota\) while writing it; nothing was"):
+    with pytest.raises(CupyGPTError,
+                       match=r"hf: disk full \(or over quota\) while writing it; nothing was"):
         convert.convert(fixture("tiny_model.bin"), str(tmp_path / "hf"))
     assert os.listdir(tmp_path) == []
 

@@ -6,14 +6,14 @@ import sys
 
 import numpy as np
 import pytest
-
 from harness import ROOT, cli, fixture
+from statefile import write_state
+
 from cupygpt import CupyGPTError
-from cupygpt.train.loader import DataLoader
-from cupygpt.paths import atomic_write
 from cupygpt.formats.llmc import read_model, read_shard, read_state, write_model, write_shard
 from cupygpt.formats.tokenizer import Tokenizer
-from statefile import write_state
+from cupygpt.paths import atomic_write
+from cupygpt.train.loader import DataLoader
 
 TOK = os.path.join(ROOT, "data", "gpt2_tokenizer.bin")
 
@@ -92,7 +92,8 @@ def test_tokenizer_splits_as_tiktokens_published_gpt2():
     spaces, trailing whitespace, accents, CJK, digits and newlines; and well-known GPT-2
     ids come out as published. (In a process of its own, as harness's tiktokens.)"""
     texts = ["I'm sure you'll say they've done 'it' -- don't they'd?", "a  b   c    \n\n d ",
-             "naïve café résumé über façade", "日本語のテキスト 和 中文", "3.14159 + 2,718 = 12345678",
+             "naïve café résumé über façade", "日本語のテキスト 和 中文",
+             "3.14159 + 2,718 = 12345678",
              "tabs\tand\r\nwindows\n\n\nnewlines   ", "  leading and trailing  ", "😀 emoji 🚀!",
              "Hello", " world", " the", ",", ".", "\n", "\n\n", "The", " and", " of", " to"]
     res = subprocess.run([sys.executable, "-c", SPLIT_CHECK, TOK], input=json.dumps(texts),
@@ -151,11 +152,13 @@ def test_bad_state_token_is_refused(tmp_path):
 
 def test_a_debug_state_of_non_finite_references_is_refused(tmp_path):
     """verify passed on it: max() over NaN differences drops them."""
+    import os
+
     import numpy as np
+
     from cupygpt import CupyGPTError
     from cupygpt.formats.llmc import HEADER_BYTES, model_shape, read_state
     from cupygpt.paths import REFERENCE
-    import os
     model, state = (os.path.join(REFERENCE, f"tiny_{n}.bin") for n in ("model", "debug_state"))
     raw = bytearray(open(state, "rb").read())
     B, T = np.frombuffer(raw[:HEADER_BYTES], np.int32)[2:4]

@@ -3,11 +3,11 @@ and a model cut into stages by hand giving the same loss and gradients as the wh
 import numpy as np
 
 from cupygpt.backends.numpy.backend import NumpyBackend
-from cupygpt.model.shape import GPT2Config
-from cupygpt.model.layout import Part, assemble, param_layout
-from cupygpt.parallel.tensor.comm import TensorGroup
 from cupygpt.model.initialize import init_params
+from cupygpt.model.layout import Part, assemble, param_layout
+from cupygpt.model.shape import GPT2Config
 from cupygpt.model.stage import Stage
+from cupygpt.parallel.tensor.comm import TensorGroup
 
 be = NumpyBackend()
 
@@ -152,7 +152,8 @@ class ThreadGroup:
                 group.wait()
 
             def all_gather(self, part, out, axis):
-                out.reshape(-1)[...] = np.concatenate([p.reshape(-1) for p in group._share(k, part)])
+                shares = group._share(k, part)
+                out.reshape(-1)[...] = np.concatenate([p.reshape(-1) for p in shares])
                 group.wait()
         return Member()
 

@@ -3,19 +3,19 @@ allocators' own sizes), on every grid; more than there is is refused before allo
 with the numbers and the fix."""
 import numpy as np
 import pytest
+from harness import cli
 
 from cupygpt import CupyGPTError
 from cupygpt.backends import host_memory
 from cupygpt.backends.numpy.backend import NumpyBackend
 from cupygpt.comm.local import Local
 from cupygpt.model.optim import AdamWConfig
-from cupygpt.parallel.mesh import Mesh
+from cupygpt.model.shape import GPT2Config, preset
 from cupygpt.parallel.memory import memory_plan
+from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.plan import plan_step
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
-from cupygpt.model.shape import GPT2Config, preset
-from harness import cli
 
 numpy_backend = NumpyBackend()
 

@@ -9,9 +9,9 @@ from cupygpt.comm.local import Local
 from cupygpt.model.shape import GPT2Config
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.executor import Pass
+from cupygpt.parallel.pipeline.schedule import Action, Op
 from cupygpt.parallel.runner import Runner
 from cupygpt.parallel.settings import StepSettings
-from cupygpt.parallel.pipeline.schedule import Action, Op
 
 numpy_backend = NumpyBackend()
 

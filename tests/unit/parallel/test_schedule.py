@@ -2,8 +2,16 @@
 import pytest
 
 from cupygpt import CupyGPTError
-from cupygpt.parallel.pipeline.schedule import (SCHEDULES, Action, Op, chunks_per_rank,
-                                                forward_only, holders, placement, slot_plan)
+from cupygpt.parallel.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    Op,
+    chunks_per_rank,
+    forward_only,
+    holders,
+    placement,
+    slot_plan,
+)
 from cupygpt.parallel.pipeline.simulate import simulate
 
 
@@ -221,6 +229,7 @@ def test_schedule_command_makes_each_ranks_list_once(monkeypatch):
     """The simulator and the printout read the same lists (the command made each twice:
     at -p 256 -m 2048, 3 million actions built twice over)."""
     from click.testing import CliRunner
+
     from cupygpt.cli.tools import schedule
     made = []
     real = SCHEDULES["1f1b"]

@@ -6,13 +6,13 @@ import os
 
 import numpy as np
 import pytest
-
 from harness import ROOT, cli, losses
-from cupygpt.train.loader import DataLoader
+
 from cupygpt.formats.llmc import read_shard, write_shard
+from cupygpt.model.shape import preset
 from cupygpt.parallel.mesh import Mesh
 from cupygpt.parallel.pipeline.plan import plan_step
-from cupygpt.model.shape import preset
+from cupygpt.train.loader import DataLoader
 
 B, T = 4, 8
 

@@ -10,8 +10,9 @@ Strict where cuBLASLt is, and where a mistake would only show on a GPU:
   and each pointer is as aligned as the algorithm was chosen for (the preference's
   MIN_ALIGNMENT_*_BYTES, 256 when not given, as in cuBLASLt);
 - the algorithm must be one the heuristic returned for this very descriptor and these
-  layouts, unchanged since (but for the bias pointer); the workspace must hold what it asked for (this stand-in asks
-  1 MiB of every algorithm, so a missing workspace shows) and be 256-byte aligned;
+  layouts, unchanged since (but for the bias pointer); the workspace must hold what it
+  asked for (this stand-in asks 1 MiB of every algorithm, so a missing workspace shows)
+  and be 256-byte aligned;
 - BIAS adds a vector of D's type (the allocation holding it must be of that type) of D's
   rows, before D is rounded; BGRADB writes op(B)'s column sums (D's columns) in D's type;
   either wants a 16-byte aligned vector; a BIAS_DATA_TYPE other than D's is refused by the
