@@ -1,4 +1,4 @@
-"""cupygpt's launch list for one d12 bf16 graph step (model/stage.py, cuda_backend.py,
+"""cupygpt's launch list for one d12 bf16 graph step (model/stage.py, backends/cuda/,
 optim.py), each launch priced two ways (per call, seconds, no launch gap): plain (the
 first model's physics: max(FLOP at GEFF x 989 TFLOP/s, bytes / BW, issue)) and sass (what
 the sm_90 SASS adds: serialized round trips, occupancy, dispatch order; ANALYSIS.md).

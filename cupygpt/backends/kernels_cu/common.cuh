@@ -7,7 +7,7 @@
 // the Python that launches a kernel and the kernel agree on it.
 #if !defined(WARP) || !defined(EW_THREADS) || !defined(ROW_WARPS) || !defined(CLS_THREADS) || \
     !defined(COL_TILE) || !defined(ROW_LANES)
-#error "launch geometry not defined: compile with cupygpt.kernels.OPTIONS"
+#error "launch geometry not defined: compile with cupygpt.backends.cuda.kernels.options"
 #endif
 #define FULL_MASK 0xffffffffu
 
@@ -17,7 +17,7 @@
 // nearest even (store), as the NumPy reference does (precision.py); statistics, losses and
 // AdamW's state are float whatever floatX is.
 #ifndef floatX
-#error "storage type not defined: compile with cupygpt.kernels.options(dtype)"
+#error "storage type not defined: compile with cupygpt.backends.cuda.kernels.options(dtype)"
 #endif
 #include <cuda_bf16.h>
 

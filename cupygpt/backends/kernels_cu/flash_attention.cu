@@ -29,7 +29,7 @@
 #include "common.cuh"
 
 #if !defined(FLASH_WARPS) || !defined(FLASH_COLS) || !defined(FLASH_FP32_DOUBLED)
-#error "flash geometry not defined: compile with cupygpt.kernels.options()"
+#error "flash geometry not defined: compile with cupygpt.backends.cuda.kernels.options()"
 #endif
 constexpr int FR = 16 * FLASH_WARPS, THREADS = FLASH_WARPS * WARP;
 static_assert(FR % FLASH_COLS == 0 && FLASH_COLS % 32 == 0, "a block's rows are whole tiles");
