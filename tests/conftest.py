@@ -17,13 +17,38 @@ SLOW_FOLDERS = ("cli", "dev")
 FAST_FILES = {"cli/test_train.py", "cli/test_schedule_command.py", "cli/test_timeline.py"}
 SLOW_FILES = {"unit/backends/test_flash_attention.py", "unit/backends/test_cudnn_attention.py",
               "unit/backends/test_kernels_compile.py", "support/test_cudasim.py"}
+# in-process tests that run whole commands or many processes (a test id, or its start)
+SLOW_TESTS = (
+    "unit/test_imports.py::test_every_module_imports_alone",
+    "unit/backends/test_cuda_backend.py::test_train_picks_the_gpu_and_lowers_the_loss",
+    "unit/backends/test_cuda_backend.py::test_resume_matches",
+    "unit/backends/test_cuda_backend.py::test_graph_replay_equals_eager",
+    "unit/backends/test_cuda_backend.py::test_verify_bf16_cuda",
+    "unit/backends/test_cuda_backend.py::test_verify_cuda[sim-odd",
+    "unit/backends/test_cuda_backend.py::test_verify_cuda[sim-gpt2v",
+    "unit/backends/test_cuda_backend.py::test_bf16_trains_as_the_numpy_reference",
+    "unit/backends/test_cuda_backend.py::test_tf32_reaches_the_gemms",
+    "unit/backends/test_cuda_backend.py::test_bench_writes_json[sim-bf16",
+    "unit/backends/test_cuda_backend.py::test_bench_says_which_epilogue_fell_back",
+    "unit/backends/test_cuda_backend.py::test_recompute_keeps_the_bits",
+    "unit/backends/test_cuda_backend.py::test_sampling_on_the_kv_cache",
+    "unit/backends/test_cuda_backend.py::test_bf16_head_chunks_hold_in_any_block_order",
+    "unit/backends/test_cuda_backend.py::test_a_kernel_cache_that_cannot_be_written",
+    "unit/formats/test_hf.py::test_trained_model_gives_transformers_the_same_val_loss",
+    "unit/formats/test_hf.py::test_llmc_hf_llmc_is_byte_identical",
+    "unit/formats/test_hf.py::test_exported_model_and_tokenizer_load_in_transformers",
+    "unit/train/test_loader.py::test_a_resume_mid_epoch_is_bit_identical_on_a_grid",
+    "unit/comm/test_peer_waits.py::test_a_stopped_peer_ends_every_host_wait",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     tests = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         rel = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
-        if rel in SLOW_FILES or (rel.split("/")[0] in SLOW_FOLDERS and rel not in FAST_FILES):
+        test_id = rel + "::" + item.name
+        if rel in SLOW_FILES or (rel.split("/")[0] in SLOW_FOLDERS and rel not in FAST_FILES) \
+                or test_id.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..backends.protocol import StageShape
-from ..parallel.tensor import sharding
 
 
 @dataclass(frozen=True)
@@ -69,24 +68,43 @@ PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attpro
 WHOLE = ("wte", "wpe", "lnfw", "lnfb")  # not per layer
 
 
+class Split(Protocol):
+    """One tensor-parallel shard's rules, given from outside (parallel/tensor/sharding.py's
+    TensorShard): the model sizes and fills its flat buffers by them."""
+    tp: int
+    shard: int
+
+    def vocab_rows(self, Vp: int, V: int) -> tuple[int, int, int]: ...
+    def dims(self, name: str, dims: tuple) -> tuple: ...
+    def view(self, name: str, x: Any, NH: int) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Part:
     """What one rank holds: layers [l0, l1), the embedding and/or the head (a pipeline
-    stage), and tensor-parallel shard `shard` of `tp` of each of those tensors."""
+    stage), and with split one tensor-parallel shard of each of those tensors (None: whole)."""
     l0: int
     l1: int
     embed: bool = True
     head: bool = True
-    tp: int = 1
-    shard: int = 0
+    split: Split | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.split.tp if self.split else 1
+
+    @property
+    def shard(self) -> int:
+        return self.split.shard if self.split else 0
 
     @staticmethod
     def whole(shape) -> Part:
         return Part(0, shape.L)
 
     def vocab(self, shape) -> tuple[int, int, int]:
-        """(v0, rows, valid): this shard's rows of wte (tensor/sharding.py's vocab_rows)."""
-        return sharding.vocab_rows(shape.Vp, shape.V, self.tp, self.shard)
+        """(v0, rows, valid): this shard's rows [v0, v0 + rows) of wte's Vp and how many of
+        them are real tokens (< V), not padding."""
+        return self.split.vocab_rows(shape.Vp, shape.V) if self.split else (0, shape.Vp, shape.V)
 
 
 def owns(name: str, part: Part) -> bool:
@@ -102,20 +120,20 @@ def owns(name: str, part: Part) -> bool:
 
 def param_shapes(shape, part: Part) -> dict[str, tuple]:
     """The 16 llm.c parameter tensors as `part` holds them: its layers, and its tensor-parallel
-    shard of each as parallel/tensor/sharding.py splits them."""
+    shard of each as its split says."""
     C, nl = shape.C, part.l1 - part.l0
     whole = {"wte": (part.vocab(shape)[1], C), "wpe": (shape.maxT, C), "ln1w": (nl, C),
              "ln1b": (nl, C), "qkvw": (nl, 3 * C, C), "qkvb": (nl, 3 * C),
              "attprojw": (nl, C, C), "attprojb": (nl, C), "ln2w": (nl, C),
              "ln2b": (nl, C), "fcw": (nl, 4 * C, C), "fcb": (nl, 4 * C),
              "fcprojw": (nl, C, 4 * C), "fcprojb": (nl, C), "lnfw": (C,), "lnfb": (C,)}
-    return {n: sharding.shard_dims(n, dims, part.tp) for n, dims in whole.items()}
+    return {n: part.split.dims(n, dims) for n, dims in whole.items()} if part.split else whole
 
 
 def replicated(shape, part: Part) -> set[str]:
     """The tensors part holds whole whatever its tensor-parallel shard (those param_shapes
     does not divide): the same, with the same gradients, on every shard."""
-    whole = param_shapes(shape, replace(part, tp=1, shard=0))
+    whole = param_shapes(shape, replace(part, split=None))
     return {n for n, s in param_shapes(shape, part).items() if s == whole[n]}
 
 
@@ -218,7 +236,7 @@ def held(shape, name: str, whole: np.ndarray, part: Part) -> np.ndarray:
     if name == "wte":
         v0, rows, _ = part.vocab(shape)
         return x[v0:v0 + rows]
-    return sharding.shard_view(name, x, shape.NH, part.tp, part.shard)
+    return part.split.view(name, x, shape.NH) if part.split else x
 
 
 def copy_part(dst: np.ndarray, part: Part, src: np.ndarray, shape) -> np.ndarray:

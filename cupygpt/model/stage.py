@@ -22,14 +22,13 @@ gpt2_backward, the head's included), so it runs past the size a file is otherwis
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import CupyGPTError
 from ..backends.protocol import Backend
-from ..comm.local import Local
-from ..parallel.tensor.comm import TensorGroup
 from ..precision import dtype_name, wide
 from .layout import (
     RECOMPUTED,
@@ -47,13 +46,14 @@ from .shape import GPT2Config
 class Stage:
     def __init__(self, shape: GPT2Config, be: Backend, *, batch: int, seq: int,
                  part: Part | None = None, slots: int = 1, dtype: DTypeLike = np.float32,
-                 tp_group: TensorGroup | None = None, split: bool = False,
+                 tp_group: Any = None, split: bool = False,
                  recompute: int = 0) -> None:
         """shape: the model's GPT2Config; be: the backend; batch, seq: a micro-batch's rows and
         T; part: what this stage holds (None: the whole model); slots: micro-batches whose
-        activations it keeps at once; tp_group: its tensor-parallel group (None: one
-        shard); split: it keeps what a split backward's weight pass reads; recompute:
-        llm.c's -r (layout.RECOMPUTED: what backward makes again instead of keeping)."""
+        activations it keeps at once; tp_group: its tensor-parallel group, a
+        parallel/tensor/comm.py TensorGroup (None: one shard, nothing to sum); split: it
+        keeps what a split backward's weight pass reads; recompute: llm.c's -r
+        (layout.RECOMPUTED: what backward makes again instead of keeping)."""
         B, T = batch, seq
         if np.dtype(dtype) not in be.DTYPES:
             raise CupyGPTError(f"the {be.name} backend supports "
@@ -62,7 +62,7 @@ class Stage:
         part = part or Part.whole(shape)
         self.shape, self.be, self.B, self.T = shape, be, B, T
         self.dtype, self.wide = np.dtype(dtype), wide(dtype)
-        self.part, self.tp_group = part, tp_group or TensorGroup(Local())
+        self.part, self.tp_group = part, tp_group
         self.l0, self.l1, self.embed, self.head = part.l0, part.l1, part.embed, part.head
         self.nl, self.NH = self.l1 - self.l0, shape.NH // part.tp  # this shard's heads
         self.v0, _, self.valid = part.vocab(shape)
@@ -105,7 +105,8 @@ class Stage:
 
     def tp_sum(self, arr) -> None:
         """The tensor-parallel group's sum of arr, in place (nothing with one shard)."""
-        self.tp_group.sum(arr)
+        if self.tp_group is not None:
+            self.tp_group.sum(arr)
 
     def load(self, full_params: np.ndarray) -> None:
         """This stage's part of a whole model's host parameters (array or memmap), in one
@@ -284,6 +285,8 @@ class Stage:
     def _cross_entropy(self, logits, losses, targets, dloss):
         """One chunk's softmax cross-entropy over the vocabulary (its shards' across the
         tensor-parallel group)."""
+        if self.tp_group is None:
+            return self.be.cross_entropy(logits, losses, targets, self.valid, dloss)
         self.tp_group.cross_entropy(self.be, logits, losses, targets, self.s["lstats"],
                                     self.v0, self.valid, dloss)
 

@@ -27,7 +27,7 @@ def test_split_backward_adds_what_the_fused_one_adds():
     B, T, M = 2, 16, 3
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.V, (M, B, T)).astype(np.int32) for _ in range(2))
-    for part in (Part.whole(cfg), Part(0, cfg.L, False, True, 1, 0)):  # + a head-only one
+    for part in (Part.whole(cfg), Part(0, cfg.L, False, True)):  # + a head-only one
         got = []
         for split in (False, True):
             st = Stage(cfg, be, batch=B, seq=T, part=part, slots=M, split=split)

@@ -11,6 +11,7 @@ from ... import CupyGPTError
 from ...model.layout import Part
 from ...model.shape import GPT2Config
 from ..mesh import Mesh
+from ..tensor.sharding import TensorShard
 from .schedule import SCHEDULES, Op, chunks_per_rank, forward_only, holders, placement, slot_plan
 
 
@@ -122,8 +123,9 @@ def plan_step(shape: GPT2Config, mesh: Mesh, *, batch: int, seq: int, micro_batc
     train = SCHEDULES[schedule](p, m, r, v)
     evaluate = forward_only(p, m, r, v, schedule)
     first = forward_only(p, 1, r, v, schedule)
-    parts = tuple(Part(sum(counts[:k]), sum(counts[:k + 1]), k == 0, k == k_all - 1, mesh.tp,
-                       mesh.shard) for k in chunks)
+    split = TensorShard(mesh.tp, mesh.shard) if mesh.tp > 1 else None
+    parts = tuple(Part(sum(counts[:k]), sum(counts[:k + 1]), k == 0, k == k_all - 1, split)
+                  for k in chunks)
     slots = tuple(max(slot_plan([a for a in acts if a.chunk == c])[0] for acts in (train, evaluate))
                   for c in range(len(chunks)))
     at = holders(schedule, p, v)  # model chunk -> (rank, its chunk index there)

@@ -4,6 +4,7 @@ by input columns (row-parallel), wte by vocabulary rows (uneven where tp does no
 Vp); every other tensor is held whole by each shard."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 # {tensor: how it is split}, over per-layer shapes (nl, ...): "heads" splits q, k and v's
@@ -44,3 +45,19 @@ def shard_view(name: str, x: Any, NH: int, tp: int, shard: int) -> Any:
         n = x.shape[2] // tp
         return x[:, :, s * n:(s + 1) * n]
     return x
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """Shard `shard` of `tp`: what model.layout.Part's split asks (vocab_rows, dims, view)."""
+    tp: int
+    shard: int
+
+    def vocab_rows(self, Vp: int, V: int) -> tuple[int, int, int]:
+        return vocab_rows(Vp, V, self.tp, self.shard)
+
+    def dims(self, name: str, dims: tuple) -> tuple:
+        return shard_dims(name, dims, self.tp)
+
+    def view(self, name: str, x: Any, NH: int) -> Any:
+        return shard_view(name, x, NH, self.tp, self.shard)

@@ -8,6 +8,7 @@ from cupygpt.model.layout import Part, assemble, param_layout
 from cupygpt.model.shape import GPT2Config
 from cupygpt.model.stage import Stage
 from cupygpt.parallel.tensor.comm import TensorGroup
+from cupygpt.parallel.tensor.sharding import TensorShard
 
 be = NumpyBackend()
 
@@ -207,7 +208,7 @@ def test_the_head_in_chunks_equals_the_head_whole(monkeypatch):
             shards[k] = member(k)
 
     def member(k):
-        st = Stage(CFG, be, batch=B, seq=T, part=Part(0, CFG.L, tp=2, shard=k),
+        st = Stage(CFG, be, batch=B, seq=T, part=Part(0, CFG.L, split=TensorShard(2, k)),
                    dtype=np.float64, tp_group=TensorGroup(group.member(k), 2, k))
         st.load(full)
         assert st.s["logits"].shape == (3, CFG.Vp // 2)  # 3, 3, 3 and 1 positions
