@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from harness import ROOT, SIM_BACKEND, load_cudasim
 
-PACKAGES = ("cuda", "numpy")  # backends/cuda/, backends/numpy/
+PACKAGES = ("cuda", "numpy", ".")  # backends/cuda/, backends/numpy/, backends/ itself
 # calls that build a frozen value from whatever they are given
 FROZEN = {"MappingProxyType", "frozenset", "tuple"}
 # calls whose result is immutable when their arguments are
