@@ -4,7 +4,7 @@
 class CupyGPTError(Exception):
     """A user-facing error: the CLI prints it as one line and exits non-zero.
 
-    `option` names the run-config field at fault (config.py) and `value` what it was
+    `option` names the run-config field at fault (config/) and `value` what it was
     given; the CLI puts the matching flag in front, so the library never names flags."""
 
     def __init__(self, message, option=None, value=None):

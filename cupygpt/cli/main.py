@@ -1,4 +1,4 @@
-"""cupygpt's command line: each command builds its frozen config from the flags (config.py),
+"""cupygpt's command line: each command builds its frozen config from the flags (config/),
 runs the library, and prints. Run any with --help."""
 import json
 import sys

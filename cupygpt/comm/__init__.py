@@ -15,7 +15,8 @@ KINDS = {"mpi": ("mpi", "Mpi"), "nccl": ("nccl", "Nccl"), "nvshmem": ("nvshmem",
 
 
 def make_transport(name: str, be: Backend, mesh, timeout: float) -> Transport:
-    """name: auto or one of the backend's TRANSPORTS (config_parts.Device.validate checked it)."""
+    """name: auto or one of the backend's TRANSPORTS (config/sections.py's Device.validate
+    checked it)."""
     if mesh.size == 1:
         return Local()
     name = be.TRANSPORTS[0] if name == "auto" else name

@@ -1,1 +1,2 @@
-"""The commands besides training: verify, bench, convert, prepare, plot, timeline."""
+"""The commands besides training: verify, bench (+ bench_comm), eval, sample, convert,
+prepare (+ corpus), plot, timeline."""

@@ -12,7 +12,7 @@ from ..model.optim import AdamWConfig
 from ..paths import make_parent
 from ..precision import numerics
 
-# Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, README "Tolerances").
+# Measured against llm.c's PyTorch fp32 reference (cupygpt/reference, docs/tolerances.md).
 # A gradient tensor passes when max|diff| <= atol + rtol * max|reference|.
 TOLERANCES = {
     "numpy": dict(logits=1e-5, loss=1e-5, grad_atol=1e-6, grad_rtol=1e-5, step_loss=1e-5),

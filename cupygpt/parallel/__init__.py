@@ -1,1 +1,2 @@
-"""Parallelism: the process grid (mesh.py) and one sub-package per axis (pipeline/)."""
+"""Parallelism: the process grid (mesh.py), one rank's step over it (runner.py) and a folder
+per axis: data/, tensor/, pipeline/."""

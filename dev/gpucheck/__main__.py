@@ -31,7 +31,7 @@ def gpucheck(**kw):
         raise CupyGPTError("must be a positive number of seconds", "budget", budget)
     at_most_a_year(budget, "budget")
     if peers_dir is not None and not os.path.isfile(os.path.join(peers_dir, "run-peers.sh")):
-        raise CupyGPTError("must be a copy of shared/peers (it has no run-peers.sh)",
+        raise CupyGPTError("must be the peers' directory (it has no run-peers.sh)",
                            "peers_dir", peers_dir)
     check_outputs([("out", out)], [])  # (not into the package, as train's -o)
     make_dir("out", out)

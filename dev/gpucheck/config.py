@@ -19,9 +19,9 @@ class GpucheckConfig:
         "cannot fit is skipped, the report saying why"))
     peers_dir: Optional[str] = flag("--peers", default=None, file="in", empty="a directory",
                                     help=(
-        "a copy of shared/peers: llm.c's build starts at once, in the background, and the "
-        "peers (llm.c, PyTorch) run after bench at its B and T, for ratios measured side by "
-        "side"))
+        "the peers' directory (llm.c and PyTorch's GPT-2, run by its run-peers.sh): llm.c's "
+        "build starts at once, in the background, and the peers run after bench at its B "
+        "and T, for ratios measured side by side"))
     quick: bool = flag("--quick", default=False,
                        help="benchmark the tiny preset at short T (minutes)")
     parts: tuple[str, ...] = flag("--part", default=(), multiple=True, choices=GPUCHECK_PARTS,

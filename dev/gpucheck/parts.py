@@ -1,9 +1,8 @@
 """The GPU check's parts (check.py runs them): each a generator of results that the check
 merges into its report as they come. Every run is a process of its own, started in the
 check's temporary work directory with this very cupygpt (`python -m cupygpt`, the packaged
-reference files), so it works the same from a clone and from an installed wheel;
-only the tests part needs a clone (its tests/) and runs there. Every run is bounded by
-what is left of the check's Budget (runs.py); the peers are peers.py."""
+reference files); the tests part runs in the repository (its tests/). Every run is bounded
+by what is left of the check's Budget (runs.py); the peers are peers.py."""
 import contextlib
 import glob
 import importlib.util
@@ -23,7 +22,7 @@ from cupygpt.paths import PACKAGE, REFERENCE
 from .runs import Skip, last_line, launcher, sh
 
 # The repository around the package, when it is a clone (an installed wheel has no tests/).
-CLONE = os.path.dirname(PACKAGE)
+CLONE = os.path.dirname(PACKAGE)  # the repository of the cupygpt checked
 CLI = [sys.executable, "-m", "cupygpt"]
 
 
@@ -42,7 +41,7 @@ def verify(out, work, plan, budget):
     """verify --backend cuda on each reference, fp32 with TF32 off and on, and bf16 through
     the own flash kernels and through cuDNN's (where it is installed: else a skip, its
     refusal the reason): the largest differences from PyTorch, checked against (and to set)
-    README's tolerances for each mode."""
+    the tolerances (docs/tolerances.md) for each mode."""
     for name in plan["verify"]:
         for mode, flags in VERIFY_MODES:
             fx = os.path.join(REFERENCE, name)
@@ -106,11 +105,8 @@ def readme(out, work, plan, budget):
 
 
 def run_tests(out, work, plan, budget):
-    """The repository's GPU tests (pytest -m gpu), which only a clone has: in 6 processes
-    when pytest-xdist is there (65 to 100 s on an H200, several minutes serial)."""
-    if not os.path.isfile(os.path.join(CLONE, "tests", "conftest.py")):
-        yield {"error": "needs the repository's tests/ (run gpucheck from a clone)"}
-        return
+    """The repository's GPU tests (pytest -m gpu): in 6 processes when pytest-xdist is
+    there (65 to 100 s on an H200, several minutes serial)."""
     workers = 6 if importlib.util.find_spec("xdist") else 1
     xml = os.path.join(work, "gpu_tests.xml")
     rc, _ = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={xml}",

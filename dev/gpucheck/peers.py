@@ -1,5 +1,5 @@
-"""The GPU check's peers (a copy of shared/peers): llm.c's trainers built in the background
-from the check's start, then run with PyTorch's GPT-2 at bench's B and T, their output
+"""The GPU check's peers (a directory holding run-peers.sh): llm.c's trainers built in the
+background from the check's start, then run with PyTorch's GPT-2 at bench's B and T, their output
 parsed into one entry a peer, for ratios measured in the same call."""
 import json
 import os
@@ -22,7 +22,7 @@ class PeersBuild:
 
     def __init__(self, peers, work, B, T):
         # (absolute: the script runs in the check's work directory, and finds its folder
-        # by its own path; a lent GPU's first run was given `--peers peers`)
+        # by its own path, while --peers may be relative)
         self.script = os.path.join(os.path.abspath(peers), "run-peers.sh")
         self.args, self.proc = [str(B), str(T), DATA], None
         # PEERS_WORK: the builds and the peers' logs; OUT: where the script also writes its

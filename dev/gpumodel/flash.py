@@ -1,9 +1,9 @@
 """Flash attention's SASS-aware model: a block's walked tiles, each costing what its SASS
 issues, blocks dispatched in the grid's order to the slots the occupancy leaves. Three
 states of flash_attention.cu (d12: head size 64, bf16):
-  measured  dfca9c6, the H200 profile's (ANALYSIS.md): 32-wide tiles loaded synchronously
-            with qkv's bias added per tile, IEEE expf (per-element branches in backward),
-            blocks head by head;
+  measured  dfca9c6, the H200 profile's (h200-2026-11-26-profile.txt): 32-wide tiles
+            loaded synchronously with qkv's bias added per tile, IEEE expf (per-element
+            branches in backward), blocks head by head;
   head      this branch before cp.async (ee37b66): q, k, v read biased, exp2 with the mask
             on diagonal tiles only, every head's longest tile first; still synchronous;
   now       flash_attention.cu today: 64-wide tiles double-buffered through cp.async, the

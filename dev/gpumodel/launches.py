@@ -1,7 +1,7 @@
 """cupygpt's launch list for one d12 bf16 graph step (model/stage.py, backends/cuda/,
 optim.py), each launch priced two ways (per call, seconds, no launch gap): plain (the
 first model's physics: max(FLOP at GEFF x 989 TFLOP/s, bytes / BW, issue)) and sass (what
-the sm_90 SASS adds: serialized round trips, occupancy, dispatch order; ANALYSIS.md).
+the sm_90 SASS adds: serialized round trips, occupancy, dispatch order; flash_sass.py).
 Two states: "measured", the list the H200 profile ran (dfca9c6: bias gradients by column
 sums, gelu adding fc's bias, the flash kernels then), kept for the calibration; and "now",
 today's kernels by today's names, each with the profile name it was measured as

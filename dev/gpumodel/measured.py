@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 from .hw import EAGER_GAP
 
-GRAPH_STEP_MS = 16.19                       # b_graphs_b4.json (H200)
+GRAPH_STEP_MS = 16.19                       # bench's graph step, B=4 (H200, 2026-11-26)
 LLMC_MS, LLMC_CUDNN_MS = 14.19, 10.48       # llm.c bf16 B4 on the same H200
 # Top 20 from the profile; the rest derived from the per-op totals minus the known kernels
 # minus 3.5 us per op call (the op-level bracket's own gap, as seen on attention_*,

@@ -44,7 +44,7 @@ def test_report_names_each_failure():
          "bench": {"tiny_T32_B4": {"error": "out of GPU memory"}}}
     assert problems(r) == ["pipeline: not run", "tests: 1 failed, 0 errors (pytest exit 1)",
                            "sanitizer racecheck: 2 hazards",
-                           "verify tiny_tf32: outside README's tolerances",
+                           "verify tiny_tf32: outside the tolerances",
                            "verify odd_no_tf32: Traceback",
                            "readme `python cli.py train`: NotImplementedError: cuBLAS during "
                            "stream capture", "bench tiny_T32_B4: out of GPU memory"]
@@ -151,21 +151,6 @@ def test_runs_start_in_the_work_dir_with_this_cupygpt(tmp_path):
         str(tmp_path), os.path.join(PACKAGE, "__init__.py")], text
 
 
-def test_tests_part_from_an_installed_wheel_names_what_it_needs(tmp_path, monkeypatch):
-    """Outside a clone there are no GPU tests to run: one clear problem, not a crash."""
-    from dev.gpucheck import parts as gpucheck_parts
-    from dev.gpucheck import runs as gpucheck_runs
-    from dev.gpucheck.check import PARTS, problems, summary
-    monkeypatch.setattr(gpucheck_parts, "CLONE", str(tmp_path))  # what site-packages holds
-    (result,) = gpucheck_parts.run_tests(str(tmp_path), str(tmp_path), {},
-                                         gpucheck_runs.Budget(60))
-    need = "needs the repository's tests/ (run gpucheck from a clone)"
-    assert result == {"error": need}
-    r = {"plan": "quick", "versions": {}, "tests": result, **{p: {} for p in PARTS if p != "tests"}}
-    assert problems(r) == [f"tests: {need}"]
-    assert f"result: FAIL: tests: {need}" in summary(r)
-
-
 def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
     """Whatever order --part names them in; a part starts only with its one run's need
     left (quick plan: bench 6 s, pipeline 10 s), and the report has each part's seconds."""
@@ -265,7 +250,7 @@ def test_readme_part_runs_readmes_own_commands():
     assert set(README_COMMANDS) <= set(commands())
 
 
-# run-peers.sh's output as it prints it (read from shared/peers/run-peers.sh: its emit
+# run-peers.sh's output as it prints it (as the peers' run-peers.sh prints it: its emit
 # lines, PyTorch's JSON nested under "result", and its failure lines, one of them two
 # lines long), from a fake whose build step, like the real one, is its lines before the
 # first run: it leaves a stamp naming its folder and arguments, which the runs then need.

@@ -109,7 +109,7 @@ def test_gpucheck_refuses_without_a_gpu(tmp_path):
     (("--budget", "-5"), "error: --budget -5.0: must be a positive number of seconds"),
     (("--budget", "0"), "error: --budget 0.0: must be a positive number of seconds"),
     (("--budget", "nan"), "error: --budget nan: must be a positive number of seconds"),
-    (("--peers", "MISSING"), "error: --peers MISSING: must be a copy of shared/peers (it has "
+    (("--peers", "MISSING"), "error: --peers MISSING: must be the peers' directory (it has "
                              "no run-peers.sh)")])
 def test_bad_flags_say_one_line_before_anything_runs(tmp_path, flags, line):
     """Before the GPU is looked for (so here, without one, the flag's line and not the

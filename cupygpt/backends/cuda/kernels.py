@@ -63,7 +63,7 @@ def flash_stages(head_size: int, itemsize: int, doubled: int = FLASH_FP32_DOUBLE
 
 def flash_smem_bytes(kind: str, head_size: int, itemsize: int, fma: bool,
                      doubled: int = FLASH_FP32_DOUBLED) -> int:
-    """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's smem_need,
+    """Dynamic shared memory of flash_{kind}_{head_size} (flash_attention.cu's check_launch,
     which checks it was given this much): its own tiles of 16 * FLASH_WARPS rows (forward
     1, dq and dkdv 2) and flash_stages buffers of each of its two walked tiles, each row
     padded by 16 bytes; dkdv's walked lse and D (as many buffers); with fma (fp32 without

@@ -639,7 +639,7 @@ FLASH_BY_MATH(flash_dkdv)
 // Entry points: each kernel per head size of FLASH_HEAD_SIZES (kernels.py). bf16's dkdv up
 // to 64 dimensions bounded to DKDV_BLOCKS blocks per SM: three on sm_90 (168 registers, no
 // spills: it works 32 queries at a time), the occupancy its critical path wants
-// (bench/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
+// (dev/gpumodel); two on sm_80, whose compiler spills at 168; above 64 dimensions its dk
 // and dv alone would not fit three. fp32 asks for one block (no cap on its
 // registers): the three were chosen for bf16's critical path, and in fp32's FMA and TF32
 // paths a cap would only risk spills.

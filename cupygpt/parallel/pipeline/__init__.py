@@ -1,1 +1,1 @@
-"""Pipeline parallelism: schedules as data, their simulator, and the runner."""
+"""Pipeline parallelism: schedules as data, their simulator, the step's plan and its executor."""
