@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sup
 
 from harness import ROOT  # noqa: E402 (found through the path just set)
 
-# The fast tier (pytest -m "not slow", README's few minutes) leaves out the tests that run
+# The fast tier (pytest -m "not slow", about two minutes on two cores) leaves out the tests that run
 # whole commands as processes (tests/cli, tests/dev) but for a few quick ones, and the
 # in-process tests that compile or run kernels on cudasim by the dozen. What it keeps still
 # imports and calls every module of the package.
