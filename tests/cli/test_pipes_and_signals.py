@@ -42,9 +42,12 @@ def test_a_closed_pipe_costs_a_training_run_nothing(tmp_path):
 def signalled(sig, ready, *args):
     """The command, sent sig once a stdout line starts with ready (and half a second more):
     (exit code, seconds from the signal to its end, stdout, stderr)."""
+    # (SIGHUP's default action for the command: under nohup the suite inherits it ignored,
+    # which train leaves so, as a user's nohup asks)
     p = subprocess.Popen([sys.executable, CLI, *map(str, args)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     out = []
     while not out or not out[-1].startswith(ready):
         out.append(p.stdout.readline())
