@@ -97,10 +97,7 @@ class Session:
                 ("ranks", f"{m.size} = dp {m.dp} x tp {m.tp} x pp {m.pp}"), *m.describe(),
                 ("dp gradient sum", "-" if m.dp == 1 else "overlapped, per layer" +
                  (" (zero 1)" if g.zero else "") if run.overlap else
-                 ("reduce-scatter (zero 1)" if g.zero else "after backward")
-                 + (f" ({self.transport.name} does not overlap it beside --tp)"
-                    if g.overlap and m.tp > 1 and not self.transport.overlaps_beside_tp
-                    else "")),
+                 ("reduce-scatter (zero 1)" if g.zero else "after backward")),
                 ("step", "a CUDA graph, replayed from step 2" if run.graphs else "eager"),
                 ("attention", self.attention),
                 ("max_seq_len", shape.maxT), ("vocab_size", shape.V),

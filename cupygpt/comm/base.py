@@ -100,9 +100,6 @@ class Transport:
     # copies), so the runner may capture a pipelined step as a CUDA graph.
     graphable = False
 
-    # Whether the replicas' overlapped gradient sum may run beside tensor-parallel sums.
-    overlaps_beside_tp = True
-
     def end_step(self) -> None:
         """The end of a pass's actions, on the stream (a captured step includes it)."""
 

@@ -3,7 +3,8 @@ stream, so the gradient sum runs while the compute stream goes on with the backw
 the host waits for a stream."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from .base import Transport, poll
 
@@ -34,13 +35,29 @@ class SideHandle:
         cuda.get_current_stream().wait_event(self.done)
 
 
+@contextmanager
+def on_stream(stream) -> Iterator:
+    """stream current inside the block, and after it the stream that was current before.
+    Not CuPy's `with stream:`: leaving that makes the top of CuPy's own stack current,
+    which is the legacy default stream when the backend made its compute stream current
+    with use() (CuPy's issue #8377): every later launch would go there, ordered with
+    nothing on the compute stream."""
+    from cupy import cuda
+    before = cuda.get_current_stream()
+    stream.use()
+    try:
+        yield stream
+    finally:
+        before.use()
+
+
 def start_on_side(side, arrs: list, all_reduce: Callable) -> SideHandle:
     """Packs arrs into one flat buffer, sums it with all_reduce(flat) and unpacks, all on
     the side stream after what the compute stream has issued so far. The buffer lives on
     the side stream only, so CuPy's pool never hands it to another stream still in use."""
     import cupy as cp
     side.wait_event(cp.cuda.get_current_stream().record())
-    with side:
+    with on_stream(side):
         flat = cp.empty(sum(a.size for a in arrs), arrs[0].dtype)
         off = 0
         for a in arrs:

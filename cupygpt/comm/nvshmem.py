@@ -172,13 +172,6 @@ class Nvshmem(Mpi):
 
     graphable = True  # every wait and transfer above is on the stream
 
-    # Not on a GPU: with --dp 2 --tp 2 (4 PEs on an H200, then an H100) the overlapped sum
-    # gave every gradient wrong, the same values on both cards, while the same run without
-    # the overlap, with CUDA_LAUNCH_BLOCKING=1, or with --dp 2 alone was right (cudasim in
-    # any order is right too: the cause is not found). Until it is, the sum waits for the
-    # backward there: slower, never wrong.
-    overlaps_beside_tp = False
-
     def sum_tied(self, arr, peer: int) -> None:
         """Both ranks put their wte gradient into the other's slot, then add in the same
         order (first stage's + last stage's), so both copies stay bit-identical."""

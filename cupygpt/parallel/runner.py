@@ -64,9 +64,8 @@ class Runner:
         # CUDA graphs: on a backend that has them, alone or over a transport whose step is
         # all on the stream (transport.graphable); the overlapped gradient sum (GradSync's
         # overlap) packs its buckets in fresh memory on a side stream, so it stays eager
-        overlap = self._may_overlap(s.overlap)
         self.graphs = s.graphable and be.supports_graphs and (
-            mesh.size == 1 or (transport.graphable and not (overlap and mesh.dp > 1)))
+            mesh.size == 1 or (transport.graphable and not (s.overlap and mesh.dp > 1)))
         if s.attention is not None:
             be.use_attention(s.attention, backward=s.adamw is not None, replay=self.graphs)
         self.memory = memory_plan(shape, plan, be, s.dtype, s.adamw is not None,
@@ -79,7 +78,7 @@ class Runner:
                        for pt, n in zip(plan.parts, plan.slots)]
         self.head = next((st for st in self.stages if st.head), None)
         self.sync = GradSync(self.stages, transport, tied_peer=plan.tied_peer, dp=mesh.dp,
-                             zero=s.zero, overlap=overlap)
+                             zero=s.zero, overlap=s.overlap)
         zero = ZeroOne(transport, zero_slices) if s.zero else None
         self.opt = AdamW(self.stages, s.adamw, transport, zero) if s.adamw else None
         self.exec = Executor(plan, self.stages, be, transport, self.sync)
@@ -190,13 +189,9 @@ class Runner:
         """Whether the replicas' gradient sum overlaps the backward."""
         return self.sync.overlap
 
-    def _may_overlap(self, on: bool) -> bool:
-        """on, unless the transport cannot overlap the replicas' sum beside tp's sums."""
-        return on and (self.mesh.tp == 1 or self.transport.overlaps_beside_tp)
-
     def set_overlap(self, on: bool) -> None:
         """Whether the replicas' sum overlaps the backward (bench times both)."""
-        self.sync.overlap = self._may_overlap(on) and self.mesh.dp > 1
+        self.sync.overlap = on and self.mesh.dp > 1
 
     # --- forward only ------------------------------------------------------------------
 

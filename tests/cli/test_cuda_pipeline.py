@@ -104,8 +104,9 @@ def test_grid_over_nvshmem_verifies_in_any_order(grid):
     """The grids above on cudasim under CUDASIM_ORDER=random: each PE's streams (the
     compute stream's tp collectives and handoffs, the side stream's overlapped dp sum)
     interleaved at random, the host seeing work only after waiting for it, blocks in any
-    order, so a missing wait or a slot reused too early shows (4 PEs on one H200 got every
-    gradient of --dp 2 --tp 2 wrong, which this does not reproduce: shared/gpu/h200-*)."""
+    order, so a missing wait or a slot reused too early shows. With CuPy's stream stack
+    (cudasim's too), leaving `with side:` made the legacy stream current: this gave every
+    gradient of --dp 2 --tp 2 wrong here, as 4 PEs on one H200 did."""
     if cudasim_missing():
         pytest.skip(cudasim_missing())
     env = {**device_env("sim"), "CUDASIM_DEVICES": "4", "CUDASIM_LAG_S": "0.002",
@@ -117,13 +118,14 @@ def test_grid_over_nvshmem_verifies_in_any_order(grid):
 
 
 @pytest.mark.parametrize("device", NVSHMEM_DEVICES[1:])
-@pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2", "--no-overlap"], ["--dp", "2"]],
-                         ids=["dp2-tp2-no-overlap", "dp2"])
+@pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2"],
+                                  ["--dp", "2", "--tp", "2", "--no-overlap"], ["--dp", "2"]],
+                         ids=["dp2-tp2", "dp2-tp2-no-overlap", "dp2"])
 def test_the_replicas_sum_on_a_gpu(device, grid):
     """Where --dp 2 --tp 2 over nvshmem went wrong on an H200 (4 PEs on one GPU, every
-    gradient wrong, the forward right; cudasim in any order does not reproduce it): the
-    replicas' sum without the overlap beside the tensor-parallel sums, and alone, so a GPU
-    run tells which one it is."""
+    gradient wrong, the forward right) while the side stream's `with` left the legacy
+    stream current: the replicas' sum overlapped beside the tensor-parallel sums, after
+    them, and alone."""
     res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
                         ranks=4 if "--tp" in grid else 2, env=device_env(device))
     assert res.returncode == 0 and r["ok"], res.stdout + res.stderr

@@ -1,5 +1,7 @@
 """cudasim's own checks: it must catch the mistakes it claims to, or its passing runs of
 the CUDA backend (test_cuda_backend.py) would prove little."""
+import threading
+
 import numpy as np
 import pytest
 from harness import cudasim_module, load_cudasim, requires_sim
@@ -515,6 +517,61 @@ def test_random_order_runs_streams_in_any_order(monkeypatch):
             stale[wait] += int(cp.asnumpy(got)[0]) != i
             a.synchronize()
     assert stale[False] > 0 and stale[True] == 0, stale
+
+
+def test_the_current_stream_follows_cupys_stack(monkeypatch):
+    """CuPy 14.2's streams (cupy/cuda/stream.pyx, _ThreadLocal): per thread and device a
+    current stream and a stack `with` pushes and pops; use() sets the current one only, so
+    leaving a `with` makes the stack's top current: the default stream, not one use() set
+    (CuPy's issue #8377). A stream is used on the device it was made on; a new thread
+    starts on the default stream."""
+    monkeypatch.setenv("CUDASIM_DEVICES", "2")
+    cp, _ = load_cudasim()
+    compute, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    assert compute.use() is compute and cp.cuda.get_current_stream() is compute
+    with side:
+        assert cp.cuda.get_current_stream() is side
+    assert cp.cuda.get_current_stream() is cp.cuda.Stream.null
+    with compute:
+        with side:
+            pass
+        assert cp.cuda.get_current_stream() is compute
+    compute.use()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(cp.cuda.get_current_stream()))
+    thread.start()
+    thread.join()
+    assert seen == [cp.cuda.Stream.null] and cp.cuda.get_current_stream() is compute
+    cp.cuda.Device(1).use()
+    assert cp.cuda.get_current_stream() is cp.cuda.Stream.null  # (device 1's)
+    for use in (compute.use, compute.__enter__):
+        with pytest.raises(RuntimeError, match=r"created on \(0\) does not match .* \(1\)"):
+            use()
+    cp.cuda.Device(0).use()
+    assert cp.cuda.get_current_stream(0) is compute
+
+
+def test_the_legacy_stream_waits_for_blocking_streams_only(monkeypatch):
+    """CUDA's legacy default stream: its work waits for the work issued before on every
+    blocking stream, and theirs for its work; a non-blocking stream's work has no order
+    with it, so under CUDASIM_ORDER=random a copy on the default stream reads data a
+    non-blocking stream has not written yet."""
+    monkeypatch.setenv("CUDASIM_ORDER", "random")
+    cp, _ = load_cudasim()
+    x, got = cp.zeros(1, np.float32), cp.zeros(1, np.float32)
+    stale = {}
+    for non_blocking in (False, True):
+        writer = cp.cuda.Stream(non_blocking=non_blocking)
+        stale[non_blocking] = 0
+        for i in range(1, 201):
+            writer.use()
+            x.fill(i)
+            cp.cuda.Stream.null.use()
+            got[...] = x
+            cp.cuda.Stream.null.synchronize()
+            stale[non_blocking] += int(cp.asnumpy(got)[0]) != i
+            writer.synchronize()
+    assert stale[True] > 0 and stale[False] == 0, stale
 
 
 @pytest.fixture()

@@ -56,6 +56,7 @@ class CudaBackend(Device, Encoder, Layernorm, Matmul, Attention, Elementwise, Cl
 
     def __init__(self) -> None:
         self.tf32 = False                  # TF32 tensor-core matmuls (configure)
+        self.stream = None                 # the compute stream (configure makes it current)
         self.profiler = Profiler()         # kernel_profile's trace
         self.workspaces = {}               # (name, dtype) -> a buffer kept for the process
         self.kernels = Kernels(self.profiler)            # compiled modules and kernels
@@ -73,7 +74,7 @@ class CudaBackend(Device, Encoder, Layernorm, Matmul, Attention, Elementwise, Cl
         self.tf32 = bool(tf32)
         self.kernels.optin.clear()  # (read again from the device now used)
         cp.cuda.Device(device_of(cp.cuda.runtime.getDeviceCount()) if device_of else 0).use()
-        cp.cuda.Stream(non_blocking=True).use()
+        self.stream = cp.cuda.Stream(non_blocking=True).use()
         self.blas.reset(self.tf32)  # (the plans' compute type follows tf32)
 
     def numerics(self) -> str:

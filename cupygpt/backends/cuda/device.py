@@ -71,17 +71,29 @@ class Device:
         of this backend goes through it from now on."""
         self.host_wait = wait
 
+    def _compute_stream(self):
+        """The current stream, checked to be the compute stream configure made current: a
+        step's work left on another stream (the legacy one, after a `with stream:` ended)
+        would run unordered with it, and every result would be in doubt."""
+        stream = cp.cuda.get_current_stream()
+        if self.stream is not None and stream != self.stream:
+            raise CupyGPTError(f"internal error: the current CUDA stream is {stream}, not the "
+                               f"backend's compute stream {self.stream}: work was issued off "
+                               f"it (CuPy's `with stream:` restores its own stack's top, not "
+                               f"a stream set with use(); use comm.gpu.on_stream)")
+        return stream
+
     def to_host(self, a) -> np.ndarray:
         """A host copy of a, once the work queued before it has finished: the stream is
         waited for first, so the copy itself has nothing left to wait on."""
-        stream = cp.cuda.get_current_stream()
+        stream = self._compute_stream()
         self.host_wait(stream)
         out = a.get(stream=stream)
         stream.synchronize()
         return out
 
     def synchronize(self) -> None:
-        self.host_wait(cp.cuda.get_current_stream())
+        self.host_wait(self._compute_stream())
 
     def all_finite(self, a) -> bool:
         if a.dtype == BF16:  # a bf16 is finite when its exponent bits are not all ones
@@ -110,7 +122,7 @@ class Device:
         """Records fn's launches on the current stream as a CUDA graph (nothing runs yet).
         Every matmul in fn must have run eagerly once (its cuBLASLt plan is made then; the
         workspace is our own, allocated with the first); a step is captured only once."""
-        stream = cp.cuda.get_current_stream()
+        stream = self._compute_stream()
         stream.begin_capture()
         try:
             fn()

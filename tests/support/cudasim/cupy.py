@@ -135,23 +135,44 @@ class _Capture:
 
 
 class Stream:
+    """CuPy's Stream. null: the legacy default stream (ptr 0, device_id -1), which under
+    CUDASIM_ORDER=random waits for the work of every blocking stream issued before, and
+    every blocking stream waits for its work (CUDA's implicit synchronization); a
+    non_blocking stream has no such order with it."""
+
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
+        self.device_id = -1 if null else _state["device"]
+        self.non_blocking = bool(non_blocking) and not null
         self._capture = None  # the capture sequence this stream is in
         self._joined = {}     # stream -> its work (in this capture) this stream waited for
         self._last = None  # under CUDASIM_ORDER=random: the last work issued here
         _streams[self.ptr] = self
+        if not null and not self.non_blocking:
+            _blocking.add(self)
 
     def use(self):
-        _state["stream"] = self
+        """CuPy's: this stream current on its device; the `with` stack is left as it is."""
+        _threads.set_current(self, _device_match(self))
         return self
 
     def __enter__(self):
-        self._before = _state["stream"]
-        return self.use()
+        """CuPy's: pushed on its device's stack of this thread, and made current."""
+        device = _device_match(self)
+        _threads.stack(device).append(self)
+        _threads.pushed.append(device)
+        _threads.set_current(self, device)
+        return self
 
     def __exit__(self, *exc):
-        self._before.use()
+        """CuPy's: popped, and the stack's new top made current. That is the default stream
+        when the stream current before the `with` was set by use() (never pushed), not that
+        stream: leaving a `with` after use() moves later work to the legacy stream (CuPy's
+        issue #8377)."""
+        device = _threads.pushed.pop()
+        stack = _threads.stack(device)
+        stack.pop()
+        _threads.set_current(stack[-1], device)
 
     def synchronize(self):
         """cudaStreamSynchronize: a capturing stream cannot be waited for (it runs nothing),
@@ -236,6 +257,38 @@ class Stream:
         return Graph(cap.ops)
 
 
+_blocking = weakref.WeakSet()  # the streams made without non_blocking (and not null)
+
+
+def _device_match(stream):
+    """CuPy's check_stream_device_match: a stream is used on the device it was made on."""
+    current = _state["device"]
+    if stream.device_id not in (-1, current):
+        raise RuntimeError(f"The device that the stream is created on ({stream.device_id}) "
+                           f"does not match with the current device ({current})")
+    return current
+
+
+class _ThreadStreams(threading.local):
+    """CuPy's _ThreadLocal (cupy/cuda/stream.pyx): per thread and device, the current
+    stream and the stack `with` pushes and pops, both starting at the default stream."""
+
+    def __init__(self):
+        self.current, self.stacks, self.pushed = {}, {}, []
+
+    def stack(self, device):
+        return self.stacks.setdefault(device, [_NULL])
+
+    def set_current(self, stream, device):
+        self.current[device] = stream
+
+    def get(self):
+        return self.current.get(_state["device"], _NULL)
+
+
+_threads = _ThreadStreams()
+
+
 class Graph:
     def __init__(self, ops):
         self._ops = ops  # (op, ready) as _enqueue took them
@@ -243,7 +296,7 @@ class Graph:
     def launch(self, stream=None):
         _not_capturing("graph launch")
         for op, ready in self._ops:
-            _enqueue(op, ready, stream=stream or _state["stream"])
+            _enqueue(op, ready, stream=stream or _threads.get())
 
 
 class _Work:
@@ -318,10 +371,14 @@ def _enqueue(op, ready=None, keep=None, stream=None):
     holds: recorded when the stream captures, else run now (waiting for ready() here, up to
     WAIT_S) or, under CUDASIM_ORDER=random, queued for the device thread. keep: what must
     stay alive until it runs (as CuPy's pool keeps a freed block for its stream)."""
-    stream = stream or _state["stream"]
+    stream = stream or _threads.get()
     if stream._capture is not None:
         stream._capture.record(stream, op, ready)
     elif _DEVICE is not None:
+        after = _legacy_order(stream)
+        if after:
+            wait = ready
+            ready = lambda: all(w.done for w in after) and (wait is None or wait())  # noqa: E731
         _DEVICE.put(stream, _Work(op, ready, keep))
     else:
         deadline = time.monotonic() + WAIT_S
@@ -333,6 +390,15 @@ def _enqueue(op, ready=None, keep=None, stream=None):
         op()
 
 
+def _legacy_order(stream):
+    """The work stream's next operation waits for under CUDA's legacy default stream: on
+    the default stream, the last work of every blocking stream; on a blocking stream, the
+    default stream's last; on a non-blocking one, nothing."""
+    if stream is _NULL:
+        return [s._last for s in list(_blocking) if s._last is not None]
+    return [] if stream.non_blocking or _NULL._last is None else [_NULL._last]
+
+
 def _finished(work, block=True):
     """Whether work issued on a stream has run (waiting for it with block)."""
     return True if _DEVICE is None else _DEVICE.wait(work, block)
@@ -341,7 +407,7 @@ def _finished(work, block=True):
 def _host_reads():
     """The host is about to read device memory after the current stream's work, as a
     device-to-host copy on it would."""
-    _finished(_state["stream"]._last)
+    _finished(_threads.get()._last)
 
 
 def _copies_to_host(stream):
@@ -358,13 +424,16 @@ def _stream_of(handle):
 
 
 def _not_capturing(what):
-    if _state["stream"]._capture is not None:
+    if _threads.get()._capture is not None:
         raise RuntimeError(f"cudaErrorStreamCaptureUnsupported: {what} while the stream is "
                            f"capturing a graph")
 
 
-def get_current_stream():
-    return _state["stream"]
+def get_current_stream(device_id=-1):
+    """CuPy's: the current stream of device_id (-1: the current device) on this thread."""
+    if device_id == -1:
+        return _threads.get()
+    return _threads.current.get(device_id, _NULL)
 
 
 class Event:
@@ -378,7 +447,7 @@ class Event:
         """On a capturing stream a record is no graph node (cudaEventRecord without
         cudaEventRecordExternal): it marks a point of the capture that other streams may
         wait on, and nothing sets the event when the graph runs."""
-        stream = stream or _state["stream"]
+        stream = stream or _threads.get()
         cap = stream._capture
         if cap is not None:
             if cap.invalid:
@@ -466,7 +535,7 @@ class ndarray(np.ndarray):
     def __array_finalize__(self, obj):
         if self.base is not None or self.nbytes == 0:
             return  # a view: its owner is registered
-        if _state["stream"]._capture is not None:
+        if _threads.get()._capture is not None:
             # cudasim's rule, not CuPy's: its relaxed capture lets the pool allocate, but
             # the graph keeps only the pointer, so an array made here and dropped is
             # handed to the next allocation while replays still write it
@@ -493,7 +562,7 @@ class ndarray(np.ndarray):
             raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         if not (self.flags.c_contiguous or self.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
-        stream = stream or _state["stream"]
+        stream = stream or _threads.get()
         if stream.is_capturing():
             raise RuntimeError("the current stream is capturing, so H2D transfers are "
                                "disallowed")
@@ -503,7 +572,7 @@ class ndarray(np.ndarray):
     def get(self, stream=None):
         """A device-to-host copy on the stream, then its synchronize (CuPy's ndarray.get,
         blocking; copy_to_host_async refuses a stream that captures)."""
-        stream = stream or _state["stream"]
+        stream = stream or _threads.get()
         if self.size == 0:
             return np.ndarray(self.shape, self.dtype)
         _copies_to_host(stream)
@@ -557,7 +626,7 @@ class ndarray(np.ndarray):
         got = np.ndarray.__getitem__(self, key)
         if isinstance(got, np.ndarray):
             return got
-        _copies_to_host(_state["stream"])
+        _copies_to_host(_threads.get())
         return got
 
     def __setitem__(self, key, value):
@@ -855,7 +924,7 @@ def _set_stream(handle, stream):
 
 def _sgemm_strided_batched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb,
                            strideB, beta, C, ldc, strideC, batchCount):
-    _set_stream(handle, _state["stream"].ptr)
+    _set_stream(handle, _threads.get().ptr)
     a_ = ctypes.c_float.from_address(alpha).value  # host pointer mode: read at call time
     b_ = ctypes.c_float.from_address(beta).value
     opA = _matrix(A, *((m, k) if transa == 0 else (k, m)), lda, strideA, batchCount, "A")
@@ -903,7 +972,9 @@ _DEVICES = int(os.environ.get("CUDASIM_DEVICES", "1"))
 # the name the device reports (a test gives a GPU's to reach code keyed by it, e.g. MFU's peak)
 _NAME = os.environ.get("CUDASIM_DEVICE_NAME", "cudasim (CPU)").encode()
 _POOL = _Pool()
-_state = {"device": 0, "stream": Stream(null=True)}
+_state = {"device": 0}
+_NULL = Stream(null=True)
+Stream.null = _NULL
 memory = types.SimpleNamespace(OutOfMemoryError=_OutOfMemoryError)
 runtime = types.SimpleNamespace(
     CUDARuntimeError=CUDARuntimeError, streamCaptureModeRelaxed=2,
