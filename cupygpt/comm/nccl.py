@@ -14,7 +14,13 @@ allGather. NCCL gives every member the same bits and a run repeats them, but it 
 own order (its ring or tree, picked by size and topology), not in member order as the mpi
 transport does: the sums equal mpi's to rounding, not bit for bit. NCCL wants the same
 count from every member, and chunks() gives the last members less: an uneven array goes
-through a staging buffer of g * ceil(n / g) elements.
+through a staging buffer of g * ceil(n / g) elements. A rank's collectives run in the
+order it issues them, whichever stream each is on (_in_order).
+
+Not yet safe by NCCL's rules: a receive on the compute stream and a send on the send
+stream run at once only if the GPU holds both kernels (cudasim's one-operation-at-a-time
+device deadlocks a --tp 2 --pp 2 grid under CUDASIM_ORDER=random); a GPU with free SMs
+runs them, which NCCL does not promise.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class Nccl(Mpi):
         be.bound_host_waits(lambda s: wait_stream(s, self, what))
         self.send_stream = cp.cuda.Stream(non_blocking=True)
         self.side = cp.cuda.Stream(non_blocking=True)
+        self.last_collective = None  # (stream ptr, event after it) of this rank's latest
         self.ring, self.n = {}, {}
 
     def prepare(self, shapes: dict) -> None:
@@ -97,14 +104,32 @@ class Nccl(Mpi):
     def sum_tied(self, arr, peer: int) -> None:
         """A 2-rank allreduce: NCCL gives both ranks the same sum, bit for bit."""
         comm = self.comms[(min(self.rank, peer), max(self.rank, peer), "tied")]
+        stream = self._in_order()
         comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
-                       self.nccl.NCCL_SUM, self.cp.cuda.get_current_stream().ptr)
+                       self.nccl.NCCL_SUM, stream.ptr)
+        self._issued(stream)
+
+    def _in_order(self):
+        """The current stream, made to wait for this rank's previous collective when that
+        ran on another stream. NCCL's kernels block until their peers arrive, and
+        operations on several communicators may not run at once unless every rank issues
+        them in one order (NCCL's "Using multiple NCCL communicators concurrently"): the
+        side stream's replicas' sum and the compute stream's tp sums would otherwise run in
+        whichever order each GPU picks, and two ranks picking differently wait on each
+        other for ever."""
+        stream = self.cp.cuda.get_current_stream()
+        if self.last_collective is not None and self.last_collective[0] != stream.ptr:
+            stream.wait_event(self.last_collective[1])
+        return stream
+
+    def _issued(self, stream) -> None:
+        self.last_collective = (stream.ptr, stream.record())
 
     def _group(self, axis):
         """(communicator, size, place) for the current stream's collectives, or None when
-        the group has one member."""
-        stream = self.cp.cuda.get_current_stream().ptr
-        return self.coll.get((axis, stream == self.side.ptr)), stream
+        the group has one member; the stream."""
+        stream = self.cp.cuda.get_current_stream()
+        return self.coll.get((axis, stream.ptr == self.side.ptr)), stream
 
     def _padded(self, flat, size):
         """flat itself when it has size elements, else a zero-padded copy."""
@@ -118,8 +143,10 @@ class Nccl(Mpi):
         group, stream = self._group(axis)
         if group is None:
             return super().all_reduce(arr, axis)
+        self._in_order()
         group[0].allReduce(arr.data.ptr, arr.data.ptr, arr.size, self.dtypes[arr.dtype],
-                           self.nccl.NCCL_SUM, stream)
+                           self.nccl.NCCL_SUM, stream.ptr)
+        self._issued(stream)
 
     def start_all_reduce(self, arrs: list, axis: str) -> Done:
         if (axis, True) not in self.coll:
@@ -139,10 +166,12 @@ class Nccl(Mpi):
         size = c if scatter else g * c
         got = dst if dst.size == size else self.cp.empty(size, dst.dtype)
         args = (send.data.ptr, got.data.ptr, c, self.dtypes[dst.dtype])
+        self._in_order()
         if scatter:
-            comm.reduceScatter(*args, self.nccl.NCCL_SUM, stream)
+            comm.reduceScatter(*args, self.nccl.NCCL_SUM, stream.ptr)
         else:
-            comm.allGather(*args, stream)
+            comm.allGather(*args, stream.ptr)
+        self._issued(stream)
         if got is not dst:
             dst[...] = got[:dst.size].reshape(dst.shape)
 

@@ -98,20 +98,26 @@ def test_grid_of_cuda_stages_verifies(device, transport, grid):
     assert all(s["ok"] for s in r["steps"])
 
 
-@pytest.mark.parametrize("grid", [["--dp", "2", "--tp", "2"],
-                                  ["--tp", "2", "--pp", "2", "--micro-batches", "2"]])
-def test_grid_over_nvshmem_verifies_in_any_order(grid):
-    """The grids above on cudasim under CUDASIM_ORDER=random: each PE's streams (the
-    compute stream's tp collectives and handoffs, the side stream's overlapped dp sum)
-    interleaved at random, the host seeing work only after waiting for it, blocks in any
-    order, so a missing wait or a slot reused too early shows. With CuPy's stream stack
-    (cudasim's too), leaving `with side:` made the legacy stream current: this gave every
-    gradient of --dp 2 --tp 2 wrong here, as 4 PEs on one H200 did."""
+@pytest.mark.parametrize("transport,grid", [
+    ("nvshmem", ["--dp", "2", "--tp", "2"]),
+    ("nvshmem", ["--tp", "2", "--pp", "2", "--micro-batches", "2"]),
+    ("nccl", ["--dp", "2", "--tp", "2"])], ids=["nvshmem-dp2-tp2", "nvshmem-tp2-pp2",
+                                                "nccl-dp2-tp2"])
+def test_grid_verifies_in_any_order(transport, grid):
+    """Grids on cudasim under CUDASIM_ORDER=random: each rank's streams (the compute
+    stream's tp collectives and handoffs, the side stream's overlapped dp sum) interleaved
+    at random, one operation at a time, the host seeing work only after waiting for it,
+    blocks in any order, so a missing wait or a slot reused too early shows. With CuPy's
+    stream stack (cudasim's too), leaving `with side:` made the legacy stream current:
+    this gave every gradient of nvshmem's --dp 2 --tp 2 wrong here, as 4 PEs on one H200
+    did. NCCL's collectives block their stream's GPU until the peers arrive, so the side
+    stream's and the compute stream's must run in one order on every rank (nccl.py's
+    _in_order), else two ranks wait on each other here."""
     if cudasim_missing():
         pytest.skip(cudasim_missing())
     env = {**device_env("sim"), "CUDASIM_DEVICES": "4", "CUDASIM_LAG_S": "0.002",
            "CUDASIM_ORDER": "random"}
-    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
+    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", transport, *grid,
                         ranks=4, env=env)
     assert res.returncode == 0 and r["ok"] and r["ranks"] == 4, res.stdout + res.stderr
     assert all(s["ok"] for s in r["steps"])

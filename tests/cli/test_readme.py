@@ -20,6 +20,8 @@ DEV_SKIPS = {
     "dev.gpucheck": "the GPU check needs a GPU (and runs for minutes)",
     "dev.vs_llmc": "needs llm.c's C trainer built (`make train_gpt2` in a checkout of llm.c)",
     "dev.bubbles": "runs on a CPU, but for minutes (4 schedules, 3 runs each, under mpiexec)",
+    "dev.pipeline_speedup": "runs on a CPU, but for tens of minutes (one rank and 4 "
+                            "schedules per model and length, each rank on a core of its own)",
 }
 
 
