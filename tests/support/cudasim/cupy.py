@@ -759,10 +759,12 @@ def _signatures(code, options=()):
 
 
 def _key_flag(flag):
-    """A flag as the cache key holds it: an include directory by the files in it, not by
-    where it is (an installed copy of kernels_cu reuses the clone's build)."""
+    """A flag as the cache key holds it: an include directory by the files in it, and a
+    path into this folder (the forced include of sim.h, whose text the key holds) without
+    where the folder is, so an installed copy of kernels_cu, or another clone, reuses the
+    build."""
     if not flag.startswith("-I"):
-        return flag
+        return flag.replace(HERE, "<cudasim>")
     d = flag[2:]
     return "-I" + "".join(f"\0{n}\0{open(os.path.join(d, n), errors='replace').read()}"
                           for n in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, n)))
