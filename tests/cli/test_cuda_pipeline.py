@@ -130,12 +130,15 @@ def test_grid_verifies_in_any_order(transport, grid):
 def test_the_replicas_sum_on_a_gpu(device, grid):
     """Where --dp 2 --tp 2 over nvshmem went wrong on an H200 (4 PEs on one GPU, every
     gradient wrong, the forward right) while the side stream's `with` left the legacy
-    stream current: the replicas' sum overlapped beside the tensor-parallel sums, after
-    them, and alone."""
-    res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
-                        ranks=4 if "--tp" in grid else 2, env=device_env(device))
-    assert res.returncode == 0 and r["ok"], res.stdout + res.stderr
-    assert all(s["ok"] for s in r["steps"])
+    stream current: the replicas' sum overlapped beside the tensor-parallel sums (10 runs
+    in a row: the race showed in every run, but a GPU's order varies), after them, and
+    alone."""
+    runs = 10 if grid == ["--dp", "2", "--tp", "2"] else 1
+    for _ in range(runs):
+        res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
+                            ranks=4 if "--tp" in grid else 2, env=device_env(device))
+        assert res.returncode == 0 and r["ok"], res.stdout + res.stderr
+        assert all(s["ok"] for s in r["steps"])
 
 
 def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
