@@ -131,8 +131,7 @@ def test_the_replicas_sum_on_a_gpu(device, grid):
     """Where --dp 2 --tp 2 over nvshmem went wrong on an H200 (4 PEs on one GPU, every
     gradient wrong, the forward right) while the side stream's `with` left the legacy
     stream current: the replicas' sum overlapped beside the tensor-parallel sums (10 runs
-    in a row: the race showed in every run, but a GPU's order varies), after them, and
-    alone."""
+    in a row: a GPU's order varies from run to run), after them, and alone."""
     runs = 10 if grid == ["--dp", "2", "--tp", "2"] else 1
     for _ in range(runs):
         res, r = run_verify(FILES[0], "--backend", "cuda", "--transport", "nvshmem", *grid,
