@@ -9,10 +9,11 @@ import click
 from ..comm.launch import world_rank
 from ..commands.bench import ATTENTIONS, claim_out, side_by_side, trace_failed
 from ..commands.bench import bench as run_bench
-from ..commands.bench_comm import comm_bench, format_rows, sizes
+from ..commands.bench_comm import comm_bench, format_report, sizes
 from ..commands.eval import eval_command
 from ..commands.sample import sample_text
-from ..commands.verify import format_report, reference_defaults
+from ..commands.verify import format_report as verify_report
+from ..commands.verify import reference_defaults
 from ..commands.verify import verify as run_verify
 from ..config.configs import BenchConfig, EvalConfig, SampleConfig, VerifyConfig
 from ..config.train import TrainConfig
@@ -37,7 +38,7 @@ def verify(**kw):
     with progress(sess.config.steps - 1, "AdamW steps") as bar:
         report = run_verify(sess, lambda: bar.update(1))
     if sess.mesh.rank == 0:
-        click.echo(json.dumps(report) if sess.config.as_json else format_report(report))
+        click.echo(json.dumps(report) if sess.config.as_json else verify_report(report))
     ok = sess.transport.bcast(report["ok"] if sess.mesh.rank == 0 else None)
     sys.exit(0 if ok else 1)
 
@@ -61,11 +62,11 @@ def bench(**kw):
     if sess.config.comm:
         with progress(len(sizes(sess.shape, sess.config.batch, sess.config.seq, sess.be)),
                       "timing transfers") as bar:
-            rows = comm_bench(sess, lambda: bar.update(1))
-        if rows is not None:
+            report = comm_bench(sess, lambda: bar.update(1))
+        if report is not None:
             with atomic_write(out) as f:
-                f.write(json.dumps(rows, indent=1).encode())
-            click.echo(format_rows(rows) + f"\nwrote {out}")
+                f.write(json.dumps(report, indent=1).encode())
+            click.echo(format_report(report) + f"\nwrote {out}")
         return
     c = sess.config
     two = "both" in (c.dtype, c.device.attention)

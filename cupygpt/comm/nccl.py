@@ -1,12 +1,15 @@
 """NCCL transport (CuPy's NCCL), the multi-GPU baseline to compare NVSHMEM against.
 
-One GPU per rank: NCCL refuses two ranks on one GPU. Point to point: a 2-rank communicator
-for each (sender, receiver, kind) of Mesh.pairs(), every directed pair of pipeline-ring
-neighbours, so a communicator is only ever used from one stream on each side (the
-sender's send stream, the receiver's compute stream). Sends run on the send stream from a
-ring of staging copies (the compute stream may overwrite the source at once, and a pending
-send never blocks the receives queued behind it); receives land directly on the compute
-stream.
+One GPU per rank: NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), except from
+2.30 on with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental there; under an MPS server the
+ranks' kernels run at once, without it they take turns on the GPU).
+
+Point to point: a 2-rank communicator for each (sender, receiver, kind) of Mesh.pairs(),
+every directed pair of pipeline-ring neighbours, so a communicator is only ever used from
+one stream on each side (the sender's send stream, the receiver's compute stream). Sends
+run on the send stream from a ring of staging copies (the compute stream may overwrite the
+source at once, and a pending send never blocks the receives queued behind it); receives
+land directly on the compute stream.
 
 Collectives: a communicator per dp and per tp group, and per stream (the compute stream's;
 the side stream's for the overlapped all-reduce), with NCCL's allReduce, reduceScatter and
@@ -24,6 +27,8 @@ runs them, which NCCL does not promise.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import CupyGPTError
@@ -33,6 +38,15 @@ from .base import AXES, Done, chunks, poll
 from .gpu import start_on_side, wait_stream
 from .mpi import Mpi
 
+# NCCL's version code from which NCCL_MULTI_RANK_GPU_ENABLE=1 lets ranks share a GPU
+MULTI_RANK_GPU = 23000
+
+
+def shares_gpus(version: int) -> bool:
+    """Whether this NCCL takes several ranks on one GPU (its version, and the variable it
+    reads when a communicator is made)."""
+    return version >= MULTI_RANK_GPU and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+
 
 class Nccl(Mpi):
     name = "nccl"
@@ -40,12 +54,15 @@ class Nccl(Mpi):
     def __init__(self, be: Backend, mesh, timeout: float) -> None:
         super().__init__(be, mesh, timeout)
         import cupy as cp
-        ndev = cp.cuda.runtime.getDeviceCount()
-        if ndev < self.size:
-            raise CupyGPTError(f"{self.size} ranks but {ndev} GPU(s); NCCL needs one GPU per "
-                               f"rank and refuses two ranks on one GPU; use nvshmem",
-                               "transport", "nccl")
         from cupy.cuda import nccl
+        ndev = cp.cuda.runtime.getDeviceCount()
+        self.version = nccl.get_version()  # e.g. 23203 for 2.32.3
+        if ndev < self.size and not shares_gpus(self.version):
+            raise CupyGPTError(f"{self.size} ranks but {ndev} GPU(s); NCCL needs one GPU per "
+                               f"rank and refuses two ranks on one GPU (from NCCL 2.30 on, "
+                               f"unless NCCL_MULTI_RANK_GPU_ENABLE=1; this is "
+                               f"{self.version // 10000}.{self.version // 100 % 100}); use "
+                               f"nvshmem", "transport", "nccl")
         cp.cuda.Device(mesh.device(ndev)).use()  # before any NCCL call; the backend agrees
         self.cp, self.nccl, r = cp, nccl, self.rank
         self.dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32,

@@ -179,8 +179,13 @@ class BenchConfig:
         "add a time-per-op table (GPU: CUDA events, also per kernel, eager steps; CPU: wall "
         "time per op)"))
     comm: bool = flag("--comm", default=False, help=(
-        "under mpiexec: time the transport's collectives and a stage handoff from 1 KiB to "
-        "64 MiB and at this model's step sizes, instead"))
+        "under mpiexec: time the transport's collectives and a stage handoff from 8 B to "
+        "64 MiB and at this model's step sizes, instead (--steps messages per timing, after "
+        "--warmup)"))
+    against: Optional[str] = flag("--against", default=None,
+                                  choices=("nvshmem", "nccl", "mpi"), help=(
+        "with --comm: time this transport too, in the same run, size by size (the crossover "
+        "is where it becomes the faster)"))
     out: str = flag("--out", default="bench.json", help="JSON to write", file="out")
     device: Device = fields.section(Device)
     trace: Optional[str] = fields.trace()
@@ -209,6 +214,14 @@ class BenchConfig:
         # --comm: every rank in one group (the collectives span the world), and no step
         c = place(replace(c, grid=Grid(dp=world)) if c.comm else c, be, world, shape,
                   None if c.comm else c.seq, c.batch, ("init", c.init), both=True)
+        if c.against is not None:
+            run = be.TRANSPORTS[0] if c.device.transport == "auto" else c.device.transport
+            if not c.comm or c.against == run or c.against not in be.TRANSPORTS:
+                raise CupyGPTError(
+                    "compares a second transport's timings with --comm's" if not c.comm else
+                    f"is the run's transport already (--transport {c.device.transport})"
+                    if c.against == run else f"the {be.name} backend's arrays travel by "
+                    f"{', '.join(be.TRANSPORTS)} only", "against", c.against)
         if c.comm:
             if world < 2:
                 raise CupyGPTError("bench --comm measures communication between ranks: run "

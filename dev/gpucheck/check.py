@@ -24,7 +24,7 @@ import time
 from cupygpt.paths import json_object
 
 from .config import GPUCHECK_PARTS
-from .parts import benches, pipeline, readme, run_tests, sanitize, verify
+from .parts import benches, comm, pipeline, readme, run_tests, sanitize, verify
 from .peers import PeersBuild, peers
 from .report import SECTIONS, ratios
 from .runs import Budget, BudgetSpent, Skip
@@ -37,22 +37,23 @@ REPORT = "report gpucheck wrote"
 # verify: llm.c's reference files (cupygpt/reference), whose shapes differ (odd T, 16 heads).
 # warmup: untimed bench steps first; pipe_steps: the pipeline's median skips its first two.
 # train_args: added to README's training commands (the quick plan's tiny model, 2 steps).
-# need: the seconds one run of each part takes (full: measured on an H200, 2026-11-26;
-# quick: on cudasim, 2 busy cores): a run with less of the budget left is skipped.
+# need: the seconds one run of each part takes (full: measured on an H200, 2026-11-26, but
+# comm's, a guess until a GPU has run it; quick: on cudasim, 2 busy cores): a run with less
+# of the budget left is skipped. comm_steps: bench --comm's messages per timing.
 PLANS = {"full": {"model": "d12", "t_short": 128, "t_long": 1024, "batches": (8, 16, 32),
                   "steps": 10, "warmup": 3, "pipe_steps": 20, "verify": ("tiny", "odd", "gpt2v"),
-                  "train_args": (),
+                  "train_args": (), "comm_steps": 50,
                   "need": {"verify": 5, "readme": 40, "tests": 100, "bench": 15, "peers": 60,
-                           "pipeline": 20, "sanitizer": 10}},
+                           "pipeline": 20, "sanitizer": 10, "comm": 40}},
          "quick": {"model": "tiny", "t_short": 16, "t_long": 32, "batches": (8,),
                    "steps": 2, "warmup": 1, "pipe_steps": 4, "verify": ("tiny",),
-                   "train_args": ("-e", "tiny", "-t", "16", "-n", "2"),
+                   "train_args": ("-e", "tiny", "-t", "16", "-n", "2"), "comm_steps": 2,
                    "need": {"verify": 10, "readme": 10, "tests": 15, "bench": 6, "peers": 5,
-                            "pipeline": 10, "sanitizer": 3}}}
+                            "pipeline": 10, "sanitizer": 3, "comm": 45}}}
 
 # What each part runs, in the order they run (named in config.py, --part's choices)
 PARTS = dict(zip(GPUCHECK_PARTS, (verify, readme, run_tests, benches, peers, pipeline,
-                                  sanitize)))
+                                  sanitize, comm)))
 
 
 def versions():
@@ -159,9 +160,10 @@ def write(out, report):
 
 
 def optional(key):
-    """The comparisons and the extras: a peer's failure or skip, MPS's, or a cuDNN run's
-    skip (cuDNN, an extra, not installed) is reported, never the check's."""
-    return key.split(" ")[0] == "peers" or key.endswith(("_mps", "_cudnn"))
+    """The comparisons and the extras: a peer's failure or skip, MPS's, a cuDNN run's skip
+    (cuDNN, an extra, not installed) or NCCL's run beside nvshmem on one GPU (experimental in
+    NCCL) is reported, never the check's."""
+    return key.split(" ")[0] == "peers" or key.endswith(("_mps", "_cudnn", "_nccl"))
 
 
 def problems(report):
@@ -185,6 +187,9 @@ def problems(report):
     # MPS is optional (NVSHMEM's limited mode is what must work): its run is reported only
     out += [f"pipeline {k}: {v['error']}" for k, v in report.get("pipeline", {}).items()
             if isinstance(v, dict) and "error" in v and not optional(k)]
+    # NCCL's ranks sharing a GPU are experimental: its comparison's failure is reported only
+    out += [f"comm {k}: {v['error']}" for k, v in report.get("comm", {}).items()
+            if isinstance(v, dict) and "error" in v and not optional(f"comm {k}")]
     return out
 
 

@@ -7,7 +7,8 @@ from cupygpt.config.fields import flag
 
 # the parts in the order they run, the most valuable first so that a short budget drops
 # the least (check.py maps each name to what it runs)
-GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sanitizer")
+GPUCHECK_PARTS = ("verify", "readme", "tests", "bench", "peers", "pipeline", "sanitizer",
+                  "comm")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from cupygpt.model.shape import preset
 from cupygpt.paths import PACKAGE, REFERENCE
 
+from ..predict_step import predict_from
 from .runs import Skip, last_line, launcher, sh
 
 # The repository around the package, when it is a clone (an installed wheel has no tests/).
@@ -266,3 +267,52 @@ def sanitize(out, work, plan, budget):
         said = [x.strip("= ") for x in log.splitlines() if "SUMMARY" in x]
         yield {tool: {"rc": rc, "clean": rc == 0,
                       "summary": said[-1] if said else log.strip()[-200:]}}
+
+
+def comm(out, work, plan, budget, ranks=2):
+    """The seeds' questions on one GPU: bench --comm with `ranks` PEs sharing it under an
+    MPS server (one process per PE, as on several GPUs; without MPS they take turns, which
+    the report says): nvshmem against NCCL in the same run (NCCL 2.30's experimental ranks
+    sharing a GPU; where NCCL refuses them, nvshmem alone), then README's 2-stage pipeline
+    traced (one micro-batch: its stages never compute at once) and its step on two GPUs
+    predicted from both (dev.predict_step, NVLink's published bandwidth)."""
+    mpi = [launcher("mpiexec"), "-n", str(ranks)]
+    if mpi[0] is None:
+        yield {"mpiexec": {"error": "mpiexec not found (the mpich wheel brings it)"}}
+        return
+    model, t = plan["model"], str(plan["t_short"])
+    with mps_server(work) as no_mps:
+        yield {"mps": "running" if no_mps is None else no_mps}
+        report = None
+        for key, extra in (("against_nccl", ["--against", "nccl"]), ("nvshmem", [])):
+            why = budget.short(plan["need"]["comm"])
+            if why:
+                yield {key: Skip(why)}
+                return
+            path = os.path.join(work, f"comm_{key}.json")
+            rc, log = sh(mpi + CLI + ["bench", "--comm", "--backend", "cuda", "-e", model,
+                                      "-b", "4", "-t", t, "--steps", str(plan["comm_steps"]),
+                                      "--warmup", "2", "--out", path, *extra], 600,
+                         path + ".log", work, budget, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+            if rc == 0:
+                report = json.load(open(path))
+                yield {key: report}
+                break
+            yield {key: {"error": last_line(log, rc)}}
+        why = budget.short(plan["need"]["comm"])
+        if report is None or why:
+            if why:
+                yield {"prediction": Skip(why)}
+            return
+        trace = os.path.join(work, "comm_trace.json")
+        rc, log = sh(mpi + CLI + ["train", "-e", model, "--backend", "cuda", "-b", "4", "-t", t,
+                                  "-n", "3", "-v", "0", "-g", "0", "--trace", trace, "-o",
+                                  os.path.join(work, "comm_pipe")], 600, trace + ".log",
+                     work, budget)
+    if rc != 0:
+        yield {"prediction": {"error": last_line(log, rc)}}
+        return
+    try:
+        yield {"prediction": predict_from(trace, report, "nvshmem", model, 4, int(t))}
+    except Exception as e:  # (a trace or report the prediction cannot read: its error)
+        yield {"prediction": {"error": f"{type(e).__name__}: {e}"}}

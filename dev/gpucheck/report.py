@@ -107,10 +107,34 @@ def pipeline_section(r, plan):
                         for k, v in r["pipeline"].items()})]
 
 
+def comm_section(r, plan):
+    """The seeds' figures per transport (us: host alone / device loop / host issue), the
+    crossover sizes and the predicted 2-GPU step."""
+    c = r["comm"]
+    lines = [f"comm ({plan['model']}, 2 PEs on one GPU, MPS: {c.get('mps')}):"]
+    for key in ("against_nccl", "nvshmem"):
+        rep = c.get(key, {})
+        if "error" in rep:
+            lines.append(f"- bench --comm ({key}): {rep['error']}")
+        for kind, s in rep.get("seeds", {}).items():
+            h, g = s["handoff_8B"], s["grad_sync"]
+            lines.append(f"- {kind}: handoff of 8 B {h['host_us']:.1f} / {h['loop_us']:.1f} / "
+                         f"{h['issue_us']:.1f} us (target {rep['targets']['handoff_us']:g}); "
+                         "all-reduce " + ", ".join(f"{size} {x['loop_us']:.1f}"
+                                                   for size, x in g.items()) + " us (loop)")
+        for op, at in rep.get("crossover_bytes", {}).items():
+            lines.append(f"- crossover {op}: {json.dumps(at)}")
+    p = c.get("prediction")
+    if p:
+        lines.append("- predicted 2-GPU step: " + (p["error"] if "error" in p else
+                                                   f"{p['step_ms']:.3f} ms ({json.dumps(p)})"))
+    return lines
+
+
 def sanitizer_section(r, plan):
     return ["compute-sanitizer: " + json.dumps(r["sanitizer"])]
 
 
 SECTIONS = {"verify": verify_section, "readme": readme_section, "tests": tests_section,
             "bench": bench_section, "peers": peers_section, "pipeline": pipeline_section,
-            "sanitizer": sanitizer_section}
+            "sanitizer": sanitizer_section, "comm": comm_section}

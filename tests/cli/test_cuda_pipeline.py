@@ -140,19 +140,44 @@ def test_the_replicas_sum_on_a_gpu(device, grid):
         assert all(s["ok"] for s in r["steps"])
 
 
-def test_bench_comm_times_nvshmem_on_cudasim(tmp_path):
-    """bench --comm on the CUDA backend times its transport (auto: nvshmem), collectives
-    included; on cudasim only that it runs (its times say nothing of a GPU's)."""
+def test_bench_comm_times_nvshmem_against_nccl_on_cudasim(tmp_path):
+    """bench --comm on the CUDA backend times its transport (auto: nvshmem) and NCCL in the
+    same run, two ranks on one GPU as NCCL 2.30 allows them; on cudasim only that the
+    report has every field a GPU fills (its times say nothing of a GPU's). Without NCCL's
+    variable the refusal is one line naming --against, before any timing."""
     if cudasim_missing():
         pytest.skip(cudasim_missing())
-    res = cli("bench", "--comm", "--backend", "cuda", "-e", "tiny", "-t", "64", "--out",
-              tmp_path / "c.json", ranks=2, env={**device_env("sim"), "CUDASIM_LAG_S": "0"})
+    args = ["bench", "--comm", "--backend", "cuda", "-e", "tiny", "-t", "64", "--steps", "3",
+            "--warmup", "1", "--against", "nccl", "--out", tmp_path / "c.json"]
+    env = {**device_env("sim"), "CUDASIM_LAG_S": "0"}
+    refused = cli(*args, ranks=2, env=env)
+    assert refused.returncode == 1 and "error: --against nccl: 2 ranks but 1 GPU(s)" in \
+        refused.stderr and "NCCL_MULTI_RANK_GPU_ENABLE=1" in refused.stderr, refused.stderr
+    assert not (tmp_path / "c.json").exists()
+    res = cli(*args, ranks=2, env={**env, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = json.load(open(tmp_path / "c.json"))
-    assert len(rows) == 13 and all(r["transport"] == "nvshmem" for r in rows)
-    assert [r["dtype"] for r in rows[-4:]] == ["fp32", "bf16"] * 2  # the step's, both ways
-    assert rows[-1]["bytes"] * 2 == rows[-2]["bytes"]
-    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))
+    r = json.load(open(tmp_path / "c.json"))
+    assert r["device"] == "cudasim (CPU)" and r["transports"] == ["nvshmem", "nccl"]
+    assert r["ranks"] == 2 and r["devices"] == 1 and r["ranks_per_device"] == 2
+    assert r["libraries"]["nccl"] == 23203 and set(r["measures"]) == {
+        "host_us", "loop_us", "issue_us"}
+    rows = r["rows"]
+    assert [x["transport"] for x in rows[:2]] == ["nvshmem", "nccl"] and len(rows) == 2 * 16
+    # the step's sizes, each on both transports in turn, fp32 then bf16
+    assert [x["dtype"] for x in rows[-8:]] == ["fp32", "fp32", "bf16", "bf16"] * 2
+    assert rows[-1]["bytes"] * 2 == rows[-3]["bytes"]
+    measured = [f"{op}_{m}" for op in ("all_reduce", "reduce_scatter", "all_gather", "handoff")
+                for m in r["measures"]]
+    assert all(x[k] > 0 for x in rows for k in measured + ["all_reduce_GBps", "handoff_GBps"])
+    assert set(r["crossover_bytes"]) == {"all_reduce", "reduce_scatter", "all_gather",
+                                         "handoff"}
+    assert all(set(c) == {"host_us", "loop_us"} and all(b is None or b in [x["bytes"] for x in
+                                                                        rows] for b in c.values())
+               for c in r["crossover_bytes"].values())
+    for kind in ("nvshmem", "nccl"):
+        seeds = r["seeds"][kind]
+        assert set(seeds["handoff_8B"]) == set(r["measures"]) and len(seeds["grad_sync"]) == 6
+    assert "crossover, handoff: nccl the faster from" in res.stdout
 
 
 @pytest.mark.parametrize("device", NVSHMEM_DEVICES)

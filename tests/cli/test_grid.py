@@ -224,15 +224,31 @@ def test_overlapped_gradient_sum_is_bit_identical_and_benched(made, tmp_path):
 
 
 def test_bench_comm_times_every_size_and_refuses_one_rank(tmp_path):
-    res = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "c.json", ranks=2)
+    res = cli("bench", "--comm", "--backend", "numpy", "--steps", "3", "--warmup", "1",
+              "--against", "mpi", "--out", tmp_path / "x.json", ranks=2)
+    assert res.returncode == 1 and "--against mpi: is the run's transport already" in \
+        res.stderr and not (tmp_path / "x.json").exists()
+    res = cli("bench", "--comm", "--backend", "numpy", "--steps", "3", "--warmup", "1",
+              "--out", tmp_path / "c.json", ranks=2)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = json.load(open(tmp_path / "c.json"))
-    assert [r["bytes"] for r in rows[:9]] == [2 ** k for k in range(10, 27, 2)]
-    assert all(r["transport"] == "mpi" and r["ranks"] == 2 for r in rows)
+    r = json.load(open(tmp_path / "c.json"))
+    rows = r["rows"]
+    assert [x["bytes"] for x in rows[:12]] == [8] + [2 ** k for k in range(6, 27, 2)]
+    assert all(x["transport"] == "mpi" and x["ranks"] == 2 for x in rows)
+    assert r["transports"] == ["mpi"] and r["ranks"] == 2 and r["crossover_bytes"] == {}
+    # one host, so one memory the two ranks share
+    assert r["devices"] == 1 and r["ranks_per_device"] == 2
     # tiny's gradient, its parameter count in fp32 then bf16: half the bytes
-    assert [(r["dtype"], r["bytes"]) for r in rows[-2:]] == [("fp32", 4 * 7_265_024),
+    assert [(x["dtype"], x["bytes"]) for x in rows[-2:]] == [("fp32", 4 * 7_265_024),
                                                              ("bf16", 2 * 7_265_024)]
-    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))
+    assert all(x[k] > 0 for x in rows for k in x if k.endswith("_us"))
+    # the CPU's marks are its clock, read inside the issuing: the loop is the issuing, less
+    # the two readings of the clock around it
+    assert all(x[f"{op}_issue_us"] >= x[f"{op}_loop_us"] > 0.9 * x[f"{op}_issue_us"]
+               for x in rows for op in ("all_reduce", "handoff"))
+    seeds = r["seeds"]["mpi"]
+    assert seeds["handoff_8B"]["host_us"] == rows[0]["handoff_host_us"]
+    assert list(seeds["grad_sync"]) == ["4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB"]
     assert "handoff" in res.stdout and "dp gradient" in res.stdout
     one = cli("bench", "--comm", "--backend", "numpy", "--out", tmp_path / "d.json")
     assert one.returncode == 1 and "bench --comm measures communication between ranks" in \

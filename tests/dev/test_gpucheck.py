@@ -42,19 +42,25 @@ def test_report_names_each_failure():
          "readme": {"python cli.py train": {"error": "NotImplementedError: cuBLAS during "
                                                       "stream capture", "seconds": 3.1}},
          "bench": {"tiny_T32_B4": {"error": "out of GPU memory"}}}
-    assert problems(r) == ["pipeline: not run", "tests: 1 failed, 0 errors (pytest exit 1)",
+    assert problems(r) == ["pipeline: not run", "comm: not run",
+                           "tests: 1 failed, 0 errors (pytest exit 1)",
                            "sanitizer racecheck: 2 hazards",
                            "verify tiny_tf32: outside the tolerances",
                            "verify odd_no_tf32: Traceback",
                            "readme `python cli.py train`: NotImplementedError: cuBLAS during "
                            "stream capture", "bench tiny_T32_B4: out of GPU memory"]
     md = summary(r)
-    assert "result: FAIL: pipeline: not run; tests: 1 failed" in md
+    assert "result: FAIL: pipeline: not run; comm: not run; tests: 1 failed" in md
     assert "tests (6 processes): 3 passed, 1 failed, 0 skipped, 0 errors (test_a)" in md
     assert "pipeline (" not in md, "a part that did not run gets no section"
-    assert problems({**r, "sanitizer": {"error": "compute-sanitizer not found"}})[2] == \
+    assert problems({**r, "sanitizer": {"error": "compute-sanitizer not found"}})[3] == \
         "sanitizer error: compute-sanitizer not found"
-    assert problems({**r, "unfinished": "bench"})[1] == "bench: cut short"
+    assert problems({**r, "unfinished": "bench"})[2] == "bench: cut short"
+    # NCCL's run beside nvshmem on one GPU is experimental in NCCL: only nvshmem's counts
+    refused = {"error": "error: --against nccl: 2 ranks but 1 GPU(s)"}
+    comm = {"mps": "running", "against_nccl": refused, "nvshmem": {"error": "lost rank 1"}}
+    assert problems({**r, "comm": comm})[-1] == "comm nvshmem: lost rank 1"
+    assert not [x for x in problems({**r, "comm": comm}) if "against" in x]
 
 
 def test_result_says_what_was_skipped_and_only_the_comparisons_may_be():
@@ -156,7 +162,7 @@ def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
     left (quick plan: bench 6 s, pipeline 10 s), and the report has each part's seconds."""
     from dev.gpucheck import check as gpucheck
     assert list(gpucheck.PARTS) == ["verify", "readme", "tests", "bench", "peers", "pipeline",
-                                    "sanitizer"]
+                                    "sanitizer", "comm"]
     now, ran = [0.0], []
     takes = {"verify": 30, "readme": 30, "tests": 35, "sanitizer": 2}  # the others never start
 
@@ -174,13 +180,15 @@ def test_parts_run_in_order_of_value_within_the_budget(tmp_path, monkeypatch):
                                    budget=100, clock=lambda: now[0])
     assert ran == ["verify", "readme", "tests", "sanitizer"]
     assert report["elapsed_s"] == {"verify": 30, "readme": 30, "tests": 35, "bench": 0,
-                                   "peers": 0, "pipeline": 0, "sanitizer": 2}
+                                   "peers": 0, "pipeline": 0, "sanitizer": 2, "comm": 0}
     assert report["skipped"] == {"bench": "needs about 6 s, 5 s of the budget left",
                                  "peers": "no --peers DIR given",
-                                 "pipeline": "needs about 10 s, 5 s of the budget left"}
+                                 "pipeline": "needs about 10 s, 5 s of the budget left",
+                                 "comm": "needs about 45 s, 3 s of the budget left"}
     assert gpucheck.verdict(report) == (
         "INCOMPLETE: bench: skipped (needs about 6 s, 5 s of the budget left); "
-        "pipeline: skipped (needs about 10 s, 5 s of the budget left)")
+        "pipeline: skipped (needs about 10 s, 5 s of the budget left); "
+        "comm: skipped (needs about 45 s, 3 s of the budget left)")
     assert json.loads((tmp_path / "report.json").read_text())["skipped"] == report["skipped"]
     assert "budget 100 s (this call's); elapsed: verify 30 s, readme 30 s, tests 35 s" in md
 
@@ -345,7 +353,8 @@ def test_peers_run_after_bench_in_the_same_call_give_ratios(tmp_path, monkeypatc
                                                    "ratio": pytest.approx(17.5 / 20)}}
     assert json.loads((out / "report.json").read_text())["ratios"] == report["ratios"]
     assert gpucheck.verdict(report) == "FAIL: verify: not run; readme: not run; tests: not run; " \
-        "pipeline: not run; sanitizer: not run", "the peer failures are not among them"
+        "pipeline: not run; sanitizer: not run; comm: not run", \
+        "the peer failures are not among them"
     assert ("| llm.c train_gpt2.cu (bf16) | NVIDIA H200 | 4 | 32 | bf16 | 14.19 | tiny_T32_B4: "
             "16.19 ms on NVIDIA H200 | 1.14 |") in md
     assert ("| llm.c train_gpt2.cu (bf16) | NVIDIA H200 | 4 | 32 | bf16 | 14.19 | "

@@ -64,6 +64,10 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     for run in ("nvshmem_2", "nvshmem_2_mps"):
         assert r["pipeline"][run]["max_rel_loss_diff"] < 1e-5, r["pipeline"]
     assert all(r["sanitizer"][tool]["clean"] for tool in ("memcheck", "racecheck"))
+    c = r["comm"]  # nvshmem against NCCL on the one (simulated) GPU, and the prediction
+    assert c["mps"] == "running" and c["against_nccl"]["transports"] == ["nvshmem", "nccl"]
+    assert set(c["against_nccl"]["seeds"]) == {"nvshmem", "nccl"}
+    assert c["prediction"]["stages"] == 2 and c["prediction"]["step_ms"] > 0
     md = (out / "report.md").read_text()
     assert md.startswith("# GPU check: cudasim (CPU)") and "\nresult: PASS\n" in md
     assert "budget 420 s (this call's); elapsed: verify " in md
@@ -73,7 +77,8 @@ def test_gpucheck_dry_run_on_cudasim(tmp_path):
     profile = f"| tiny_T{PLANS['quick']['t_long']}_B4_profile |"  # the profiled bench's ops
     assert profile in md and "| cross_entropy |" in md and "nvshmem_2" in md
     assert md.index("| verify") < md.index("| README") < md.index("tests (") < md.index(
-        "| bench") < md.index("pipeline (") < md.index("compute-sanitizer"), "the parts' order"
+        "| bench") < md.index("pipeline (") < md.index("compute-sanitizer") < md.index(
+        "comm (tiny, 2 PEs on one GPU"), "the parts' order"
     res = gpucheck("--quick", "--out", out, "--part", "sanitizer", env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     again = json.loads((out / "report.json").read_text())

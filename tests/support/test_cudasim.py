@@ -1,10 +1,13 @@
 """cudasim's own checks: it must catch the mistakes it claims to, or its passing runs of
 the CUDA backend (test_cuda_backend.py) would prove little."""
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
-from harness import cudasim_module, load_cudasim, requires_sim
+from harness import cudasim_module, device_env, load_cudasim, mpiexec, requires_sim
 
 from cupygpt.precision import BF16
 
@@ -797,3 +800,38 @@ def test_cudnn_backward_rounds_p_before_pt_do(sdpa):
     rounded = np.matmul(_rows(p.astype(BF16)).swapaxes(-1, -2), do).astype(BF16)
     assert np.array_equal(dv, rounded)
     assert not np.array_equal(dv, np.matmul(p.swapaxes(-1, -2), do).astype(BF16))
+
+
+# Two ranks making one NCCL communicator, each printing what its init did.
+TWO_RANKS_ONE_COMM = """
+import cupy
+from cupy.cuda import nccl
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+uid = comm.bcast(nccl.get_unique_id() if comm.rank == 0 else None)
+cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+try:
+    nccl.NcclCommunicator(2, uid, comm.rank)
+    print("made")
+except nccl.NcclError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
+@pytest.mark.parametrize("devices,version,enable,said", [
+    ("2", "22703", None, "made"), ("1", "22703", "1", "NCCL_ERROR_INVALID_USAGE"),
+    ("1", "23203", None, "NCCL_ERROR_INVALID_USAGE"), ("1", "23203", "1", "made")])
+def test_nccl_refuses_two_ranks_on_one_gpu_as_nccl_does(devices, version, enable, said):
+    """NCCL's init compares its members' GPUs and refuses two on one ("Duplicate GPU
+    detected"; from 2.30 on, unless NCCL_MULTI_RANK_GPU_ENABLE=1)."""
+    env = {**os.environ, **device_env("sim"), "CUDASIM_DEVICES": devices,
+           "CUDASIM_NCCL_VERSION": version}
+    env.pop("NCCL_MULTI_RANK_GPU_ENABLE", None)
+    if enable:
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = enable
+    res = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", TWO_RANKS_ONE_COMM],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    other = "made" if said != "made" else "NCCL_ERROR"  # (the ranks' lines may interleave)
+    assert res.stdout.count(said) == 2 and other not in res.stdout, res.stdout

@@ -21,11 +21,26 @@ import ml_dtypes
 import numpy as np
 
 NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16, NCCL_SUM = 7, 8, 9, 0
+NCCL_ERROR_INVALID_USAGE = 5
 available = True
+# the NCCL it stands for (CUDASIM_NCCL_VERSION: another, e.g. 22703 for one that refuses
+# ranks sharing a GPU whatever the environment says)
+VERSION = int(os.environ.get("CUDASIM_NCCL_VERSION", "23203"))
 WAIT_S = float(os.environ.get("CUDASIM_WAIT_S", "120"))
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 _DTYPES = {NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64,
            NCCL_BFLOAT16: ml_dtypes.bfloat16}
+
+
+class NcclError(RuntimeError):
+    def __init__(self, status):
+        self.status = status
+        super().__init__("NCCL_ERROR_INVALID_USAGE: invalid usage (run with NCCL_DEBUG=WARN "
+                         "for details)")
+
+
+def get_version():
+    return VERSION
 
 
 def get_unique_id():
@@ -71,6 +86,17 @@ class NcclCommunicator:
         self._n, self._rank = ndev, rank
         self._name = os.path.join(_DIR, f"cudasim-nccl-{commId.hex()}")
         self._sent, self._got, self._calls = {}, {}, 0
+        # collective, as NCCL's init: the members' GPUs (by bus id) are compared, and two
+        # on one GPU refused as NCCL refuses them (before 2.30, or without the variable)
+        mine = np.frombuffer(cupy.cuda.Device().pci_bus_id.encode(), np.uint8)
+        for r in range(ndev):
+            if r != rank:
+                _write(f"{self._name}-init-{rank}-{r}", mine)
+        buses = {mine.tobytes()} | {_read(f"{self._name}-init-{r}-{rank}", np.uint8).tobytes()
+                                    for r in range(ndev) if r != rank}
+        shared = VERSION >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+        if len(buses) < ndev and not shared:
+            raise NcclError(NCCL_ERROR_INVALID_USAGE)
 
     def send(self, sendbuf, count, datatype, peer, stream):
         src = _device(sendbuf, count, datatype)
