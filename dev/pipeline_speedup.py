@@ -55,8 +55,9 @@ def closing_and_between(trace):
 
 def predicted_step(trace, schedule):
     """(predicted seconds per step, the simulator's result, measured bubble, handoff
-    seconds): the simulated schedule from the trace's own op and transfer times, each
-    rank's end followed by its closing and between-step time, the latest rank's end."""
+    seconds, the op times the simulator took): the simulated schedule from the trace's own
+    op and transfer times, each rank's end followed by its closing and between-step time,
+    the latest rank's end."""
     sys.path.insert(0, ROOT)
     from cupygpt.commands.timeline import bubble, predict, read_trace
     rows, transfers, pipe = read_trace(trace)
@@ -65,7 +66,7 @@ def predicted_step(trace, schedule):
     ends = [max((e[2] for e in evs), default=0.0) for evs in sim["events"]]
     handoff = [s + r for s, r in zip(times["t_send"], times["t_recv"])]
     return (max(end + rest[r] for r, end in enumerate(ends)), sim, bubble(rows),
-            sum(handoff) / len(handoff))
+            sum(handoff) / len(handoff), times)
 
 
 def measure(model, seq, batch, micro, schedules, steps, tmp):
@@ -80,14 +81,15 @@ def measure(model, seq, batch, micro, schedules, steps, tmp):
         r = bench([*common, "--pp", "2", "--schedule", name, "--trace", trace, *extra],
                   os.path.join(tmp, f"{name}_bench.json"), ranks=2)
         measured = r["ms_per_step_median"] / 1e3
-        predicted, sim, measured_bubble, handoff = predicted_step(trace, name)
+        predicted, sim, measured_bubble, handoff, times = predicted_step(trace, name)
         rows.append({"model": model, "T": seq, "B": batch, "micro_batches": micro,
                      "schedule": name, "single_s": single, "pipelined_s": measured,
                      "speedup": single / measured, "predicted_s": predicted,
                      "predicted_speedup": single / predicted,
                      "prediction_error": predicted / measured - 1,
                      "bubble": measured_bubble, "predicted_bubble": sim["bubble"],
-                     "handoff_s": handoff})
+                     "handoff_s": handoff, "op_s": times,
+                     "closing_s": closing_and_between(trace)})
     return rows
 
 

@@ -114,9 +114,10 @@ def bubble(rows):
 def predict(rows, transfers, pipe, schedule):
     """The simulator's run of the schedule from the trace's op times (a chunk's time times v
     is a whole stage's) and each rank's transfer costs: a send's mean time, and a receive's
-    when its message is already there (its shortest receive: in a steady schedule a rank
-    that waits on a slower peer waits in most of its receives). Returns (name, p, m, v,
-    times, its result)."""
+    when its message is already there: the shortest receive of any rank (a pipeline's
+    messages are all one size, and a rank ahead of a slower peer waits in every receive,
+    so only the rank behind shows a receive's own cost). Returns (name, p, m, v, times,
+    its result)."""
     name = schedule or pipe.get("schedule")
     if schedule and pipe.get("schedule") not in (None, schedule):
         raise CupyGPTError(f"the trace was recorded with {pipe['schedule']}, and its times "
@@ -149,7 +150,8 @@ def predict(rows, transfers, pipe, schedule):
     times = dict(t_fwd=mean(Op.FWD), t_bwd=mean(Op.BWD_INPUT if split else Op.BWD),
                  t_wgt=mean(Op.BWD_WEIGHT) if split else None,
                  t_send=cost("send", lambda d: sum(d) / len(d) if d else 0.0),
-                 t_recv=cost("recv", lambda d: d[0] if d else 0.0))
+                 t_recv=[min((d for t in transfers.values() for d in t.get("recv", [])),
+                             default=0.0) if own else 0.0] * p)
     sim = simulate(p, m, name, v, **times)
     if not math.isfinite(sim["bubble"]):
         raise CupyGPTError("the simulation from the trace's times is not finite (huge or "

@@ -48,12 +48,13 @@ def one_f_one_b_trace(path, closing, between):
 def test_the_prediction_is_1f1bs_step_plus_what_no_schedule_hides(tmp_path):
     closing, between, trace = [0.003, 0.001], 0.004, tmp_path / "t.json"
     one_f_one_b_trace(trace, closing, between)
-    predicted, sim, bubble, handoff = predicted_step(str(trace), "1f1b")
+    predicted, sim, bubble, handoff, times = predicted_step(str(trace), "1f1b")
     # 1F1B with equal stages: the first stage's last backward ends the schedule, at
     # (M + P - 1)(F + B); then its closing sums and its update
     assert predicted == pytest.approx((M + P - 1) * (F + B) + closing[0] + between)
     assert sim["bubble"] == pytest.approx((P - 1) / (M + P - 1))
     assert bubble == pytest.approx((P - 1) / (M + P - 1)) and handoff == pytest.approx(0)
+    assert times["t_fwd"] == pytest.approx([F, F]) and times["t_bwd"] == pytest.approx([B, B])
 
 
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
