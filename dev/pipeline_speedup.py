@@ -4,7 +4,9 @@ mpiexec with each rank pinned to a core of its own (one BLAS thread everywhere, 
 model, batch and micro-batches), every schedule. The prediction is the schedule
 simulator's step from the pipelined run's measured op and transfer times (`timeline`'s)
 plus what no schedule hides: each rank's closing sums and the update between steps, as
-measured in the same trace. Writes one JSON and prints a Markdown table.
+measured in the same trace. Beside them, what a speed-up short of 2 loses to: the work both
+ranks do against one rank's (`split_cost`) and how evenly the stages split (`balance`).
+Writes one JSON and prints a Markdown table.
 
     python -m dev.pipeline_speedup [--models d6,d12] [--seqs 128,512] [--batch 8]
         [--micro-batches 8] [--schedules 1f1b,interleaved,zb1p,zbv] [--steps 2] [--out F]
@@ -69,6 +71,16 @@ def predicted_step(trace, schedule):
             sum(handoff) / len(handoff), times)
 
 
+def rank_work(times, closing, micro):
+    """Per rank, the seconds it computes in a step: its micro-batches' forward and backward
+    (and weight-gradient) ops plus its closing and between-step time. Their sum against one
+    rank's step is what splitting costs (work done twice, two cores sharing caches and
+    memory); their mean against their largest is how evenly the stages split."""
+    per_mb = [f + b + (w[r] if (w := times["t_wgt"]) else 0.0)
+              for r, (f, b) in enumerate(zip(times["t_fwd"], times["t_bwd"]))]
+    return [micro * t + closing[r] for r, t in enumerate(per_mb)]
+
+
 def measure(model, seq, batch, micro, schedules, steps, tmp):
     common = ["-e", model, "-b", str(batch), "-t", str(seq), "--steps", str(steps),
               "--warmup", "1", "--micro-batches", str(micro)]
@@ -82,26 +94,31 @@ def measure(model, seq, batch, micro, schedules, steps, tmp):
                   os.path.join(tmp, f"{name}_bench.json"), ranks=2)
         measured = r["ms_per_step_median"] / 1e3
         predicted, sim, measured_bubble, handoff, times = predicted_step(trace, name)
+        closing = closing_and_between(trace)
+        work = rank_work(times, closing, micro)
         rows.append({"model": model, "T": seq, "B": batch, "micro_batches": micro,
                      "schedule": name, "single_s": single, "pipelined_s": measured,
                      "speedup": single / measured, "predicted_s": predicted,
                      "predicted_speedup": single / predicted,
                      "prediction_error": predicted / measured - 1,
                      "bubble": measured_bubble, "predicted_bubble": sim["bubble"],
-                     "handoff_s": handoff, "op_s": times,
-                     "closing_s": closing_and_between(trace)})
+                     "handoff_s": handoff, "op_s": times, "closing_s": closing,
+                     "rank_work_s": work, "split_cost": sum(work) / single,
+                     "balance": sum(work) / len(work) / max(work)})
     return rows
 
 
 def table(rows):
     lines = ["| model | T | schedule | one rank (s) | 2 stages (s) | speed-up | predicted | "
-             "error | bubble (measured / simulated) | handoff (ms) |", "|" + "---|" * 10]
+             "error | bubble (measured / simulated) | handoff (ms) | work on 2 cores / one "
+             "rank's | balance |", "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['model']} | {r['T']} | {r['schedule']} | {r['single_s']:.2f} | "
                      f"{r['pipelined_s']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['predicted_speedup']:.2f}x | {r['prediction_error']:+.0%} | "
                      f"{r['bubble']:.0%} / {r['predicted_bubble']:.0%} | "
-                     f"{1e3 * r['handoff_s']:.2f} |")
+                     f"{1e3 * r['handoff_s']:.2f} | {r['split_cost']:.2f} | "
+                     f"{r['balance']:.2f} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from harness import ROOT, mpiexec
 
 from cupygpt.parallel.pipeline.schedule import COMPUTE
 from cupygpt.parallel.pipeline.simulate import simulate
-from dev.pipeline_speedup import predicted_step
+from dev.pipeline_speedup import closing_and_between, predicted_step, rank_work
 
 F, B, P, M = 0.010, 0.020, 2, 4  # seconds per micro-batch forward and backward; stages
 
@@ -55,6 +55,8 @@ def test_the_prediction_is_1f1bs_step_plus_what_no_schedule_hides(tmp_path):
     assert sim["bubble"] == pytest.approx((P - 1) / (M + P - 1))
     assert bubble == pytest.approx((P - 1) / (M + P - 1)) and handoff == pytest.approx(0)
     assert times["t_fwd"] == pytest.approx([F, F]) and times["t_bwd"] == pytest.approx([B, B])
+    work = rank_work(times, closing_and_between(str(trace)), M)
+    assert work == pytest.approx([M * (F + B) + c + between for c in closing])
 
 
 @pytest.mark.skipif(mpiexec() is None, reason="needs mpiexec")
@@ -69,4 +71,6 @@ def test_measures_one_schedule_on_a_small_model(tmp_path):
     assert row["speedup"] == pytest.approx(row["single_s"] / row["pipelined_s"])
     assert row["predicted_speedup"] == pytest.approx(row["single_s"] / row["predicted_s"])
     assert 0 < row["predicted_bubble"] < 1 and 0 <= row["bubble"] < 1
+    assert row["split_cost"] == pytest.approx(sum(row["rank_work_s"]) / row["single_s"])
+    assert 0 < row["balance"] <= 1
     assert "| tiny | 16 | 1f1b |" in res.stdout
