@@ -568,6 +568,9 @@ def compare(mod, chain, obj, owner):
     if isinstance(obj, property):
         return ("a method in the real package" if callable(real) and not _data(real)
                 else None), None
+    if not callable(obj):  # an instance at a class's name (Stream.null): of the real class
+        return (None if type(obj).__name__ == type(real).__name__ else
+                f"a {type(real).__name__} in the real package"), None
     if not callable(real) or _data(real):
         return "not callable in the real package", None
     sim = inspect.signature(obj.__func__ if isinstance(obj, staticmethod) else obj)

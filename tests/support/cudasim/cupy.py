@@ -143,12 +143,12 @@ class Stream:
     def __init__(self, null=False, non_blocking=False):
         self.ptr = 0 if null else id(self)
         self.device_id = -1 if null else _state["device"]
-        self.non_blocking = bool(non_blocking) and not null
+        self._non_blocking = bool(non_blocking) and not null
         self._capture = None  # the capture sequence this stream is in
         self._joined = {}     # stream -> its work (in this capture) this stream waited for
         self._last = None  # under CUDASIM_ORDER=random: the last work issued here
         _streams[self.ptr] = self
-        if not null and not self.non_blocking:
+        if not null and not self._non_blocking:
             _blocking.add(self)
 
     def use(self):
@@ -396,7 +396,7 @@ def _legacy_order(stream):
     default stream's last; on a non-blocking one, nothing."""
     if stream is _NULL:
         return [s._last for s in list(_blocking) if s._last is not None]
-    return [] if stream.non_blocking or _NULL._last is None else [_NULL._last]
+    return [] if stream._non_blocking or _NULL._last is None else [_NULL._last]
 
 
 def _finished(work, block=True):

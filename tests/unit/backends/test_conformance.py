@@ -57,7 +57,7 @@ STANDS_FOR = {("cupy", "_Pool"): ("cupy", "cuda.MemoryPool"),
               ("nvshmem.core", "_Symmetric"): ("cuda.core", "Buffer")}
 # cudasim's own machinery, which the backend never reaches (CUDASIM_ORDER=random's device
 # thread, its queued work, a stream wait's condition, a capture sequence): no real place
-MACHINERY = {"_Device", "_Work", "_Reached", "_Capture"}
+MACHINERY = {"_Device", "_Work", "_Reached", "_Capture", "_ThreadStreams"}
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +186,6 @@ UNREAD = {
     "nvshmem.core.buffer": (["release", "except_on_del"], "freed explicitly (free), as the "
                             "transport does"),
     "nvshmem.core.array": (["release", "morder", "except_on_del"], "C order, freed explicitly"),
-    "cupy.cuda.Stream.__init__": (["non_blocking"], "the legacy stream's implicit "
-                                  "synchronization is not modelled; the backend's streams are "
-                                  "all non-blocking"),
     "cupy.cuda.memory.OutOfMemoryError.__init__": (["limit"], "CuPy's message names it only "
                                                    "when a pool limit is set; none is"),
     "cupy.cuda.nccl.NcclCommunicator.__init__": (["config"], "NCCL's tuning: no meaning on "
