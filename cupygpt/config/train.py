@@ -10,8 +10,9 @@ from typing import Optional
 from .. import CupyGPTError
 from ..formats.checkpoint import STATE, beside, check_model, check_resume, holding, newer, reserved
 from ..formats.checkpoint import resolve as resolve_checkpoint
-from ..formats.llmc import is_model_file, model_shape, shard_files
+from ..formats.llmc import Shard, is_model_file, model_shape, shard_files
 from ..model.optim import LR_SCHEDULES
+from ..model.shape import flops_per_token
 from ..paths import DATA, check_dir, check_outputs, files_of
 from . import fields
 from .configs import hellaswag_seq
@@ -175,6 +176,7 @@ class TrainConfig:
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         c = place(c, be, world, shape, c.seq, c.batch, ("init", c.init))
+        in_vocab(c, shape, scan_limit(shape, c.seq, c.total_batch, be.peak_flops(c.dtype)))
         if c.hellaswag not in (0, 1):
             raise CupyGPTError("0 (off) or 1 (HellaSwag at every val step)", "hellaswag",
                                c.hellaswag)
@@ -226,3 +228,34 @@ class TrainConfig:
                                                else []),
                 *files_of(model), *resumed, *files_of(c.tokenizer),
                 *(files_of(c.hellaswag_file) if c.hellaswag else [])]
+
+
+# a token read (from the page cache) and compared takes about a nanosecond; a backend that
+# names no peak (the CPU's) is taken at 1e11 FLOP/s
+SCAN_TOKENS_PER_S, HOST_FLOPS = 1e9, 1e11
+
+
+def scan_limit(shape, seq, total_batch, peak_flops):
+    """The most tokens a scan of the shards reads in the time of one training step."""
+    step_s = flops_per_token(shape, seq) * total_batch / (peak_flops or HOST_FLOPS)
+    return int(step_s * SCAN_TOKENS_PER_S)
+
+
+def in_vocab(c, shape, limit):
+    """Refuses -i's or -j's shards holding a token outside the model's vocab, read whole
+    when that costs less than a step (at most limit tokens); larger ones the loader checks
+    batch by batch, and an error mid-run keeps the steps trained (train/loop.py)."""
+    for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
+        shards = [Shard(path) for path in shard_files(getattr(c, name), name)]
+        if sum(s.size for s in shards) <= limit:
+            _scan(c, name, shards, shape)
+
+
+def _scan(c, name, shards, shape):
+    for s in shards:
+        found = s.outside(shape.V)
+        if found:
+            shard = "" if s.path == getattr(c, name) else f"{s.path}: "
+            raise CupyGPTError(f"{shard}token {found[1]} (the shard's token {found[0]:,}) is "
+                               f"outside the model's vocab (V={shape.V}); was it tokenized "
+                               f"for this model?", name, getattr(c, name))
