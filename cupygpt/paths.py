@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ PKG = os.path.realpath(PACKAGE)  # where its files are: no output may land there
 DATA = os.path.join(PACKAGE, "data")            # shipped: tokenizer, tinyshakespeare, its shards
 REFERENCE = os.path.join(PACKAGE, "reference")  # shipped: llm.c model + debug-state files
 TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
+CHECKPOINT = re.compile(r"ckpt_\d{8}$")  # train's checkpoint directories' names (ckpt_STEP)
 JSON_CAP = 256 << 20   # a trace of a long run, a log, a config: far below this
 TEXT_CAP = 1 << 30     # prepare's text (tinyshakespeare is 1 MiB)
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),

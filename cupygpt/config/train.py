@@ -176,7 +176,6 @@ class TrainConfig:
         c, shape = self._resumed(c) if c.resume else (c, model_shape(c.init))
         fits(c.seq, shape)
         c = place(c, be, world, shape, c.seq, c.batch, ("init", c.init))
-        in_vocab(c, shape, scan_limit(shape, c.seq, c.total_batch, be.peak_flops(c.dtype)))
         if c.hellaswag not in (0, 1):
             raise CupyGPTError("0 (off) or 1 (HellaSwag at every val step)", "hellaswag",
                                c.hellaswag)
@@ -196,6 +195,7 @@ class TrainConfig:
         out_file("log_file", c.log_file)
         check_dir("out", c.out)
         out_file("log_file", log_file)  # (the default: only not a directory)
+        in_vocab(c, shape, scan_limit(shape, c.seq, c.total_batch, be.peak_flops(c.dtype)))
         return replace(c, log_file=log_file), shape
 
     def _overwritten(self, c):
@@ -222,7 +222,7 @@ class TrainConfig:
     @staticmethod
     def _inputs(c):
         """Every file the run reads: shards, the model or checkpoint, the tokenizer."""
-        model = c.init if is_model_file(c.init) or os.path.isdir(c.init) else None
+        model = c.init if is_model_file(c.init) else None
         resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
         return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
                                                else []),

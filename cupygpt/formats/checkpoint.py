@@ -3,20 +3,17 @@ holds, and whether it fits the run that asks to resume (read before anything is 
 import hashlib
 import math
 import os
-import re
 import zipfile
 
 import numpy as np
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
+from ..paths import CHECKPOINT as NAME
 from ..paths import loads
 from .llmc import read_shard, shard_order
 
 LATEST = "latest"
-
-
-NAME = re.compile(r"ckpt_\d{8}$")
 
 
 # What NumPy raises on a damaged .npz: bad zip, CRC mismatch, truncation, not a zip at all

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
-from ..model.shape import GPT2Config, preset
+from ..model.shape import PRESETS, GPT2Config, preset
 from ..paths import atomic_write, loads, read_bounded, regular
 from . import hf
 
@@ -85,21 +85,27 @@ def read_model_header(path):
 
 
 def is_model_file(spec):
-    """-e names a file (rather than a preset) when it looks like a path."""
-    return os.path.isfile(spec) or os.sep in spec or spec.endswith(".bin")  # (a dir: no)
+    """-e names a model (an llm.c file or a transformers directory, rather than a preset)
+    when it looks like a path: it exists, holds a separator or ends in .bin. A preset's
+    name is the preset beside a directory of that name which holds no model (a run's -o)."""
+    if spec in PRESETS and not os.path.isfile(os.path.join(spec, hf.CONFIG)):
+        return os.path.isfile(spec)
+    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
 
 
 def model_shape(spec, option=None):
     """The shape an -e names: a model file's header, a transformers directory's
     config.json, or a preset. option: the field of a command that reads a model (sample,
     eval, verify), which takes no preset: a missing one is named as a missing model."""
+    if option is None and not is_model_file(spec):
+        return preset(spec)
     if os.path.isdir(spec):
         return hf.model_shape(spec)
     if option is not None and not os.path.lexists(spec):
         raise CupyGPTError("no such model: give an llm.c model file (train writes "
                            "OUT/model.bin) or a transformers GPT-2 directory", option, spec)
     regular(spec, "model")  # (a FIFO was "not a model file and not a descriptor")
-    return read_model_header(spec)[0] if option or is_model_file(spec) else preset(spec)
+    return read_model_header(spec)[0]
 
 
 def read_model(path, out=None, mmap=False):
