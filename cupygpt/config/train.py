@@ -8,7 +8,17 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
-from ..formats.checkpoint import STATE, beside, check_model, check_resume, holding, newer, reserved
+from ..formats.checkpoint import (
+    STATE,
+    beside,
+    check_model,
+    check_resume,
+    holding,
+    newer,
+    removed,
+    reserved,
+    vanished,
+)
 from ..formats.checkpoint import resolve as resolve_checkpoint
 from ..formats.llmc import Shard, is_model_file, model_shape, shard_files
 from ..model.optim import LR_SCHEDULES
@@ -121,8 +131,23 @@ class TrainConfig:
         return self.total_batch // (self.batch * self.seq)
 
     def _resumed(self, c):
-        """(c, the model's shape) of a resume: its checkpoint found and checked to fit."""
-        c = replace(c, resume=resolve_checkpoint(c.resume))
+        """(c, the model's shape) of a resume: its checkpoint found and checked to fit. One
+        that a live run's --keep removes while it is read gives way to the newest that
+        stays when a run's -o was named (a live run writes a newer one before it prunes)."""
+        for _ in range(3):
+            found = resolve_checkpoint(c.resume)
+            whole = not vanished(found)  # (else its own error: not a checkpoint)
+            try:
+                return self._fits(replace(c, resume=found))
+            except (CupyGPTError, OSError):
+                if not (whole and vanished(found)):
+                    raise
+                if os.path.normpath(found) == os.path.normpath(c.resume):  # (it was named)
+                    raise removed(found) from None
+        raise removed(found)
+
+    def _fits(self, c):
+        """(c, the model's shape) when c.resume's checkpoint fits this run's settings."""
         check_model(c.resume)  # (a model.bin swapped in is damage, not the user's settings)
         shape = model_shape(os.path.join(c.resume, "model.bin"))
         if self.init is not None and model_shape(self.init) != shape:

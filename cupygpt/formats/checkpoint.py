@@ -121,6 +121,20 @@ def resolve(path):
     return path
 
 
+def vanished(path):
+    """Whether a checkpoint found complete has lost its files since: a live run's --keep
+    removed it while this command read it."""
+    return not all(os.path.isfile(os.path.join(path, f)) for f in ("model.bin", STATE))
+
+
+def removed(path):
+    """The one line for a checkpoint removed while it was read (vanished)."""
+    out = os.path.dirname(os.path.normpath(path))
+    return CupyGPTError(f"{path}: removed while this run read it (a run still writing {out} "
+                        f"keeps only its newest checkpoints, --keep); resume from {out} "
+                        f"again to take its newest")
+
+
 def damaged(f, path, why):
     """One line for a checkpoint file that cannot be read, naming the one before it."""
     out = os.path.dirname(os.path.abspath(path))
