@@ -137,6 +137,7 @@ class Trainer:
         # the step whose weights the parameters hold (None while an update is under way);
         # agreed: an error now is every rank's (a batch none could read), so all can write
         self.trained, self.agreed, self.writing = self.start, self.transport.size == 1, False
+        self.written = self.start  # the step whose weights the run wrote last
 
     def resume(self, meta):
         """The checkpoint's step, data position and RNG; refused (and renamed .nan, as the
@@ -206,6 +207,9 @@ class Trainer:
             self.broken.append(why)
             with contextlib.suppress(OSError):
                 self.logf and self.logf.close()
+            with contextlib.suppress(OSError):  # (else a rerun is refused: "exists; add
+                if os.path.getsize(self.config.log_file) == 0:  # --overwrite")
+                    os.unlink(self.config.log_file)
             self.logf = False
 
     def evaluate(self, step, last):
@@ -360,6 +364,8 @@ class Trainer:
         step, config = self.trained, self.config
         if step == self.start or self.writing or isinstance(e, (Abandoned, Diverged)):
             return e  # (nothing trained in this run, the failure was that write, or NaN)
+        if step == self.written:  # (the run's end wrote it, and its line says so)
+            return e
         if step is None or not self.agreed:
             why = ("the update was under way: the weights are no step's" if step is None else
                    "the other ranks were mid-step and cannot join in writing them")
@@ -417,7 +423,7 @@ class Trainer:
                                      "outliers": self.gate.state(),
                                      "total_batch": self.config.total_batch}, self.config.keep,
                                     self.config.checkpoint_major)
-        self.writing = False
+        self.writing, self.written = False, step
         self.log(f"checkpoint {self.ckpt}")
 
     def close(self):
@@ -434,7 +440,7 @@ class Trainer:
         if self.transport.rank == 0:
             write_model(path, self.sess.shape, full["params"],
                         bf16=is_narrow(self.run.settings.dtype))
-        self.writing = False
+        self.writing, self.written = False, self.trained
         return path
 
     def finish(self):

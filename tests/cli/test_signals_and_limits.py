@@ -1,6 +1,7 @@
 """Never lose a user's data (issue 30), when a run stops or meets a limit: SIGTERM to one
 rank, a second signal, a memory cgroup and `ulimit -v`, a disk without room, a log or trace
 that cannot be written, weights that are not finite."""
+import contextlib
 import json
 import os
 import resource
@@ -266,6 +267,21 @@ def test_a_log_that_cannot_be_written_never_costs_the_model(tmp_path):
         assert "warning: cannot write the log" in res.stdout and "step  100/100" in res.stdout
         one_line(res, f"could not write the log {small / 'log.jsonl'}")
         assert "the model was written" in res.stderr and (tmp_path / "o" / "model.bin").exists()
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_a_log_that_a_full_disk_leaves_empty_is_not_left_to_refuse_the_rerun(tmp_path):
+    small = a_small_filesystem(tmp_path / "small", "64k")
+    try:
+        with open(small / "fill", "wb") as f:  # the disk full before the first line
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * (1 << 20))
+        for out in ("a", "b"):  # the rerun meets the same disk, not an "exists" refusal
+            res = cli(*TINY, "-n", "2", "--log-file", small / "log.jsonl", "-o", tmp_path / out)
+            one_line(res, f"could not write the log {small / 'log.jsonl'} (No space left on "
+                          f"device); the model was written: {tmp_path / out / 'model.bin'}")
+            assert not (small / "log.jsonl").exists()
     finally:
         subprocess.run(["umount", str(small)])
 
