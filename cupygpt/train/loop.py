@@ -364,9 +364,10 @@ class Trainer:
         step, config = self.trained, self.config
         if step == self.start or self.writing or isinstance(e, (Abandoned, Diverged)):
             return e  # (nothing trained in this run, the failure was that write, or NaN)
-        if step == self.written:  # (the run's end wrote it, and its line says so)
-            return e
-        if step is None or not self.agreed:
+        if step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
+            note = (f"; {self.ckpt} holds step {step}: resume from it"
+                    if config.checkpoint_every else "")
+        elif step is None or not self.agreed:
             why = ("the update was under way: the weights are no step's" if step is None else
                    "the other ranks were mid-step and cannot join in writing them")
             note = f"; this run's steps were not written ({why}); " + (
@@ -374,8 +375,7 @@ class Trainer:
         else:
             try:
                 if config.checkpoint_every:
-                    if not (self.ckpt or "").endswith(f"ckpt_{step:08d}"):
-                        self.save(step)
+                    self.save(step)
                     note = f"; wrote checkpoint {self.ckpt} of step {step}: resume from it"
                 else:
                     note = (f"; wrote {self.write_model()} of step {step} (no checkpoints: "
@@ -389,7 +389,8 @@ class Trainer:
                 f"out of memory while training, though {self.sess.be.memory_name} had room "
                 f"for the run at its start (another process took some since, or a temporary "
                 f"outgrew the plan): lower -b or -t, or recompute activations (-r 2)" + note)
-        self.log(note[2:3].upper() + note[3:], every_rank=True)
+        if note:
+            self.log(note[2:3].upper() + note[3:], every_rank=True)
         return e
 
     def stop_on_nan(self, step, loss):

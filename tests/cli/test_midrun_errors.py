@@ -29,7 +29,7 @@ def shard(path, n, bad_at=None):
     return str(path)
 
 
-@pytest.mark.parametrize("ranks,every", [(None, 0), (None, 2), (2, 0)])
+@pytest.mark.parametrize("ranks,every", [(None, 0), (None, 2), (None, 1), (2, 0)])
 def test_a_token_outside_the_vocab_mid_run_keeps_the_steps_trained(tmp_path, ranks, every):
     bad = shard(tmp_path / "bad.bin", UNSCANNED, bad_at=3 * 16 + 5)  # in step 4's batch
     out = tmp_path / "a"
@@ -38,9 +38,10 @@ def test_a_token_outside_the_vocab_mid_run_keeps_the_steps_trained(tmp_path, ran
     line = error_line(run)
     assert "token 60000 (in tokens 48..64) is outside the model's vocab" in line, line
     kept = out / "ckpt_00000003" / "model.bin" if every else out / "model.bin"
-    assert line.endswith(f"wrote checkpoint {out / 'ckpt_00000003'} of step 3: resume from it"
-                         if every else f"wrote {kept} of step 3 (no checkpoints: it cannot "
-                                       f"be resumed exactly)"), line
+    said = {0: f"wrote {kept} of step 3 (no checkpoints: it cannot be resumed exactly)",
+            1: f"{out / 'ckpt_00000003'} holds step 3: resume from it",  # (written before)
+            2: f"wrote checkpoint {out / 'ckpt_00000003'} of step 3: resume from it"}[every]
+    assert line.endswith(said), line
     clean = cli(*TINY, *IN_ORDER, "-n", "3", "-i", shard(tmp_path / "ok.bin", 200), "-o",
                 tmp_path / "b", ranks=ranks)
     assert clean.returncode == 0, clean.stderr
