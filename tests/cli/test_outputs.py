@@ -307,13 +307,16 @@ def test_leftovers_named_as_a_runs_own_are_replaced_or_refused(tmp_path):
     assert (out / "ckpt_00000009" / "log.jsonl").read_text() == "another run's\n"
 
 
-def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path):
-    """(plot's claim asked tempfile for one outside its try: a traceback)"""
+def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path,
+                                                                       tmp_path_factory):
+    """(plot's claim asked tempfile for one outside its try: a traceback; matplotlib with no
+    font cache yet warned that it could not save one, a second line)"""
     import resource
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "train_loss": 3.0}\n')
     res = subprocess.run([sys.executable, CLI, "plot", log, "--out", tmp_path / "p.png"],
                          capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLCONFIGDIR": str(tmp_path_factory.mktemp("mpl"))},
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
     one_line(res, "p.png: over the file-size limit (ulimit -f) while writing it; nothing was "
                   "written there")
