@@ -6,14 +6,17 @@ command writes into are made here, at its start (a config's validate only checks
 check_dir), and listed, so that a command that fails removes those it made; what it
 writes into is held (one command at a time) and written whole (atomic_write).
 One module, the root layer's checks on files: the package root holds six at most."""
+import atexit
 import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
+import time
 from contextlib import contextmanager
 
 from . import CupyGPTError
@@ -23,6 +26,7 @@ PKG = os.path.realpath(PACKAGE)  # where its files are: no output may land there
 DATA = os.path.join(PACKAGE, "data")            # shipped: tokenizer, tinyshakespeare, its shards
 REFERENCE = os.path.join(PACKAGE, "reference")  # shipped: llm.c model + debug-state files
 TOKENIZER = os.path.join(DATA, "gpt2_tokenizer.bin")
+CHECKPOINT = re.compile(r"ckpt_\d{8}$")  # train's checkpoint directories' names (ckpt_STEP)
 JSON_CAP = 256 << 20   # a trace of a long run, a log, a config: far below this
 TEXT_CAP = 1 << 30     # prepare's text (tinyshakespeare is 1 MiB)
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
@@ -298,17 +302,80 @@ def claim_file(name, path):
         st = os.lstat(os.path.dirname(key))
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             return  # (another user's, or writable by others: claim nothing there)
-        # (a FIFO there blocked an open; a link would make its target)
-        fd = os.open(key, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        sweep(os.path.dirname(key))
+        fd, why = _lock_key(key)
     except OSError:
         return
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return
-    fd, why = lock(key, fd)
     if why:
         raise CupyGPTError(why, name, path)
-    HELD.append(fd)
+    if fd is not None:
+        HELD.append(fd)
+        CLAIMED.append((key, fd))
+
+
+def _lock_key(key):
+    """(an fd holding the lock of the claim file key, None), (None, the refusal), or
+    (None, None) where key is no regular file. A key that sweep removed while this opened
+    it (it holds the lock only to remove it) is made afresh."""
+    for _ in range(3):
+        # (a FIFO there blocked an open; a link would make its target)
+        fd = os.open(key, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None, None
+        inode = os.fstat(fd).st_ino
+        fd, why = lock(key, fd)
+        if fd is not None and _is(key, inode):
+            return fd, None
+        if fd is not None:
+            os.close(fd)
+            continue
+        time.sleep(0.05)  # (a sweep holds a stale file's lock only to remove it)
+        if _is(key, inode):
+            return None, why  # (a live command's)
+    return None, why
+
+
+def _is(path, inode):
+    """Whether path is still the file of that inode."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == inode
+    except OSError:
+        return False
+
+
+def sweep(directory):
+    """Removes the claim files no command holds (one was left for every path ever claimed),
+    each while holding its lock: a command that opened it meanwhile finds it gone once it
+    has the lock, and makes it afresh (_lock_key)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        key = os.path.join(directory, name)
+        try:
+            fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _is(key, os.fstat(fd).st_ino):
+                os.unlink(key)
+        except OSError:
+            pass  # (held: a live command's claim)
+        finally:
+            os.close(fd)
+
+
+@atexit.register
+def _unclaim():
+    """This process's claim files go as it ends, each still locked (sweep takes what a
+    killed one left)."""
+    for key, fd in CLAIMED:
+        with contextlib.suppress(OSError):
+            if _is(key, os.fstat(fd).st_ino):
+                os.unlink(key)
 
 
 def claim_key(path):
@@ -343,7 +410,10 @@ def lock(path, fd=None):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        pid, what = holder(path), "into this directory" if os.path.isdir(path) else "this file"
+        pid = None
+        with contextlib.suppress(OSError):  # (a claim file swept meanwhile: no holder)
+            pid = holder(path)
+        what = "into this directory" if os.path.isdir(path) else "this file"
         return None, (f"another command ({f'pid {pid}' if pid else 'another process'}) "
                       f"is writing {what}; wait for it to end, or give another "
                       f"{'directory' if what.endswith('directory') else 'path'}")
@@ -366,6 +436,7 @@ def hold(path):
 
 
 HELD = []  # claim's locks, held until the process ends
+CLAIMED = []  # (claim file, its fd in HELD) of claim_file: removed at the end
 
 
 def claim(name, out):

@@ -88,9 +88,20 @@ def address_space_left(proc: str = "/proc/self") -> int | None:
     return max(0, soft - (size or 0) * 1024)
 
 
+def binding() -> tuple[int | None, str]:
+    """(free host memory in bytes, None when the kernel does not say; what sets it, in
+    words): the host's, or the tighter limit of its cgroup or `ulimit -v`, named so that an
+    error says which to raise."""
+    meminfo = _field(_read("/proc/meminfo"), "MemAvailable")
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    figures = [(x, name) for x, name in (
+        (meminfo and meminfo * 1024, "this host's memory"),
+        (cgroup_left(), "the memory this process's cgroup allows"),
+        (address_space_left(), f"the address space `ulimit -v` allows this process "
+                               f"({soft / 2 ** 30:.2f} GiB)")) if x is not None]
+    return min(figures, key=lambda f: f[0]) if figures else (None, "this host's memory")
+
+
 def available() -> int | None:
     """Free host memory, bytes (None when the kernel does not say)."""
-    meminfo = _field(_read("/proc/meminfo"), "MemAvailable")
-    figures = [x for x in (meminfo and meminfo * 1024, cgroup_left(), address_space_left())
-               if x is not None]
-    return min(figures) if figures else None
+    return binding()[0]

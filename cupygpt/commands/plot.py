@@ -1,5 +1,6 @@
 """Train and val loss curves from a `train` JSON-lines log."""
 import json
+import logging
 import math
 import os
 
@@ -52,6 +53,9 @@ def pyplot(command):
     install. MPLBACKEND is set to Agg first: matplotlib's import refuses a value it does not
     know (a traceback), and these commands draw into files whatever the display."""
     os.environ["MPLBACKEND"] = "Agg"
+    # a font cache matplotlib cannot save (a full disk, ulimit -f) costs it only time, and
+    # its warning would be a second line beside the command's own error about that write
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     try:
         import matplotlib.pyplot as plt
     except ImportError:

@@ -84,8 +84,7 @@ class EvalConfig:
         if self.seq is not None:
             positive(self, "seq")
         c = run_dtype(self, be, VERIFY_DTYPES)
-        existing("model", c.model)
-        shape = model_shape(c.model, "model")
+        shape = model_shape(c.model, "model")  # (a file, or a transformers directory)
         c = replace(c, seq=hellaswag_seq(c.hellaswag, c.batch, c.seq, shape, "hellaswag"))
         return place(c, be, world, shape, c.seq, c.batch, ("model", c.model)), shape
 

@@ -8,10 +8,21 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import CupyGPTError
-from ..formats.checkpoint import STATE, beside, check_model, check_resume, holding, newer, reserved
+from ..formats.checkpoint import (
+    STATE,
+    beside,
+    check_model,
+    check_resume,
+    holding,
+    newer,
+    removed,
+    reserved,
+    vanished,
+)
 from ..formats.checkpoint import resolve as resolve_checkpoint
-from ..formats.llmc import is_model_file, model_shape, shard_files
+from ..formats.llmc import Shard, is_model_file, model_shape, shard_files
 from ..model.optim import LR_SCHEDULES
+from ..model.shape import flops_per_token
 from ..paths import DATA, check_dir, check_outputs, files_of
 from . import fields
 from .configs import hellaswag_seq
@@ -120,8 +131,23 @@ class TrainConfig:
         return self.total_batch // (self.batch * self.seq)
 
     def _resumed(self, c):
-        """(c, the model's shape) of a resume: its checkpoint found and checked to fit."""
-        c = replace(c, resume=resolve_checkpoint(c.resume))
+        """(c, the model's shape) of a resume: its checkpoint found and checked to fit. One
+        that a live run's --keep removes while it is read gives way to the newest that
+        stays when a run's -o was named (a live run writes a newer one before it prunes)."""
+        for _ in range(3):
+            found = resolve_checkpoint(c.resume)
+            whole = not vanished(found)  # (else its own error: not a checkpoint)
+            try:
+                return self._fits(replace(c, resume=found))
+            except (CupyGPTError, OSError):
+                if not (whole and vanished(found)):
+                    raise
+                if os.path.normpath(found) == os.path.normpath(c.resume):  # (it was named)
+                    raise removed(found) from None
+        raise removed(found)
+
+    def _fits(self, c):
+        """(c, the model's shape) when c.resume's checkpoint fits this run's settings."""
         check_model(c.resume)  # (a model.bin swapped in is damage, not the user's settings)
         shape = model_shape(os.path.join(c.resume, "model.bin"))
         if self.init is not None and model_shape(self.init) != shape:
@@ -194,6 +220,7 @@ class TrainConfig:
         out_file("log_file", c.log_file)
         check_dir("out", c.out)
         out_file("log_file", log_file)  # (the default: only not a directory)
+        in_vocab(c, shape, scan_limit(shape, c.seq, c.total_batch, be.peak_flops(c.dtype)))
         return replace(c, log_file=log_file), shape
 
     def _overwritten(self, c):
@@ -220,9 +247,40 @@ class TrainConfig:
     @staticmethod
     def _inputs(c):
         """Every file the run reads: shards, the model or checkpoint, the tokenizer."""
-        model = c.init if is_model_file(c.init) or os.path.isdir(c.init) else None
+        model = c.init if is_model_file(c.init) else None
         resumed = [os.path.join(c.resume, f) for f in ("model.bin", STATE)] if c.resume else []
         return [*glob.glob(c.train_pattern), *(glob.glob(c.val_pattern) if c.val_pattern
                                                else []),
                 *files_of(model), *resumed, *files_of(c.tokenizer),
                 *(files_of(c.hellaswag_file) if c.hellaswag else [])]
+
+
+# a token read (from the page cache) and compared takes about a nanosecond; a backend that
+# names no peak (the CPU's) is taken at 1e11 FLOP/s
+SCAN_TOKENS_PER_S, HOST_FLOPS = 1e9, 1e11
+
+
+def scan_limit(shape, seq, total_batch, peak_flops):
+    """The most tokens a scan of the shards reads in the time of one training step."""
+    step_s = flops_per_token(shape, seq) * total_batch / (peak_flops or HOST_FLOPS)
+    return int(step_s * SCAN_TOKENS_PER_S)
+
+
+def in_vocab(c, shape, limit):
+    """Refuses -i's or -j's shards holding a token outside the model's vocab, read whole
+    when that costs less than a step (at most limit tokens); larger ones the loader checks
+    batch by batch, and an error mid-run keeps the steps trained (train/loop.py)."""
+    for name in (n for n in ("train_pattern", "val_pattern") if getattr(c, n)):
+        shards = [Shard(path) for path in shard_files(getattr(c, name), name)]
+        if sum(s.size for s in shards) <= limit:
+            _scan(c, name, shards, shape)
+
+
+def _scan(c, name, shards, shape):
+    for s in shards:
+        found = s.outside(shape.V)
+        if found:
+            shard = "" if s.path == getattr(c, name) else f"{s.path}: "
+            raise CupyGPTError(f"{shard}token {found[1]} (the shard's token {found[0]:,}) is "
+                               f"outside the model's vocab (V={shape.V}); was it tokenized "
+                               f"for this model?", name, getattr(c, name))

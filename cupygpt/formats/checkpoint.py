@@ -3,20 +3,17 @@ holds, and whether it fits the run that asks to resume (read before anything is 
 import hashlib
 import math
 import os
-import re
 import zipfile
 
 import numpy as np
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
+from ..paths import CHECKPOINT as NAME
 from ..paths import loads
 from .llmc import read_shard, shard_order
 
 LATEST = "latest"
-
-
-NAME = re.compile(r"ckpt_\d{8}$")
 
 
 # What NumPy raises on a damaged .npz: bad zip, CRC mismatch, truncation, not a zip at all
@@ -122,6 +119,20 @@ def resolve(path):
                            "directory); give a checkpoint or a run's output directory",
                            "resume", path)
     return path
+
+
+def vanished(path):
+    """Whether a checkpoint found complete has lost its files since: a live run's --keep
+    removed it while this command read it."""
+    return not all(os.path.isfile(os.path.join(path, f)) for f in ("model.bin", STATE))
+
+
+def removed(path):
+    """The one line for a checkpoint removed while it was read (vanished)."""
+    out = os.path.dirname(os.path.normpath(path))
+    return CupyGPTError(f"{path}: removed while this run read it (a run still writing {out} "
+                        f"keeps only its newest checkpoints, --keep); resume from {out} "
+                        f"again to take its newest")
 
 
 def damaged(f, path, why):

@@ -7,7 +7,9 @@ Its vocab is V rows; llm.c pads wte to Vp with zero rows, which only llm.c's fil
 Reading checks config.json and the safetensors header (names, shapes, dtypes) before a
 parameter is read: that is what validate() calls.
 """
+import glob
 import os
+import re
 
 import numpy as np
 from safetensors import safe_open
@@ -15,7 +17,7 @@ from safetensors import safe_open
 from .. import CupyGPTError
 from ..model.layout import param_layout
 from ..model.shape import GPT2_V, GPT2Config, padded_vocab
-from ..paths import loads, read_bounded
+from ..paths import CHECKPOINT, loads, read_bounded
 from .torchbin import torch_weights
 
 CONFIG, WEIGHTS, TORCH_WEIGHTS = "config.json", "model.safetensors", "pytorch_model.bin"
@@ -36,6 +38,7 @@ LAYER = {"ln_1.weight": ("ln1w", False), "ln_1.bias": ("ln1b", False),
          "mlp.c_proj.weight": ("fcprojw", True), "mlp.c_proj.bias": ("fcprojb", False)}
 WHOLE = {"wte.weight": ("wte", False), "wpe.weight": ("wpe", False),
          "ln_f.weight": ("lnfw", False), "ln_f.bias": ("lnfb", False)}
+BLOCK = re.compile(r"h\.(\d+)\.")  # a block's tensors: h.INDEX.attn.c_attn.weight, ...
 PREFIX = "transformer."  # GPT2LMHeadModel's; GPT2Model (and the hub's gpt2) save without it
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # older saves' causal masks, not parameters
 
@@ -65,6 +68,12 @@ def read_config(path):
         if os.path.isfile(inside):
             raise CupyGPTError(f"{path}: a directory (a run's output or a checkpoint?); give "
                                f"the model file in it, {inside}") from None
+        saved = sorted(glob.glob(os.path.join(glob.escape(path), "ckpt_[0-9]*", "model.bin")))
+        saved = [f for f in saved if CHECKPOINT.match(os.path.basename(os.path.dirname(f)))]
+        if saved:  # (a run under way, or one stopped before its end wrote model.bin)
+            raise CupyGPTError(f"{path}: a run's output without its model.bin yet (the run "
+                               f"is under way, or stopped early); its newest checkpoint's "
+                               f"model is {saved[-1]}") from None
         raise CupyGPTError(f"{path}: a directory but no {CONFIG} in it; a model is an llm.c "
                            f".bin file or a transformers GPT-2 directory") from None
     except (OSError, ValueError) as e:
@@ -130,6 +139,12 @@ def tensor_map(file, index, shape):
     """{name in the file: transformers' name}, after checking every tensor GPT-2 needs is
     there in its shape and a dtype NumPy reads, and nothing else is (a buffer aside)."""
     want, found = hf_names(shape), {}
+    layers = {int(m.group(1)) for m in map(BLOCK.match, (k.removeprefix(PREFIX) for k in index))
+              if m}
+    if layers and len(layers) != shape.L:  # (else a tensor is blamed for the config's count)
+        raise CupyGPTError(f"{os.path.join(os.path.dirname(file), CONFIG)}: n_layer is "
+                           f"{shape.L}, but {os.path.basename(file)} holds {len(layers)} "
+                           f"layers' tensors; the config is not its weights'")
     for key, (dims, dtype) in index.items():
         name = key.removeprefix(PREFIX)
         if name.endswith(BUFFERS):

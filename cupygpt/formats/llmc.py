@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import CupyGPTError
 from ..model.layout import param_layout
-from ..model.shape import GPT2Config, preset
+from ..model.shape import PRESETS, GPT2Config, preset
 from ..paths import atomic_write, loads, read_bounded, regular
 from . import hf
 
@@ -41,8 +41,9 @@ def read_header(path, magic, kind):
     return header, f
 
 
-def expect_size(path, kind, expected_bytes):
-    actual = os.path.getsize(path)
+def expect_size(path, kind, expected_bytes, actual):
+    """actual: the size of the file read_header opened (a path looked up again may be gone:
+    a live run's --keep removes checkpoints)."""
     if actual != expected_bytes:
         why = "truncated" if actual < expected_bytes else "trailing data"
         raise CupyGPTError(f"{path}: {kind} file is {actual} bytes but its header implies "
@@ -62,6 +63,7 @@ HEADER_LIMITS = dict(maxT=1 << 20, V=1 << 24, Vp=1 << 24, L=1 << 12, NH=1 << 12,
 
 def read_model_header(path):
     header, f = read_header(path, MODEL_MAGIC, "model")
+    size = os.fstat(f.fileno()).st_size
     f.close()
     version = int(header[1])
     if version not in (3, 5):
@@ -78,26 +80,32 @@ def read_model_header(path):
     except CupyGPTError as e:
         raise CupyGPTError(f"{path}: header holds an invalid {e}") from None
     itemsize = 4 if version == 3 else 2
-    expect_size(path, "model", HEADER_BYTES + param_layout(shape).size * itemsize)
+    expect_size(path, "model", HEADER_BYTES + param_layout(shape).size * itemsize, size)
     return shape, version
 
 
 def is_model_file(spec):
-    """-e names a file (rather than a preset) when it looks like a path."""
-    return os.path.isfile(spec) or os.sep in spec or spec.endswith(".bin")  # (a dir: no)
+    """-e names a model (an llm.c file or a transformers directory, rather than a preset)
+    when it looks like a path: it exists, holds a separator or ends in .bin. A preset's
+    name is the preset beside a directory of that name which holds no model (a run's -o)."""
+    if spec in PRESETS and not os.path.isfile(os.path.join(spec, hf.CONFIG)):
+        return os.path.isfile(spec)
+    return os.path.exists(spec) or os.sep in spec or spec.endswith(".bin")
 
 
 def model_shape(spec, option=None):
     """The shape an -e names: a model file's header, a transformers directory's
     config.json, or a preset. option: the field of a command that reads a model (sample,
     eval, verify), which takes no preset: a missing one is named as a missing model."""
+    if option is None and not is_model_file(spec):
+        return preset(spec)
     if os.path.isdir(spec):
         return hf.model_shape(spec)
     if option is not None and not os.path.lexists(spec):
         raise CupyGPTError("no such model: give an llm.c model file (train writes "
                            "OUT/model.bin) or a transformers GPT-2 directory", option, spec)
     regular(spec, "model")  # (a FIFO was "not a model file and not a descriptor")
-    return read_model_header(spec)[0] if option or is_model_file(spec) else preset(spec)
+    return read_model_header(spec)[0]
 
 
 def read_model(path, out=None, mmap=False):
@@ -209,6 +217,7 @@ def read_state(path, shape):
 def shard_count(path):
     """A token shard's token count, its header and size checked."""
     header, f = read_header(path, SHARD_MAGIC, "token shard")
+    size = os.fstat(f.fileno()).st_size
     f.close()
     if header[1] != 1:
         raise CupyGPTError(f"{path}: token shard version {header[1]} is not supported (1)")
@@ -216,7 +225,7 @@ def shard_count(path):
     if ntok < 0:
         raise CupyGPTError(f"{path}: bad token shard header: token count (int 2) is {ntok}; "
                            f"it cannot be negative: is this the right file?")
-    expect_size(path, "token shard", HEADER_BYTES + 2 * ntok)
+    expect_size(path, "token shard", HEADER_BYTES + 2 * ntok, size)
     return ntok
 
 
@@ -241,8 +250,18 @@ class Shard:
             raise CupyGPTError(f"{self.path}: token shard changed while training read it: it "
                                f"is now {now} bytes, its header says "
                                f"{HEADER_BYTES + 2 * self.size}; restore the shard (or "
-                               f"prepare it again) and resume from the last checkpoint")
+                               f"prepare it again)")
         return np.frombuffer(raw, dtype=np.uint16)
+
+    def outside(self, V):
+        """(position, token) of the shard's first token at or above V, or None: read in
+        blocks, so a scan holds 32 MiB at most."""
+        for at in range(0, self.size, 1 << 24):
+            block = self.read(at, min(1 << 24, self.size - at))
+            if int(block.max()) >= V:
+                i = int(np.argmax(block >= V))
+                return at + i, int(block[i])
+        return None
 
     def __del__(self):
         fd, self.fd = getattr(self, "fd", None), None

@@ -23,7 +23,9 @@ from ..formats.checkpoint import (
     damaged,
     listed,
     model_digest,
+    removed,
     state_meta,
+    vanished,
     was_major,
 )
 from ..formats.llmc import read_model, write_model
@@ -80,7 +82,7 @@ def save(run, transport, out, step, state, keep=2, major=0):
         old = [d for d in listed(out) if d != os.path.basename(final)]
         for d in old[:max(0, len(old) - (keep - 1))]:  # (an earlier run's -nm's stay too)
             if not (major and int(d[5:]) % major == 0) and not was_major(os.path.join(out, d)):
-                shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+                prune(os.path.join(out, d))
     transport.barrier()
     return final
 
@@ -106,6 +108,19 @@ def demote(transport, out, path):
     return transport.bcast(prev)
 
 
+def prune(path):
+    """A checkpoint --keep lets go, renamed before it is removed: a resume reading it meets
+    all of it or none (a file it opened stays whole), never a part."""
+    try:
+        os.replace(path, path + PRUNED)
+    except OSError:
+        return
+    shutil.rmtree(path + PRUNED, ignore_errors=True)
+
+
+PRUNED = ".pruned"
+
+
 def remove(path):
     """A directory or file at path (none there: nothing)."""
     if os.path.isdir(path) and not os.path.islink(path):
@@ -115,11 +130,13 @@ def remove(path):
 
 
 def clean_litter(out):
-    """What a killed run leaves: a half-written `latest` and a checkpoint never renamed."""
+    """What a killed run leaves: a half-written `latest`, a checkpoint never renamed and
+    one half pruned."""
     for name in os.listdir(out):
         if name.startswith(LATEST + ".") and name.endswith(".tmp"):
             os.unlink(os.path.join(out, name))
-        elif NAME.match(name.removesuffix(".partial")) and name.endswith(".partial"):
+        elif any(NAME.match(name.removesuffix(end)) and name.endswith(end)
+                 for end in (".partial", PRUNED)):
             remove(os.path.join(out, name))
 
 
@@ -129,11 +146,9 @@ def restore(run, path):
     A checkpoint removed while it is read (a live run's --keep) is named as such."""
     try:
         return _restore(run, path)
-    except CupyGPTError:
-        if not os.path.isdir(path):
-            raise CupyGPTError(f"{path}: removed while this run read it (a run still writing "
-                               f"{os.path.dirname(path)} keeps only its newest checkpoints); "
-                               f"resume again") from None
+    except (CupyGPTError, OSError):
+        if vanished(path):
+            raise removed(path) from None
         raise
 
 

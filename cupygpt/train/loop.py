@@ -3,6 +3,7 @@ checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, a signal b
 any two batches). One module, the training loop told as one story (llm.c's main), so it
 runs past the size a file is otherwise held to."""
 import contextlib
+import errno
 import json
 import math
 import os
@@ -68,13 +69,20 @@ def train(sess):
                 break
             t.train_step(step)
         t.finish()
-    except BaseException:
+    except BaseException as e:
         if t is None or t.logf is None:  # failed before its first step: no empty -o left
             rundir.unmake(config, sess.transport, lock)
+        if t is not None and isinstance(e, Exception):
+            raise t.kept(e)  # (e itself, or its line with what was written)
         raise
     finally:
         if t:
             t.close()
+
+
+class Diverged(CupyGPTError):
+    """The loss or the weights are no longer finite: the error names the last good
+    checkpoint, and nothing of the diverged weights is written."""
 
 
 # batches read between two looks for a stop signal: a look is a collective over the ranks,
@@ -126,6 +134,10 @@ class Trainer:
                      f"{config.seq - 1} tokens after the start token; generating {config.seq - 1}")
         self.ckpt, self.stop = config.resume, Interrupt()
         self.stopped = False
+        # the step whose weights the parameters hold (None while an update is under way);
+        # agreed: an error now is every rank's (a batch none could read), so all can write
+        self.trained, self.agreed, self.writing = self.start, self.transport.size == 1, False
+        self.written = self.start  # the step whose weights the run wrote last
 
     def resume(self, meta):
         """The checkpoint's step, data position and RNG; refused (and renamed .nan, as the
@@ -195,6 +207,9 @@ class Trainer:
             self.broken.append(why)
             with contextlib.suppress(OSError):
                 self.logf and self.logf.close()
+            with contextlib.suppress(OSError):  # (else a rerun is refused: "exists; add
+                if os.path.getsize(self.config.log_file) == 0:  # --overwrite")
+                    os.unlink(self.config.log_file)
             self.logf = False
 
     def evaluate(self, step, last):
@@ -207,7 +222,7 @@ class Trainer:
             self.val_data.reset()
             losses = []
             while len(losses) < self.val_batches and not self.stopping():
-                losses.append(self.run.eval_loss(*self.val_data.next_batch()))
+                losses.append(self.run.eval_loss(*self.read(self.val_data.next_batch)))
             if self.stopped:  # (a part of the batches is no val loss)
                 return
             rec["val_loss"] = float(np.mean(losses))
@@ -239,21 +254,45 @@ class Trainer:
         data, n = self.train_data, self.config.micro_steps
         if self.config.overfit:
             at = data.state()
-            x, y = data.next_batch()
+            x, y = self.read(data.next_batch)
             data.set_state(at)
             return np.concatenate([x] * n), np.concatenate([y] * n)
-        read = []
+        read, failed = [], None
         for i in range(n):  # (millions of batches take seconds: a signal is heard between)
             if i and i % READ_BETWEEN_STOPS == 0 and self.stopping():
                 raise Abandoned(f"the step stopped while reading its {n} batches")
-            read.append(data.next_batch())
+            if failed is None:  # (a rank that failed still joins the stop looks above)
+                try:
+                    read.append(data.next_batch())
+                except CupyGPTError as e:
+                    failed = e
+        self.agree(failed)
         return (np.concatenate(a) for a in zip(*read))
+
+    def read(self, next_batch):
+        """next_batch()'s batch, a failure to read it agreed over the ranks (agree)."""
+        try:
+            batch, failed = next_batch(), None
+        except CupyGPTError as e:
+            batch, failed = None, e
+        self.agree(failed)
+        return batch
+
+    def agree(self, failed):
+        """Collective: raises on every rank when any could not read its batch (each reads
+        the whole batch, so all usually fail alike), before the step's own collectives: the
+        ranks stop together and can still write the weights they hold."""
+        if self.transport.any(failed is not None):
+            self.agreed = True
+            raise failed or CupyGPTError("another rank could not read this batch (its line "
+                                         "says why)")
 
     def train_step(self, step):
         config, transport = self.config, self.transport
         at = self.train_data.state()
         lr = lr_at(step, config.lr, config.warmup, config.steps, config.final_lr_frac,
                    config.lr_schedule)
+        updates = self.run.opt.t
         try:  # with several batches a step, a signal is heard between them
             x, y = self.before_step(step + 1, *self.batches())
             t0 = time.perf_counter()
@@ -262,6 +301,11 @@ class Trainer:
         except Abandoned:  # (this step's batches are read again by a resume)
             self.train_data.set_state(at)
             self.interrupt(step)
+        except Exception:
+            if self.run.opt.t != updates:  # the update began: the weights are no step's
+                self.trained = None
+            raise
+        self.trained = step + 1
         self.sess.be.synchronize()
         dt = time.perf_counter() - t0
         if not math.isfinite(loss):
@@ -313,9 +357,45 @@ class Trainer:
         self.log(f"interrupted after step {step}{said}")
         raise SystemExit(self.stop.code(self.transport))
 
+    def kept(self, e):
+        """An error that ends the run after a step of it finished: that step's weights are
+        written as a signal's stop writes them, so no step trained is lost, and e's line
+        says so, or why they could not be (another exception: logged, e kept)."""
+        step, config = self.trained, self.config
+        if step == self.start or self.writing or isinstance(e, (Abandoned, Diverged)):
+            return e  # (nothing trained in this run, the failure was that write, or NaN)
+        if step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
+            note = (f"; {self.ckpt} holds step {step}: resume from it"
+                    if config.checkpoint_every else "")
+        elif step is None or not self.agreed:
+            why = ("the update was under way: the weights are no step's" if step is None else
+                   "the other ranks were mid-step and cannot join in writing them")
+            note = f"; this run's steps were not written ({why}); " + (
+                f"last checkpoint: {self.ckpt}" if self.ckpt else "it wrote no checkpoint")
+        else:
+            try:
+                if config.checkpoint_every:
+                    self.save(step)
+                    note = f"; wrote checkpoint {self.ckpt} of step {step}: resume from it"
+                else:
+                    note = (f"; wrote {self.write_model()} of step {step} (no checkpoints: "
+                            f"it cannot be resumed exactly)")
+            except Exception as again:  # (the disk, or memory, failing again)
+                note = f"; step {step}'s weights could not be written either ({again})"
+        if isinstance(e, CupyGPTError):
+            return CupyGPTError(e.args[0] + note, e.option, e.value)
+        if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+            return CupyGPTError(
+                f"out of memory while training, though {self.sess.be.memory_name} had room "
+                f"for the run at its start (another process took some since, or a temporary "
+                f"outgrew the plan): lower -b or -t, or recompute activations (-r 2)" + note)
+        if note:
+            self.log(note[2:3].upper() + note[3:], every_rank=True)
+        return e
+
     def stop_on_nan(self, step, loss):
         if step == self.start:  # before any update of this run: its weights' forward
-            raise CupyGPTError(
+            raise Diverged(
                 f"step {step + 1}: train loss is {loss} with the weights this run started "
                 f"from ({self.config.resume or self.config.init}), before any update: their "
                 f"forward is not finite (a model whose weights, though finite, overflow "
@@ -324,7 +404,7 @@ class Trainer:
         if ckpt and ckpt.endswith(f"ckpt_{step:08d}") and ckpt != self.config.resume:
             # its parameters gave this loss
             ckpt = self.ckpt = checkpoint.demote(self.transport, self.config.out, ckpt)
-        raise CupyGPTError(
+        raise Diverged(
             f"step {step + 1}: train loss is {loss} (computed on rank "
             f"{self.run.plan.loss_rank}, the last stage); stopping. " + (
                 f"Last good checkpoint: {ckpt}; lower the learning rate and resume from it"
@@ -332,9 +412,10 @@ class Trainer:
 
     def save(self, step):
         if self.transport.any(not self.run.params_finite()):
-            raise CupyGPTError(f"step {step}: parameters are no longer finite; not writing a "
+            raise Diverged(f"step {step}: parameters are no longer finite; not writing a "
                                f"checkpoint. Last good checkpoint: {self.ckpt or 'none'}; "
                                f"lower the learning rate")
+        self.writing = True  # (a write that fails is not tried again by kept)
         self.ckpt = checkpoint.save(self.run, self.transport, self.config.out, step,
                                     {"train_loader": self.train_data.state(),
                                      "train_files": [os.path.realpath(f)
@@ -343,6 +424,7 @@ class Trainer:
                                      "outliers": self.gate.state(),
                                      "total_batch": self.config.total_batch}, self.config.keep,
                                     self.config.checkpoint_major)
+        self.writing, self.written = False, step
         self.log(f"checkpoint {self.ckpt}")
 
     def close(self):
@@ -353,11 +435,13 @@ class Trainer:
 
     def write_model(self):
         """Collective: the whole model to OUT/model.bin (rank 0 writes); returns its path."""
+        self.writing = True
         full = self.run.state_dict(optimizer=False)
         path = os.path.join(self.config.out, "model.bin")
         if self.transport.rank == 0:
             write_model(path, self.sess.shape, full["params"],
                         bf16=is_narrow(self.run.settings.dtype))
+        self.writing, self.written = False, self.trained
         return path
 
     def finish(self):

@@ -40,7 +40,7 @@ def gpucheck(**kw):
         json_object(os.path.join(out, "report.json"), REPORT)
     if not gpu_available():
         raise CupyGPTError("gpucheck: no GPU is visible (or CuPy is missing); run it on a "
-                           "GPU machine after pip install -e '.[cuda13,test]'")
+                           "GPU machine after pip install -e '.[cuda13,test,test-cuda]'")
     report, md = run_check(out, "quick" if c.quick else "full", c.parts, budget, peers_dir)
     click.echo(md)
     sys.exit(0 if verdict(report) == "PASS" else 1)

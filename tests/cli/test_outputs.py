@@ -307,17 +307,45 @@ def test_leftovers_named_as_a_runs_own_are_replaced_or_refused(tmp_path):
     assert (out / "ckpt_00000009" / "log.jsonl").read_text() == "another run's\n"
 
 
-def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path):
-    """(plot's claim asked tempfile for one outside its try: a traceback)"""
+def test_no_usable_temporary_directory_claims_nothing_and_costs_nothing(tmp_path,
+                                                                       tmp_path_factory):
+    """(plot's claim asked tempfile for one outside its try: a traceback; matplotlib with no
+    font cache yet warned that it could not save one, a second line)"""
     import resource
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "train_loss": 3.0}\n')
     res = subprocess.run([sys.executable, CLI, "plot", log, "--out", tmp_path / "p.png"],
                          capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MPLCONFIGDIR": str(tmp_path_factory.mktemp("mpl"))},
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
     one_line(res, "p.png: over the file-size limit (ulimit -f) while writing it; nothing was "
                   "written there")
     assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]
+
+
+def test_claims_leave_no_file_behind_and_a_live_one_stays(tmp_path):
+    """One empty lock file was left per path ever claimed (134 after a day's use): a
+    command's go as it ends, and what a killed one left goes at the next claim; a claim a
+    live command holds stays, and still refuses."""
+    import fcntl
+
+    from cupygpt.paths import claim_key
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "train_loss": 3.0}\n')
+    assert cli("plot", log, "--out", tmp_path / "a.png").returncode == 0
+    assert not os.path.lexists(claim_key(tmp_path / "a.png"))
+    stale, live = claim_key(tmp_path / "b.png"), claim_key(tmp_path / "c.png")
+    open(stale, "w").close()  # (a command killed outright)
+    fd = os.open(live, os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert cli("plot", log, "--out", tmp_path / "d.png").returncode == 0
+        assert not os.path.lexists(stale) and os.path.exists(live)
+        one_line(cli("plot", log, "--out", tmp_path / "c.png"),
+                 f"another command (pid {os.getpid()}) is writing this file")
+    finally:
+        os.unlink(live)
+        os.close(fd)
 
 
 def test_a_claim_file_that_is_no_file_is_passed_over(tmp_path):

@@ -172,3 +172,20 @@ def test_readme_command_runs(clones, page, cmd):
     res = subprocess.run(words, cwd=clones(page), env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+
+
+def test_the_cpu_test_extra_is_apart_and_ci_installs_every_test_extra():
+    """`test` held CuPy, cuBLAS, NCCL and torch (3 GB) for a CPU-only contributor; they are
+    test-cuda's and test-hf's now, and CI's command, README's, installs every test extra."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    extras = {name: [r.strip() for r in reqs.splitlines() if r.strip()]
+              for name, reqs in cfg["options.extras_require"].items()}
+    heavy = [r for r in extras["test"] if r.startswith(("cupy", "nvidia-", "nvmath", "nvshmem",
+                                                        "cuda-", "torch", "transformers"))]
+    assert not heavy, heavy
+    ci = next(ln for ln in open(os.path.join(ROOT, ".ci", "run")) if ln.startswith("pip "))
+    assert ci.strip() in open(os.path.join(ROOT, "README.md")).read()
+    installed = set(re.search(r"'\.\[([^\]]*)\]'", ci).group(1).split(","))
+    assert {name for name in extras if name.startswith("test")} <= installed, installed

@@ -25,7 +25,7 @@ from harness import ROOT, cli, losses
 
 # The venv's processes see none of this one's path settings, so only its own copy imports.
 ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-# What the compile test imports, at the versions the test extra asks for.
+# What the compile test imports, at the versions the test-cuda extra asks for.
 # (nvidia-cuda-runtime: the CUDA headers, cuda_bf16.h among them, which NVRTC compiles with)
 COMPILE_TEST_NEEDS = ("pytest", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime")
 

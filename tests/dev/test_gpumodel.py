@@ -65,7 +65,7 @@ def test_the_model_reproduces_its_calibration_and_predicts_today(capsys, monkeyp
 def require_recorded_tools(found):
     """Skips, naming both, where the installed NVRTC or cuobjdump (found) is not the version
     FLASH["now"] was read with: another compiler may count another SASS for the same source
-    (the test extra pins the 13.5 series, so CI keeps checking)."""
+    (dev/requirements.txt pins the 13.5 series, so CI keeps checking)."""
     if found != TOOLS:
         pytest.skip(f"FLASH['now'] was read with {TOOLS}; installed: {found}")
 

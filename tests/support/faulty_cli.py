@@ -7,6 +7,8 @@ meets mid-way happen on cue, with nothing in the package reading a setting of th
                       alone at the start: its own memory, disk or files)
     targets:STEP      step STEP's targets all the vocabulary's last token (a loss spike,
                       for -sl/-sg)
+    memory:STEP       every rank runs out of memory as step STEP starts (MemoryError, as
+                      an allocation the memory check did not foresee raises)
 
 The fault is read where the loop meets it, so a malformed one is the run's error: one
 line, exit 1, as any error of a run before its first step (harness.cli(fault=...) runs
@@ -29,9 +31,10 @@ def parse(spec):
         numbers = tuple(map(int, rest.split(":")))
     except ValueError:
         numbers = ()
-    if (kind, len(numbers)) not in (("raise", 2), ("targets", 1), ("start", 1)):
-        raise CupyGPTError(f"fault {spec!r}: give raise:STEP:RANK, targets:STEP or start:RANK "
-                           f"(whole numbers)")
+    if (kind, len(numbers)) not in (("raise", 2), ("targets", 1), ("start", 1),
+                                    ("memory", 1)):
+        raise CupyGPTError(f"fault {spec!r}: give raise:STEP:RANK, targets:STEP, memory:STEP "
+                           f"or start:RANK (whole numbers)")
     return (kind, *numbers)
 
 
@@ -39,6 +42,8 @@ def before_step(trainer, step, x, y):
     kind, at, *rank = parse(FAULT)
     if kind == "targets" and step == at:
         y = np.full_like(y, trainer.sess.shape.V - 1)
+    if kind == "memory" and step == at:
+        raise MemoryError()
     if kind == "raise" and (step, trainer.transport.rank) == (at, *rank):
         raise RuntimeError(f"injected fault on rank {trainer.transport.rank} at step {step}")
     return x, y

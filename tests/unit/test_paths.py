@@ -16,3 +16,47 @@ def test_a_legal_name_of_255_characters_is_written(tmp_path):
     shape, params = read_model(os.path.join(REFERENCE, "tiny_model.bin"))
     write_hf(str(tmp_path / ("h" * 254)), shape, params, None)
     assert sorted(os.listdir(tmp_path / ("h" * 254)))[0] == "config.json"
+
+
+def test_claim_files_are_removed_without_two_commands_ever_holding_one(tmp_path):
+    """A claim's file goes as its command ends (removed while locked) and sweep removes the
+    ones nobody holds, while other commands claim the same path: four processes claiming,
+    releasing and sweeping 150 times each never hold one claim at once."""
+    import fcntl
+    import multiprocessing
+    import time
+    import types
+
+    from cupygpt import paths
+    from cupygpt.paths import _lock_key, sweep
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    key, record = str(claims / "k"), str(tmp_path / "record")
+
+    def slow_flock(fd, how):  # (widens the window between a claim's open and its lock)
+        time.sleep(0.001)
+        return fcntl.flock(fd, how)
+
+    def contend():
+        paths.fcntl = types.SimpleNamespace(flock=slow_flock, LOCK_EX=fcntl.LOCK_EX,
+                                            LOCK_NB=fcntl.LOCK_NB)
+        for _ in range(150):
+            fd, _ = _lock_key(key)
+            if fd is not None:
+                mine = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                os.write(mine, f"+{os.getpid()}\n".encode())
+                os.write(mine, f"-{os.getpid()}\n".encode())
+                os.close(mine)
+                os.unlink(key)  # (as a command's end does: removed while locked)
+                os.close(fd)
+            sweep(str(claims))
+    children = [multiprocessing.get_context("fork").Process(target=contend) for _ in range(4)]
+    for c in children:
+        c.start()
+    for c in children:
+        c.join(120)
+        assert c.exitcode == 0
+    rows = open(record).read().split()
+    assert len(rows) > 150 and all(a[0] == "+" and b == "-" + a[1:]
+                                   for a, b in zip(rows[::2], rows[1::2])), rows[:20]
+    assert os.listdir(claims) == []

@@ -38,7 +38,6 @@ class NumpyBackend(Encoder, Layernorm, Matmul, Attention, Elementwise, Classifie
     supports_graphs = False
     asynchronous = False             # an op returns when its work is done
     DEFAULT_RUN = ("tiny", 64)       # -e, -t when not given: a model that trains in seconds
-    memory_name = "this host's memory"
 
     def __init__(self) -> None:
         self.threads = None   # BLAS threads of this process, set by configure()
@@ -77,6 +76,11 @@ class NumpyBackend(Encoder, Layernorm, Matmul, Attention, Elementwise, Classifie
     def device_memory(self) -> int | None:
         """Free memory where this backend allocates (the host's), bytes."""
         return host_memory.available()
+
+    @property
+    def memory_name(self) -> str:
+        """The host's memory, or the limit (cgroup, ulimit -v) that leaves it less."""
+        return host_memory.binding()[1]
 
     def workspace_bytes(self, stage: StageShape, dtype: DTypeLike) -> int:
         """The most the kept scratch arrays (_ws) reach for such a stage: GELU's two (B, T,

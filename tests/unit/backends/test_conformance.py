@@ -1,5 +1,5 @@
 """Conformance: cupygpt's CUDA code, and cudasim, against the real CuPy, nvshmem4py,
-cuda-python and nvmath-python (installed by the test extra; they install and import
+cuda-python and nvmath-python (installed by the test-cuda extra; they install and import
 without a GPU).
 
 cudasim runs the CUDA backend on the CPU by imitating CuPy and nvshmem4py, so a call it
@@ -33,7 +33,7 @@ cuda.bindings' CUdeviceptr) or is made in part (*args of unknown length: keyword
 named in a warning, with why. A mismatch found in cupygpt and not yet fixed is in KNOWN,
 and must stay found until it is taken out.
 
-Measured (2 cores, Python 3.11, a fresh venv holding the rest of the test extra): the
+Measured (2 cores, Python 3.11, a fresh venv holding the rest of the test extras): the
 packages added for this (cupy-cuda13x, nvshmem4py-cu13, cuda-core, nvidia-cublas,
 nvidia-nccl-cu13 and their dependencies, ~1.5 GB unpacked) install in 41-47 s without a pip
 cache and 32-34 s with a warm one; this file's tests run in about 2 s.
@@ -73,14 +73,14 @@ def real():
         from nvmath.bindings import cublasLt  # noqa: F401
         assert nccl.available, "CuPy finds no NCCL library (nvidia-nccl-cu13)"
     except Exception as e:
-        why = f"the real CUDA packages are not installed (pip install -e '.[test]'): {e!r}"
+        why = f"the real CUDA packages are not installed (pip install -e '.[test-cuda]'): {e!r}"
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
 
 
 def frontend_missing():
-    """Why the real cuDNN frontend (the cudnn extra, not the test extra) is not importable,
+    """Why the real cuDNN frontend (the cudnn extra, not test-cuda) is not importable,
     or None: without it the checks leave out what uses or stands in for it."""
     try:
         import cudnn  # noqa: F401

@@ -50,7 +50,7 @@ def ptxas_report(log):
 
 
 @pytest.mark.skipif(not have_nvrtc() and not os.environ.get("CI"),
-                    reason="NVRTC not installed (pip install -e '.[test]')")
+                    reason="NVRTC not installed (pip install -e '.[test-cuda]')")
 @pytest.mark.parametrize("dtype", FLOATX)
 @pytest.mark.parametrize("arch", SM)
 @pytest.mark.parametrize("path", sources(), ids=os.path.basename)

@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from harness import fixture
+from harness import fixture, small_shard
 
 import cupygpt
 from cupygpt import CupyGPTError
@@ -69,11 +69,14 @@ def configs_into(t):
     """Each command's config, its outputs under t in directories that do not exist."""
     expected = t / "in" / "expected.json"
     expected.write_text(json.dumps({"losses": [5.0, 4.9]}))
+    shard = small_shard(t / "in" / "s.bin")  # (the model's vocab, 300: not the shipped data's)
     return [TrainConfig(init=fixture("tiny_model.bin"), out=str(t / "o" / "run"), steps=1,
+                        train_pattern=shard, val_pattern="",
                         batch=4, seq=32, trace=str(t / "tr" / "a" / "t.json"),
                         log_file=str(t / "logs" / "l.jsonl"), hellaswag=1,
                         hellaswag_file=an_eval_file(t / "in" / "h.bin")),
-            TrainConfig(init=fixture("tiny_model.bin"), out=str(t / "o2"), steps=1),
+            TrainConfig(init=fixture("tiny_model.bin"), out=str(t / "o2"), steps=1,
+                        train_pattern=shard, val_pattern=""),
             configs.EvalConfig(model=fixture("tiny_model.bin"),
                                hellaswag=an_eval_file(t / "in" / "h.bin")),
             configs.VerifyConfig(state=fixture("tiny_debug_state.bin"),

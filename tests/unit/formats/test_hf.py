@@ -1,7 +1,7 @@
 """transformers interop: a random GPT2LMHeadModel (built once, saved with save_pretrained)
 read by cupygpt gives transformers' logits, gradients and greedy tokens; llm.c -> HF ->
 llm.c is byte-identical; a model cupygpt trained gives transformers the same val loss.
-torch and transformers are test-only (the `test` extra); without them these tests skip
+torch and transformers are test-only (the `test-hf` extra); without them these tests skip
 here and fail in CI."""
 import importlib.util
 import json
@@ -23,7 +23,7 @@ from cupygpt.formats.tokenizer import Tokenizer
 MISSING = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
 needs_hf = pytest.mark.skipif(bool(MISSING) and not os.environ.get("CI"),
                               reason=f"{' and '.join(MISSING)} not installed "
-                                     f"(pip install -e '.[test]')")
+                                     f"(pip install -e '.[test-hf]')")
 TOK_PATH = os.path.join(ROOT, "cupygpt", "data", "gpt2_tokenizer.bin")
 TOK = Tokenizer(TOK_PATH)
 VAL = os.path.join(ROOT, "cupygpt", "data", "tiny_shakespeare_val.bin")

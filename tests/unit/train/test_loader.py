@@ -136,3 +136,4 @@ def test_a_shard_that_shrinks_under_the_loader_is_named_not_a_bus_error(tmp_path
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert r.stdout.startswith(f"{tmp_path / 's.bin'}: token shard changed while training "
                                f"read it: it is now 2000 bytes"), r.stdout
+    assert "checkpoint" not in r.stdout  # (train's line says what the run has: none here)
