@@ -117,9 +117,9 @@ def misnamed(spec):
         raise CupyGPTError(f"{spec}: {spec.rstrip(os.sep)} is a file, and the trailing / "
                            f"names a directory; give the file without it")
     if spec.startswith("~") and not os.path.lexists(spec):
-        raise CupyGPTError(f"{spec}: no such model; the shell leaves a quoted ~ unexpanded "
-                           f"(and cupygpt does not expand it): write {os.path.expanduser(spec)}"
-                           f" or leave the ~ unquoted")
+        raise CupyGPTError(f"{spec}: no such model; the shell leaves a ~ unexpanded when "
+                           f"quoted or after --flag= (and cupygpt does not expand it): write "
+                           f"{os.path.expanduser(spec)} or put the ~ first in a word of its own")
     if os.path.basename(spec) in (hf.CONFIG, hf.WEIGHTS, hf.TORCH_WEIGHTS):
         raise CupyGPTError(f"{spec}: one file of a transformers directory; give the directory, "
                            f"{os.path.dirname(spec) or '.'}")

@@ -91,7 +91,7 @@ def test_a_config_whose_layer_count_is_not_its_weights_is_blamed(hf):
 
 @pytest.mark.parametrize("spelling,said", [
     ("m.bin/", "m.bin/: m.bin is a file, and the trailing / names a directory"),
-    ("~/nowhere/m.bin", "the shell leaves a quoted ~ unexpanded"),
+    ("~/nowhere/m.bin", "the shell leaves a ~ unexpanded when quoted or after --flag="),
     ("hf/config.json", "hf/config.json: one file of a transformers directory; give the "
                        "directory, hf"),
     ("hf/model.safetensors", "one file of a transformers directory; give the directory, hf"),
