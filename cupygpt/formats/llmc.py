@@ -102,9 +102,10 @@ def model_shape(spec, option=None):
     if os.path.isdir(spec):
         return hf.model_shape(spec)
     misnamed(spec)
-    if option is not None and not os.path.lexists(spec):
+    if not os.path.lexists(spec):  # (train's -e said "cannot open model file")
         raise CupyGPTError("no such model: give an llm.c model file (train writes "
-                           "OUT/model.bin) or a transformers GPT-2 directory", option, spec)
+                           "OUT/model.bin) or a transformers GPT-2 directory", option or "init",
+                           spec)
     regular(spec, "model")  # (a FIFO was "not a model file and not a descriptor")
     return read_model_header(spec)[0]
 

@@ -104,3 +104,11 @@ def test_a_misspelt_model_is_named_for_what_it_is(hf, spelling, said):
     for command in (["sample", "--model", spelling], ["eval", spelling, "--hellaswag", "x"],
                     [*TINY, "-n", "1", "-e", spelling], ["convert", spelling, "dst"]):
         one_line(cli(*command, cwd=hf), said)
+
+
+def test_a_missing_model_is_the_same_line_for_train(tmp_path):
+    """train -e of a path that is gone (a checkpoint a live run's --keep removed) said
+    "cannot open model file (No such file or directory)", sample and eval "no such model"."""
+    for command in (["sample", "--model", "gone/model.bin"], [*TINY, "-e", "gone/model.bin"]):
+        one_line(cli(*command, cwd=tmp_path), "gone/model.bin: no such model: give an llm.c "
+                                              "model file")
