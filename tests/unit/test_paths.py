@@ -74,5 +74,6 @@ def test_a_file_written_between_the_check_and_the_claim_is_not_replaced_unasked(
     path.write_text("{}")  # (the first command's, written after the second's look)
     with pytest.raises(CupyGPTError, match="exists .another command wrote it since"):
         make_parent("trace", str(path), overwrite=False)
-    make_parent("trace", str(path), overwrite=True)  # (asked: replaced)
-    make_parent("trace", str(path))  # (a command that claims otherwise: train's log)
+    asked = tmp_path / "asked.json"
+    asked.write_text("{}")
+    make_parent("trace", str(asked), overwrite=True)  # (asked: replaced at the end)
