@@ -270,15 +270,21 @@ def file_dir(act, name, path):
         raise CupyGPTError(f"in {e.value}: {e.args[0]}", name, path) from None
 
 
-def make_parent(name, path, writer=True):
+def make_parent(name, path, writer=True, overwrite=None):
     """The directory of a file the command writes (None: not asked for), made at the
     command's start: its validate checked it (config/sections.out_file) and made nothing;
     then the file claimed (claim_file) by the process that writes it (writer: under
-    mpiexec, rank 0; every rank makes the directory, a disk of its own perhaps)."""
+    mpiexec, rank 0; every rank makes the directory, a disk of its own perhaps). overwrite
+    False: a file there now is refused again, once claimed (a command that ended between
+    the validate's look and this claim wrote it: two verify --trace X at once both ran)."""
     if path is not None:
         file_dir(make_dir, name, path)
         if writer:
             claim_file(name, path)
+            if overwrite is False and os.path.lexists(path):
+                raise CupyGPTError("exists (another command wrote it since this one "
+                                   "started); add --overwrite to replace it, or give another "
+                                   "path", name, path)
 
 
 def claim_file(name, path):

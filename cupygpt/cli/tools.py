@@ -98,7 +98,7 @@ def image_out(c, source):
     image_format(c.out)
     check_outputs([("out", c.out)], [source])
     out_file("out", c.out, c.overwrite)
-    make_parent("out", c.out)
+    make_parent("out", c.out, overwrite=c.overwrite)
 
 
 @click.command()

@@ -19,7 +19,8 @@ def bench(sess, on_step=None):
     "bf16_speedup"}, with --attention both: {"cudnn": ..., "own": ..., "cudnn_speedup"},
     each timed by a runner of its own (the first freed first)."""
     c = sess.config
-    make_parent("trace", c.trace, sess.transport.rank == 0)  # (validate made nothing)
+    # (validate made nothing)
+    make_parent("trace", c.trace, sess.transport.rank == 0, c.overwrite)
     if c.device.attention == "both":  # (validated: not with --dtype both)
         out = {kind: _bench(sess, c.dtype, on_step, kind) for kind in ATTENTIONS}
         out["cudnn_speedup"] = (out["own"]["ms_per_step_median"]
@@ -122,7 +123,7 @@ def claim_out(out: str, trace: str | None, overwrite: bool, writer: bool) -> Non
     unasked, its directory made by the rank that writes it (writer), before the session."""
     check_outputs([("out", out), ("trace", trace)], [BenchConfig.data])
     out_file("out", out, overwrite)
-    make_parent("out", out, writer)
+    make_parent("out", out, writer, overwrite)
 
 
 def trace_failed(r: dict, trace: str | None, out: str) -> None:

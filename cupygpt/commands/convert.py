@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from .. import CupyGPTError
 from ..formats import hf
 from ..formats.hf_tokenizer import write_tokenizer
-from ..formats.llmc import model_shape, read_model, write_model
+from ..formats.llmc import misnamed, model_shape, read_model, write_model
 from ..formats.tokenizer import Tokenizer
 from ..paths import UMASK, check_outputs, claim_file, disk_full, files_of, full
 
@@ -24,6 +24,8 @@ def convert(src, dst, bf16=False, tokenizer=None, force=False):
     """src -> dst in the other format; returns the lines to print (what was written). An
     existing llm.c file is replaced only with force."""
     to_llmc = os.path.isdir(src)
+    if not to_llmc:  # (a trailing / or a quoted ~ would be "no such file" below)
+        misnamed(src)
     if not to_llmc and not os.path.exists(src):
         raise CupyGPTError(f"{src}: no such file or directory (an llm.c .bin file or a "
                            f"transformers GPT-2 directory)")

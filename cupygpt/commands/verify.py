@@ -32,7 +32,7 @@ def verify(sess, on_step=None):
     c, transport = sess.config, sess.transport
     # what validate checked and kept none of: the losses read, --trace's directory made
     expected = read_expected(c.expected) if c.expected else None
-    make_parent("trace", c.trace, transport.rank == 0)
+    make_parent("trace", c.trace, transport.rank == 0, c.overwrite)
     shape, params = read_model(c.model)
     check_finite(c.model, params)
     state = read_state(c.state, shape)

@@ -143,7 +143,7 @@ def room(out, need, resumed=False, keep=0):
 def make_parents(config, rank):
     """--trace's directory and a --log-file's outside -o, made (claim makes -o), in the
     order validate checked them."""
-    make_parent("trace", config.trace, rank == 0)
+    make_parent("trace", config.trace, rank == 0, config.overwrite)
     if config.log_file != os.path.join(config.out, "log.jsonl"):  # (the default's is -o)
         make_parent("log_file", config.log_file, rank == 0)
 

@@ -87,3 +87,28 @@ def test_a_config_whose_layer_count_is_not_its_weights_is_blamed(hf):
     for command in (["sample", "--model", "hf"], [*TINY, "-e", "hf", "-o", "o"]):
         one_line(cli(*command, cwd=hf), f"{os.path.join('hf', 'config.json')}: n_layer is 3, "
                                         f"but model.safetensors holds 2 layers' tensors")
+
+
+@pytest.mark.parametrize("spelling,said", [
+    ("m.bin/", "m.bin/: m.bin is a file, and the trailing / names a directory"),
+    ("~/nowhere/m.bin", "the shell leaves a ~ unexpanded when quoted or after --flag="),
+    ("hf/config.json", "hf/config.json: one file of a transformers directory; give the "
+                       "directory, hf"),
+    ("hf/model.safetensors", "one file of a transformers directory; give the directory, hf"),
+    ("log.jsonl", "log.jsonl: a JSON file (a log, or a config?), not an llm.c model"),
+])
+def test_a_misspelt_model_is_named_for_what_it_is(hf, spelling, said):
+    """Each was "no such model" (the file exists), "cannot open model file" or "truncated
+    model file (505 bytes ...)" (a config.json, a log), by every command that takes one."""
+    (hf / "log.jsonl").write_text('{"step": 1, "train_loss": 5.0}\n')
+    for command in (["sample", "--model", spelling], ["eval", spelling, "--hellaswag", "x"],
+                    [*TINY, "-n", "1", "-e", spelling], ["convert", spelling, "dst"]):
+        one_line(cli(*command, cwd=hf), said)
+
+
+def test_a_missing_model_is_the_same_line_for_train(tmp_path):
+    """train -e of a path that is gone (a checkpoint a live run's --keep removed) said
+    "cannot open model file (No such file or directory)", sample and eval "no such model"."""
+    for command in (["sample", "--model", "gone/model.bin"], [*TINY, "-e", "gone/model.bin"]):
+        one_line(cli(*command, cwd=tmp_path), "gone/model.bin: no such model: give an llm.c "
+                                              "model file")

@@ -1,6 +1,11 @@
 """paths.py: outputs written whole under any legal name."""
 import os
 
+import pytest
+
+from cupygpt import CupyGPTError
+from cupygpt.paths import make_parent
+
 
 def test_a_legal_name_of_255_characters_is_written(tmp_path):
     """atomic_write's temporary added 13 characters to the name: 'File name too long' for
@@ -60,3 +65,15 @@ def test_claim_files_are_removed_without_two_commands_ever_holding_one(tmp_path)
     assert len(rows) > 150 and all(a[0] == "+" and b == "-" + a[1:]
                                    for a, b in zip(rows[::2], rows[1::2])), rows[:20]
     assert os.listdir(claims) == []
+
+
+def test_a_file_written_between_the_check_and_the_claim_is_not_replaced_unasked(tmp_path):
+    """Two verify --trace X at once: both looked (no X), the first wrote X and ended, its
+    claim gone, and the second claimed X and wrote over it without --overwrite."""
+    path = tmp_path / "trace.json"
+    path.write_text("{}")  # (the first command's, written after the second's look)
+    with pytest.raises(CupyGPTError, match="exists .another command wrote it since"):
+        make_parent("trace", str(path), overwrite=False)
+    asked = tmp_path / "asked.json"
+    asked.write_text("{}")
+    make_parent("trace", str(asked), overwrite=True)  # (asked: replaced at the end)
