@@ -122,7 +122,7 @@ def test_kernel_compile_test_passes_on_the_installed_sources(venv, tmp_path):
     every one of the same bytes)."""
     extra = configparser.ConfigParser()
     extra.read(os.path.join(ROOT, "setup.cfg"))
-    needs = [r for r in extra["options.extras_require"]["test"].split()
+    needs = [r for x in ("test", "test-cuda") for r in extra["options.extras_require"][x].split()
              if re.match(r"[\w-]+", r).group() in COMPILE_TEST_NEEDS]
     assert len(needs) == len(COMPILE_TEST_NEEDS), needs
     pip(venv.python, ["install", "-q", "--no-compile", *needs], venv.tmp)  # one run imports them
