@@ -22,9 +22,11 @@ def plottable(x):
 
 
 def read_log(path):
-    """The log's records; a line that is not a step record is named by its number."""
+    """The log's records; a line that is not a step record is named by its number. A last
+    line without its newline that is not JSON yet is one a live run is writing: left out."""
     try:
-        lines = read_bounded(path, "train log").decode("utf-8").splitlines()
+        text = read_bounded(path, "train log").decode("utf-8")
+        lines = text.splitlines()
     except OSError as e:
         raise CupyGPTError(f"{path}: cannot read the log ({e.strerror})") from None
     except UnicodeDecodeError:
@@ -35,6 +37,12 @@ def read_log(path):
             try:
                 rec = loads(line)
             except ValueError as e:  # (a number of 5,000 digits is Python's ValueError)
+                if n == len(lines) and not text.endswith("\n"):
+                    if recs:
+                        break
+                    raise CupyGPTError(f"{path}: its one line is not whole yet (a live run's "
+                                       f"log being written?); plot it again after a step is "
+                                       f"logged") from None
                 raise CupyGPTError(f"{path}: line {n} is not JSON ({getattr(e, 'msg', e)}); "
                                    f"is this a train log (log.jsonl)?") from None
             if not isinstance(rec, dict) or "step" not in rec:

@@ -38,6 +38,23 @@ def test_plot_bad_log(tmp_path):
     assert "line 1 is not JSON" in res.stderr and not (tmp_path / "x.png").exists()
 
 
+def test_plot_leaves_out_the_line_a_live_run_is_writing(tmp_path):
+    """A live run's log may end in a line not yet whole: that line is left out, and a log
+    of nothing else says so rather than asking whether it is a train log."""
+    pytest.importorskip("matplotlib")
+    whole = '{"step": 1, "train_loss": 3.5}\n{"step": 2, "train_loss": 3.25}\n'
+    (tmp_path / "log.jsonl").write_text(whole + '{"step": 3, "train_lo')
+    res = cli("plot", tmp_path / "log.jsonl", "--out", tmp_path / "a.png")
+    assert res.returncode == 0 and "2 train, 0 val points" in res.stdout, res.stderr
+    (tmp_path / "one.jsonl").write_text('{"step": 1, "tr')
+    one_line(cli("plot", tmp_path / "one.jsonl", "--out", tmp_path / "b.png"),
+             "one.jsonl: its one line is not whole yet (a live run's log being written?)")
+    assert not (tmp_path / "b.png").exists()
+    (tmp_path / "ended.jsonl").write_text(whole + 'not json\n')  # (whole: a wrong log)
+    one_line(cli("plot", tmp_path / "ended.jsonl", "--out", tmp_path / "c.png"),
+             "ended.jsonl: line 3 is not JSON")
+
+
 def on_terminal(*args):
     """Runs cli.py with stdout and stderr on a pseudo-terminal; returns what it showed."""
     main, sub = pty.openpty()
