@@ -445,10 +445,27 @@ HELD = []  # claim's locks, held until the process ends
 CLAIMED = []  # (claim file, its fd in HELD) of claim_file: removed at the end
 
 
+def held_above(path):
+    """The refusal of a directory inside one that another command writes into (a run's -o
+    nested in a live run's would sit among that run's checkpoints), or None."""
+    up = os.path.realpath(path)
+    while up != (up := os.path.dirname(up)):
+        with contextlib.suppress(OSError):  # (/proc/locks unreadable: holder says None)
+            pid = holder(up)
+            if pid and pid != os.getpid():
+                return (f"lies inside {up}, which another command (pid {pid}) is writing "
+                        f"into; wait for it to end, or give a directory outside it")
+    return None
+
+
 def claim(name, out):
     """Every command that writes into a directory claims it first (train's -o: rundir):
-    a second command writing there is refused, naming the first's PID; only then does it
-    look at what the directory holds (an earlier output is replaced only when asked)."""
+    a second command writing there, or inside it, is refused, naming the first's PID; only
+    then does it look at what the directory holds (an earlier output is replaced only when
+    asked)."""
+    why = held_above(out)
+    if why:
+        raise CupyGPTError(why, name, out)
     fd, why = lock(out)
     if why:
         raise CupyGPTError(why, name, out)

@@ -12,7 +12,7 @@ from .. import CupyGPTError
 from ..formats.checkpoint import LATEST, NAME, STATE, listed, named, newer
 from ..formats.llmc import HEADER_BYTES
 from ..model.layout import param_layout
-from ..paths import MADE, hold, holder, lock, make_dir, make_parent, not_regular
+from ..paths import MADE, held_above, hold, holder, lock, make_dir, make_parent, not_regular
 
 MODEL = "model.bin"
 
@@ -179,7 +179,10 @@ def _claim_here(config, need):
     (another -o) would interleave its lines with this one's. What an earlier run left is
     replaced last, once nothing refuses."""
     fd, why = lock(config.out)
+    why = why or held_above(config.out)
     if why:
+        if fd is not None:
+            os.close(fd)
         return None, ("out", config.out, why), False
     real = os.path.realpath(config.out)  # a resume continues its own directory:
     own = config.resume and any(  # (a ckpt_ there may be a link to another run's)

@@ -180,7 +180,8 @@ def test_one_run_per_output_directory(tmp_path):
 
 def test_another_command_writing_into_a_live_runs_output_is_refused(tmp_path):
     """bench --out RUN/log.jsonl --overwrite replaced a live run's log with its JSON, plot
-    --out RUN/x.png wrote into its -o: both are refused naming the run's PID."""
+    --out RUN/x.png wrote into its -o, train -o RUN/sub trained among its checkpoints: all
+    are refused naming the run's PID."""
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), *TINY, "-n",
                               "1000000", "-o", str(out)], text=True, stdout=subprocess.PIPE,
@@ -194,6 +195,10 @@ def test_another_command_writing_into_a_live_runs_output_is_refused(tmp_path):
                            (["plot", log, "--out", out / "x.png"], "into its directory")):
             one_line(cli(*args), f"another command (pid {first.pid}) is writing {what}; wait "
                                  f"for it to end, or give another path")
+        one_line(cli(*TINY, "-n", "1", "-o", out / "sub" / "run"),
+                 f"-o {out / 'sub' / 'run'}: lies inside {os.path.realpath(out)}, which another "
+                 f"command (pid {first.pid}) is writing into; wait for it to end, or give a "
+                 f"directory outside it")
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=300)
