@@ -362,9 +362,13 @@ class Trainer:
         written as a signal's stop writes them, so no step trained is lost, and e's line
         says so, or why they could not be (another exception: logged, e kept)."""
         step, config = self.trained, self.config
-        if step == self.start or self.writing or isinstance(e, (Abandoned, Diverged)):
-            return e  # (nothing trained in this run, the failure was that write, or NaN)
-        if step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
+        if step == self.start or isinstance(e, (Abandoned, Diverged)):
+            return e  # (nothing trained in this run, or NaN)
+        if self.writing:  # (the failure was that write: not tried again; the last whole one)
+            if not (config.checkpoint_every and self.ckpt):
+                return e
+            note = f"; {self.ckpt} holds step {self.written}: resume from it"
+        elif step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
             note = (f"; {self.ckpt} holds step {step}: resume from it"
                     if config.checkpoint_every else "")
         elif step is None or not self.agreed:
