@@ -196,9 +196,11 @@ class Trainer:
         reported and dropped; the run goes on (finish says so after writing the model)."""
         if self.transport.rank != 0 or self.logf is False:
             return
+        whole = None  # the log's size before this record: a record cut short is cut off
         try:
             if self.logf is None:
                 self.logf = open_log(self.config.log_file, self.start, self.log)
+            whole = os.fstat(self.logf.fileno()).st_size
             self.logf.write(json.dumps(rec) + "\n")
             self.logf.flush()
         except (OSError, CupyGPTError) as e:
@@ -207,6 +209,9 @@ class Trainer:
             self.broken.append(why)
             with contextlib.suppress(OSError):
                 self.logf and self.logf.close()
+            if whole is not None:  # (the disk filled mid-record: its whole lines are kept)
+                with contextlib.suppress(OSError):
+                    os.truncate(self.config.log_file, whole)
             with contextlib.suppress(OSError):  # (else a rerun is refused: "exists; add
                 if os.path.getsize(self.config.log_file) == 0:  # --overwrite")
                     os.unlink(self.config.log_file)

@@ -290,6 +290,24 @@ def test_a_log_that_a_full_disk_leaves_empty_is_not_left_to_refuse_the_rerun(tmp
         subprocess.run(["umount", str(small)])
 
 
+def test_a_log_that_a_disk_fills_under_keeps_whole_lines_only(tmp_path):
+    small = a_small_filesystem(tmp_path / "small", "64k")
+    try:
+        with open(small / "fill", "wb") as f:  # full, then one page freed: the log's room
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * (1 << 20))
+        os.truncate(small / "fill", os.path.getsize(small / "fill") - 4096)
+        res = cli(*TINY, "-n", "40", "--log-file", small / "log.jsonl", "-o", tmp_path / "o")
+        assert res.returncode == 1 and "could not write the log" in res.stderr, res.stderr
+        text = (small / "log.jsonl").read_text()
+        assert text.endswith("\n") and 0 < len(text) <= 4096, len(text)
+        assert all("step" in json.loads(line) for line in text.splitlines())
+        plot = cli("plot", small / "log.jsonl", "--out", tmp_path / "p.png")
+        assert plot.returncode == 0, plot.stderr
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
 def test_a_trace_that_cannot_be_written_never_costs_the_model_or_the_result(tmp_path):
     from test_edge_cases import run
     rc, lines = run(*TINY[:1], *TINY[1:], "-n", "2", "--trace", tmp_path / "trace.json", "-o",
