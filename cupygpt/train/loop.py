@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends.host_memory import address_limit
 from ..comm.launch import Interrupt
 from ..formats.hellaswag import read_eval
 from ..formats.llmc import check_finite, write_model
@@ -370,9 +371,17 @@ class Trainer:
         if step == self.start or isinstance(e, (Abandoned, Diverged)):
             return e  # (nothing trained in this run, or NaN)
         if self.writing:  # (the failure was that write: not tried again; the last whole one)
+            last = (f"{self.ckpt} holds step {self.written}: resume from it"
+                    if config.checkpoint_every and self.ckpt else
+                    f"this run's steps {self.start + 1}..{step} were not written")
+            if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+                return CupyGPTError(
+                    f"out of memory while writing step {step}'s weights;"
+                    f"{address_limit() or ''} free memory (lower -b or -t, or recompute "
+                    f"activations, -r 2, to leave more room for the write); {last}")
             if not (config.checkpoint_every and self.ckpt):
                 return e
-            note = f"; {self.ckpt} holds step {self.written}: resume from it"
+            note = f"; {last}"
         elif step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
             note = (f"; {self.ckpt} holds step {step}: resume from it"
                     if config.checkpoint_every else "")

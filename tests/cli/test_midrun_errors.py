@@ -74,6 +74,19 @@ def test_a_checkpoint_write_meeting_a_full_disk_names_the_last_whole_one(tmp_pat
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.parametrize("at", [1, 4])
+def test_memory_run_out_writing_a_checkpoint_names_ulimit_and_the_last_whole_one(tmp_path, at):
+    out = tmp_path / "a"
+    run = cli(*TINY, *IN_ORDER, "-n", "6", "--checkpoint-every", "2" if at == 4 else "1",
+              "-o", out, fault=f"oom:{at}")
+    line = error_line(run)
+    assert line.startswith(f"error: out of memory while writing step {at}'s weights; under "
+                           f"`ulimit -v {(1 << 42) // 1024}` (4096.00 GiB of address space): "
+                           f"raise it"), line
+    assert line.endswith(f"{out / 'ckpt_00000002'} holds step 2: resume from it" if at == 4
+                         else "this run's steps 1..1 were not written"), line
+
+
 def test_a_rank_failing_mid_step_says_the_steps_are_not_written(tmp_path):
     """The other ranks wait in the step's transfers: nothing can be gathered, and the line
     says so rather than leaving the user to look for a model."""

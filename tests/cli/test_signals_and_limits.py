@@ -188,8 +188,9 @@ def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
 @pytest.mark.parametrize("limit,args,said", [
     (resource.RLIMIT_NOFILE, 10, "too many open files (ulimit -n 10); raise the limit (ulimit -n "
                                  "4096), or give --workers 1"),
-    (resource.RLIMIT_AS, 600 << 20, "out of memory while running; lower --workers or "
-                                    "--shard-size")])
+    (resource.RLIMIT_AS, 600 << 20, "out of memory while running; under `ulimit -v 614400` "
+                                    "(0.59 GiB of address space): raise it (ulimit -v "
+                                    "unlimited), or lower --workers or --shard-size")])
 def test_prepare_meeting_a_limit_of_the_machine_names_what_to_change(tmp_path, limit, args,
                                                                       said):
     """Its pool past ulimit -n (a traceback), a shard past ulimit -v (advice to lower the
