@@ -88,6 +88,15 @@ def address_space_left(proc: str = "/proc/self") -> int | None:
     return max(0, soft - (size or 0) * 1024)
 
 
+def address_limit() -> str:
+    """`ulimit -v`, in words for a line saying memory ran out ("" when unlimited)."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (f" under `ulimit -v {soft // 1024}` ({soft / 2 ** 30:.2f} GiB of address space): "
+            f"raise it (ulimit -v unlimited), or")
+
+
 def binding() -> tuple[int | None, str]:
     """(free host memory in bytes, None when the kernel does not say; what sets it, in
     words): the host's, or the tighter limit of its cgroup or `ulimit -v`, named so that an

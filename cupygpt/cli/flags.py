@@ -12,6 +12,7 @@ import typing
 import click
 
 from .. import CupyGPTError
+from ..backends.host_memory import address_limit
 from ..comm.launch import (
     Stopped,
     disagreement,
@@ -97,7 +98,8 @@ def short_of(e):
     ctx = click.get_current_context(silent=True)
     command = ctx.info_name if ctx else ""
     if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
-        return (f"out of memory while running; lower {LOWER.get(command, 'what it holds')}"
+        return (f"out of memory while running;{address_limit() or ''} lower "
+                f"{LOWER.get(command, 'what it holds')}"
                 + (" (there was room at its start: another process took it, or a temporary "
                    "outgrew the plan)" if command == "train" else ""))
     if getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE):

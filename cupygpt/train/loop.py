@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from .. import CupyGPTError
+from ..backends.host_memory import address_limit
 from ..comm.launch import Interrupt
 from ..formats.hellaswag import read_eval
 from ..formats.llmc import check_finite, write_model
@@ -196,9 +197,11 @@ class Trainer:
         reported and dropped; the run goes on (finish says so after writing the model)."""
         if self.transport.rank != 0 or self.logf is False:
             return
+        whole = None  # the log's size before this record: a record cut short is cut off
         try:
             if self.logf is None:
                 self.logf = open_log(self.config.log_file, self.start, self.log)
+            whole = os.fstat(self.logf.fileno()).st_size
             self.logf.write(json.dumps(rec) + "\n")
             self.logf.flush()
         except (OSError, CupyGPTError) as e:
@@ -207,6 +210,9 @@ class Trainer:
             self.broken.append(why)
             with contextlib.suppress(OSError):
                 self.logf and self.logf.close()
+            if whole is not None:  # (the disk filled mid-record: its whole lines are kept)
+                with contextlib.suppress(OSError):
+                    os.truncate(self.config.log_file, whole)
             with contextlib.suppress(OSError):  # (else a rerun is refused: "exists; add
                 if os.path.getsize(self.config.log_file) == 0:  # --overwrite")
                     os.unlink(self.config.log_file)
@@ -362,9 +368,21 @@ class Trainer:
         written as a signal's stop writes them, so no step trained is lost, and e's line
         says so, or why they could not be (another exception: logged, e kept)."""
         step, config = self.trained, self.config
-        if step == self.start or self.writing or isinstance(e, (Abandoned, Diverged)):
-            return e  # (nothing trained in this run, the failure was that write, or NaN)
-        if step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
+        if step == self.start or isinstance(e, (Abandoned, Diverged)):
+            return e  # (nothing trained in this run, or NaN)
+        if self.writing:  # (the failure was that write: not tried again; the last whole one)
+            last = (f"{self.ckpt} holds step {self.written}: resume from it"
+                    if config.checkpoint_every and self.ckpt else
+                    f"this run's steps {self.start + 1}..{step} were not written")
+            if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+                return CupyGPTError(
+                    f"out of memory while writing step {step}'s weights;"
+                    f"{address_limit() or ''} free memory (lower -b or -t, or recompute "
+                    f"activations, -r 2, to leave more room for the write); {last}")
+            if not (config.checkpoint_every and self.ckpt):
+                return e
+            note = f"; {last}"
+        elif step == self.written:  # (its checkpoint, or the run's end wrote it and said so)
             note = (f"; {self.ckpt} holds step {step}: resume from it"
                     if config.checkpoint_every else "")
         elif step is None or not self.agreed:

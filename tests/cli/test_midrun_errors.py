@@ -61,6 +61,32 @@ def test_memory_run_out_mid_run_keeps_the_steps_trained(tmp_path):
     assert (out / "model.bin").read_bytes() == (tmp_path / "b" / "model.bin").read_bytes()
 
 
+def test_a_checkpoint_write_meeting_a_full_disk_names_the_last_whole_one(tmp_path):
+    out = tmp_path / "a"
+    run = cli(*TINY, *IN_ORDER, "-n", "6", "--checkpoint-every", "2", "-o", out,
+              fault="full:4")
+    line = error_line(run)
+    assert "ckpt_00000004.partial/model.bin: disk full (or over quota)" in line, line
+    assert line.endswith(f"{out / 'ckpt_00000002'} holds step 2: resume from it"), line
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt_00000002", "latest", "log.jsonl"]
+    again = cli(*TINY, *IN_ORDER, "-n", "6", "--checkpoint-every", "2", "--resume", out,
+                "-o", out)
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_memory_run_out_writing_a_checkpoint_names_ulimit_and_the_last_whole_one(tmp_path, at):
+    out = tmp_path / "a"
+    run = cli(*TINY, *IN_ORDER, "-n", "6", "--checkpoint-every", "2" if at == 4 else "1",
+              "-o", out, fault=f"oom:{at}")
+    line = error_line(run)
+    assert line.startswith(f"error: out of memory while writing step {at}'s weights; under "
+                           f"`ulimit -v {(1 << 42) // 1024}` (4096.00 GiB of address space): "
+                           f"raise it"), line
+    assert line.endswith(f"{out / 'ckpt_00000002'} holds step 2: resume from it" if at == 4
+                         else "this run's steps 1..1 were not written"), line
+
+
 def test_a_rank_failing_mid_step_says_the_steps_are_not_written(tmp_path):
     """The other ranks wait in the step's transfers: nothing can be gathered, and the line
     says so rather than leaving the user to look for a model."""

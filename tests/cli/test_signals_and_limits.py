@@ -188,8 +188,9 @@ def test_a_run_beyond_ulimit_v_is_refused_before_allocating(tmp_path):
 @pytest.mark.parametrize("limit,args,said", [
     (resource.RLIMIT_NOFILE, 10, "too many open files (ulimit -n 10); raise the limit (ulimit -n "
                                  "4096), or give --workers 1"),
-    (resource.RLIMIT_AS, 600 << 20, "out of memory while running; lower --workers or "
-                                    "--shard-size")])
+    (resource.RLIMIT_AS, 600 << 20, "out of memory while running; under `ulimit -v 614400` "
+                                    "(0.59 GiB of address space): raise it (ulimit -v "
+                                    "unlimited), or lower --workers or --shard-size")])
 def test_prepare_meeting_a_limit_of_the_machine_names_what_to_change(tmp_path, limit, args,
                                                                       said):
     """Its pool past ulimit -n (a traceback), a shard past ulimit -v (advice to lower the
@@ -286,6 +287,24 @@ def test_a_log_that_a_full_disk_leaves_empty_is_not_left_to_refuse_the_rerun(tmp
             one_line(res, f"could not write the log {small / 'log.jsonl'} (No space left on "
                           f"device); the model was written: {tmp_path / out / 'model.bin'}")
             assert not (small / "log.jsonl").exists()
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_a_log_that_a_disk_fills_under_keeps_whole_lines_only(tmp_path):
+    small = a_small_filesystem(tmp_path / "small", "64k")
+    try:
+        with open(small / "fill", "wb") as f:  # full, then one page freed: the log's room
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * (1 << 20))
+        os.truncate(small / "fill", os.path.getsize(small / "fill") - 4096)
+        res = cli(*TINY, "-n", "40", "--log-file", small / "log.jsonl", "-o", tmp_path / "o")
+        assert res.returncode == 1 and "could not write the log" in res.stderr, res.stderr
+        text = (small / "log.jsonl").read_text()
+        assert text.endswith("\n") and 0 < len(text) <= 4096, len(text)
+        assert all("step" in json.loads(line) for line in text.splitlines())
+        plot = cli("plot", small / "log.jsonl", "--out", tmp_path / "p.png")
+        assert plot.returncode == 0, plot.stderr
     finally:
         subprocess.run(["umount", str(small)])
 
