@@ -15,7 +15,8 @@ from safetensors.numpy import save_file
 from .. import CupyGPTError
 from ..formats import hf
 from ..formats.hf_tokenizer import write_tokenizer
-from ..formats.llmc import misnamed, model_shape, read_model, write_model
+from ..formats.llmc import read_model, write_model
+from ..formats.model_spec import misnamed, model_shape
 from ..formats.tokenizer import Tokenizer
 from ..paths import UMASK, check_outputs, claim_file, disk_full, files_of, full
 

@@ -16,7 +16,8 @@ from typing import Optional
 
 from .. import CupyGPTError
 from ..formats.hellaswag import check_fits, longest_row, read_eval
-from ..formats.llmc import is_model_file, model_shape, read_expected, read_state_header
+from ..formats.llmc import is_model_file, read_expected, read_state_header
+from ..formats.model_spec import model_shape
 from ..model.shape import PRESETS, preset
 from ..paths import DATA, REFERENCE, check_outputs, files_of
 from . import fields

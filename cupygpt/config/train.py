@@ -20,7 +20,8 @@ from ..formats.checkpoint import (
     vanished,
 )
 from ..formats.checkpoint import resolve as resolve_checkpoint
-from ..formats.llmc import Shard, is_model_file, model_shape, shard_files
+from ..formats.llmc import Shard, is_model_file, shard_files
+from ..formats.model_spec import model_shape
 from ..model.optim import LR_SCHEDULES
 from ..model.shape import flops_per_token
 from ..paths import DATA, check_dir, check_outputs, files_of

@@ -155,7 +155,7 @@ CASES = [
     ("plot out under a file", lambda t: ["plot", a_log(t), "--out", a_file(t) + "/l.png"],
      "plain.txt: is a file, not a directory; give a directory"),
     ("plot binary", lambda t: ["plot", MODEL], "not a text file"),
-    ("plot bad json line", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": 1.0}\n{oops')],
+    ("plot bad json line", lambda t: ["plot", a_log(t, '{"step": 2, "train_loss": 1.0}\n{oops\n')],
      "line 3 is not JSON"),
     ("negative lr", lambda t: ["train", "-l", "-0.1", "-n", "1"], "-l -0.1: must be positive"),
     ("nan lr", lambda t: ["train", "-l", "nan", "-n", "1", "-o", t / "never"],
@@ -482,7 +482,7 @@ def test_interleaved_micro_batches_refused_before_the_run():
     """Under mpiexec: the config refuses them before any peer is touched."""
     from cupygpt import CupyGPTError
     from cupygpt.config.sections import Pipeline
-    from cupygpt.formats.llmc import model_shape
+    from cupygpt.formats.model_spec import model_shape
     with pytest.raises(CupyGPTError, match="multiple of the 2 pipeline stages") as e:
         Pipeline(3, "interleaved").validate(model_shape(fixture("odd_model.bin")), 8, 2, 3)
     assert e.value.option == "micro_batches"

@@ -157,7 +157,8 @@ def test_a_debug_state_of_non_finite_references_is_refused(tmp_path):
     import numpy as np
 
     from cupygpt import CupyGPTError
-    from cupygpt.formats.llmc import HEADER_BYTES, model_shape, read_state
+    from cupygpt.formats.llmc import HEADER_BYTES, read_state
+    from cupygpt.formats.model_spec import model_shape
     from cupygpt.paths import REFERENCE
     model, state = (os.path.join(REFERENCE, f"tiny_{n}.bin") for n in ("model", "debug_state"))
     raw = bytearray(open(state, "rb").read())
