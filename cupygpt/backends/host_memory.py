@@ -4,6 +4,7 @@ or a job's limit; v1 and v2), and to what RLIMIT_AS (`ulimit -v`) leaves of the 
 space."""
 from __future__ import annotations
 
+import errno
 import os
 import resource
 
@@ -86,6 +87,12 @@ def address_space_left(proc: str = "/proc/self") -> int | None:
         return None
     size = _field(_read(os.path.join(proc, "status")), "VmSize")
     return max(0, soft - (size or 0) * 1024)
+
+
+def out_of_memory(e):
+    """Whether e is the host running out of memory (NumPy's MemoryError, or an OSError's
+    ENOMEM)."""
+    return isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM
 
 
 def address_limit() -> str:

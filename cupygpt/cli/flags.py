@@ -12,7 +12,7 @@ import typing
 import click
 
 from .. import CupyGPTError
-from ..backends.host_memory import address_limit
+from ..backends.host_memory import address_limit, out_of_memory
 from ..comm.launch import (
     Stopped,
     disagreement,
@@ -97,7 +97,7 @@ def short_of(e):
     processes), naming what to change; None for any other exception."""
     ctx = click.get_current_context(silent=True)
     command = ctx.info_name if ctx else ""
-    if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+    if out_of_memory(e):
         return (f"out of memory while running;{address_limit() or ''} lower "
                 f"{LOWER.get(command, 'what it holds')}"
                 + (" (there was room at its start: another process took it, or a temporary "

@@ -3,7 +3,6 @@ checkpoints and exact resume, a JSON-lines log, and clean stops (NaN, a signal b
 any two batches). One module, the training loop told as one story (llm.c's main), so it
 runs past the size a file is otherwise held to."""
 import contextlib
-import errno
 import json
 import math
 import os
@@ -12,7 +11,7 @@ import time
 import numpy as np
 
 from .. import CupyGPTError
-from ..backends.host_memory import address_limit
+from ..backends.host_memory import address_limit, out_of_memory
 from ..comm.launch import Interrupt
 from ..formats.hellaswag import read_eval
 from ..formats.llmc import check_finite, write_model
@@ -374,7 +373,7 @@ class Trainer:
             last = (f"{self.ckpt} holds step {self.written}: resume from it"
                     if config.checkpoint_every and self.ckpt else
                     f"this run's steps {self.start + 1}..{step} were not written")
-            if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+            if out_of_memory(e):
                 return CupyGPTError(
                     f"out of memory while writing step {step}'s weights;"
                     f"{address_limit() or ''} free memory (lower -b or -t, or recompute "
@@ -402,7 +401,7 @@ class Trainer:
                 note = f"; step {step}'s weights could not be written either ({again})"
         if isinstance(e, CupyGPTError):
             return CupyGPTError(e.args[0] + note, e.option, e.value)
-        if isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM:
+        if out_of_memory(e):
             return CupyGPTError(
                 f"out of memory while training, though {self.sess.be.memory_name} had room "
                 f"for the run at its start (another process took some since, or a temporary "
